@@ -1,0 +1,215 @@
+"""ModelConfig and Plan: frozen dataclasses, validated when they are built.
+
+A bad value raises ``ValueError`` naming the field and what is allowed, before any
+tensor exists; everything downstream may trust these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
+SCORE_FUNCS = ("softmax", "sigmoid")
+PROB_PLACEMENTS = ("output", "activation")
+PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
+SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SCHEDULES = ("standard", "1f1b_overlap")
+DTYPES = ("float32", "bfloat16")
+EXPERT_BACKENDS = ("torch", "loop")
+
+
+def _fail(owner: str, field: str, value, allowed: str):
+    raise ValueError(f"{owner}.{field}={value!r} is invalid: {allowed}")
+
+
+def _check_int(owner, name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(owner, name, value, f"must be an int >= {minimum}")
+    if value < minimum:
+        _fail(owner, name, value, f"must be an int >= {minimum}")
+
+
+def _check_choice(owner, name, value, choices):
+    if value not in choices:
+        _fail(owner, name, value, "allowed: " + ", ".join(repr(c) for c in choices))
+
+
+def _check_positive(owner, name, value, allow_zero=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        _fail(owner, name, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
+
+
+def _check_bool(owner, name, value):
+    if not isinstance(value, bool):
+        _fail(owner, name, value, "must be True or False")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only MoE transformer: every layer is attention + a routed MoE MLP.
+
+    Arguments:
+        vocab, dim, layers, heads: token vocabulary, model width, depth, attention heads
+            (``dim`` divisible by ``heads``; the head size must be even for RoPE).
+        experts, topk, ffn: routed experts, experts per token, expert hidden width F.
+        activation: ``swiglu | geglu | quick_geglu`` (GLU: fc1 is ``[D, 2F]``) or
+            ``relu2`` (squared ReLU, non-GLU: fc1 is ``[D, F]``).
+        glu_interleave: 0 keeps fc1's GLU halves as ``[gate | up]``; n > 0 stores them as
+            blocks of n columns alternating gate, up (``ffn`` divisible by n).
+        glu_limit, glu_offset: quick_geglu clamps gate to ``<= limit`` and up to
+            ``[-limit, limit]`` and computes ``gate * sigmoid(1.702 gate) * (up + offset)``.
+        score_func: router scores, ``softmax`` or ``sigmoid`` (computed in fp32).
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        prob_placement: ``output`` scales each expert's output by its probability;
+            ``activation`` scales the activation before fc2 (differs only with fc2 bias).
+        expert_biases: grouped biases ``fc1_bias [E, 2F]`` and ``fc2_bias [E, D]``.
+        shared_ffn: hidden width of an always-on shared expert (0: none).
+        pad_multiple: pad each expert's token segment to a multiple of this many rows
+            (for quantized kernels); 0 turns padding off. Padding never reaches results.
+        aux_loss_coef, z_loss_coef: load-balancing and router z-loss coefficients.
+        expert_bias_rate: step of the aux-loss-free expert-bias update (see
+            ``fmoe.update_expert_bias``).
+        rope_theta, norm_eps, init_std: RoPE base, RMSNorm epsilon, init scale.
+    """
+
+    vocab: int = 256
+    dim: int = 256
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    topk: int = 2
+    ffn: int = 512
+    activation: str = "swiglu"
+    glu_interleave: int = 0
+    glu_limit: float = 7.0
+    glu_offset: float = 1.0
+    score_func: str = "softmax"
+    norm_topk_prob: bool = True
+    prob_placement: str = "output"
+    expert_biases: bool = False
+    shared_ffn: int = 0
+    pad_multiple: int = 0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    expert_bias_rate: float = 1e-3
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        own = "ModelConfig"
+        for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
+            _check_int(own, name, getattr(self, name), 1)
+        _check_int(own, "shared_ffn", self.shared_ffn, 0)
+        _check_int(own, "glu_interleave", self.glu_interleave, 0)
+        _check_choice(own, "activation", self.activation, ACTIVATIONS)
+        _check_choice(own, "score_func", self.score_func, SCORE_FUNCS)
+        _check_choice(own, "prob_placement", self.prob_placement, PROB_PLACEMENTS)
+        _check_choice(own, "pad_multiple", self.pad_multiple, PAD_MULTIPLES)
+        _check_bool(own, "norm_topk_prob", self.norm_topk_prob)
+        _check_bool(own, "expert_biases", self.expert_biases)
+        for name in ("glu_limit", "rope_theta", "norm_eps", "init_std"):
+            _check_positive(own, name, getattr(self, name))
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+            _check_positive(own, name, getattr(self, name), allow_zero=True)
+        if not isinstance(self.glu_offset, (int, float)) or isinstance(self.glu_offset, bool):
+            _fail(own, "glu_offset", self.glu_offset, "must be a number")
+        if self.topk > self.experts:
+            _fail(own, "topk", self.topk, f"must be <= experts ({self.experts})")
+        if self.dim % self.heads:
+            _fail(own, "dim", self.dim, f"must be divisible by heads ({self.heads})")
+        if (self.dim // self.heads) % 2:
+            _fail(own, "heads", self.heads, f"dim/heads must be even for RoPE (got {self.dim // self.heads})")
+        if self.glu_interleave:
+            if not self.is_glu:
+                _fail(own, "glu_interleave", self.glu_interleave,
+                      f"must be 0 for the non-GLU activation {self.activation!r}")
+            for name in ("ffn", "shared_ffn"):
+                width = getattr(self, name)
+                if width % self.glu_interleave:
+                    _fail(own, "glu_interleave", self.glu_interleave,
+                          f"must divide {name} ({width})")
+
+    @property
+    def is_glu(self) -> bool:
+        return self.activation in GLU_ACTIVATIONS
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def fc1_width(self, hidden: int) -> int:
+        """Columns of an fc1 whose activation yields ``hidden`` features."""
+        return 2 * hidden if self.is_glu else hidden
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to run a model: parallelism, sharding, schedule, precision, device.
+
+    Arguments:
+        model: the ModelConfig.
+        dp, ep: data- and expert-parallel sizes; the world is ``dp * ep`` ranks.
+        sharding: ``no_shard | optim | optim_grads | optim_grads_params``.
+        schedule: ``standard | 1f1b_overlap``.
+        microbatches: gradient-accumulation steps per ``fmoe.step`` (must divide each
+            rank's batch rows).
+        dtype: compute dtype, ``float32 | bfloat16``; params, grads and optimizer
+            state stay fp32.
+        delay_wgrad: split the experts' backward and run weight gradients later.
+        expert_backend: ``torch`` (``torch._grouped_mm`` where shapes allow, an exact
+            per-expert loop otherwise) or ``loop`` (always the loop).
+        device: where params live and compute runs (``cpu``, ``cuda``, ``cuda:1``...).
+    """
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    dp: int = 1
+    ep: int = 1
+    sharding: str = "no_shard"
+    schedule: str = "standard"
+    microbatches: int = 1
+    dtype: str = "float32"
+    delay_wgrad: bool = False
+    expert_backend: str = "torch"
+    device: str = "cpu"
+
+    def __post_init__(self):
+        own = "Plan"
+        if not isinstance(self.model, ModelConfig):
+            _fail(own, "model", type(self.model).__name__, "must be a fmoe.ModelConfig")
+        for name in ("dp", "ep", "microbatches"):
+            _check_int(own, name, getattr(self, name), 1)
+        _check_choice(own, "sharding", self.sharding, SHARDINGS)
+        _check_choice(own, "schedule", self.schedule, SCHEDULES)
+        _check_choice(own, "dtype", self.dtype, DTYPES)
+        _check_choice(own, "expert_backend", self.expert_backend, EXPERT_BACKENDS)
+        _check_bool(own, "delay_wgrad", self.delay_wgrad)
+        if self.model.experts % self.ep:
+            _fail(own, "ep", self.ep, f"must divide model.experts ({self.model.experts})")
+        if not isinstance(self.device, str):
+            _fail(own, "device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+        try:
+            import torch
+
+            torch.device(self.device)
+        except RuntimeError:
+            _fail(own, "device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.ep
+
+    @property
+    def compute_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)

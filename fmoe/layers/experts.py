@@ -1,0 +1,116 @@
+"""Grouped expert MLPs over permuted rows, and the activations they use."""
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .dispatch import Dispatch
+
+QUICK_GELU_ALPHA = 1.702
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm takes fp32/bf16/fp16 and needs 16-byte aligned strides.
+    if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    per_16_bytes = 16 // x.element_size()
+    return x.shape[-1] % per_16_bytes == 0 and w.shape[-1] % per_16_bytes == 0
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    # Explicit backward: autograd's rule for _grouped_mm rejects expanded (stride-0)
+    # gradients, and a split dgrad/wgrad is what delayed-wgrad schedules build on.
+    @staticmethod
+    def forward(ctx, x_RD, w_EDN, offsets_E):
+        ctx.save_for_backward(x_RD, w_EDN, offsets_E)
+        return torch._grouped_mm(x_RD, w_EDN, offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, grad_RN):
+        x_RD, w_EDN, offsets_E = ctx.saved_tensors
+        grad_RN = grad_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_RN, w_EDN.transpose(-2, -1), offs=offsets_E)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._grouped_mm(x_RD.t(), grad_RN, offs=offsets_E)
+        return grad_x, grad_w, None
+
+
+def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, d: Dispatch, backend: str = "torch"):
+    """Row segment ``e`` of ``x`` times ``w[e]``, for every expert.
+
+    Arguments:
+        x_RD: ``[R, D]`` permuted rows.
+        w_EDN: ``[E, D, N]`` stacked expert weights.
+        d: the Dispatch giving segment sizes.
+        backend: ``torch`` uses ``torch._grouped_mm`` when dtype and strides allow,
+            else (or with ``loop``) one matmul per expert: the same arithmetic.
+
+    Returns:
+        ``[R, N]``.
+    """
+    if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN):
+        return _GroupedMatmul.apply(x_RD, w_EDN, d.offsets_E)
+    segments = x_RD.split(d.rows_E.tolist())
+    return torch.cat([seg @ w_EDN[e] for e, seg in enumerate(segments)])
+
+
+def glu_halves(h: torch.Tensor, interleave: int):
+    """Split fc1's output into ``(gate, up)``: ``[gate | up]`` or alternating blocks."""
+    if not interleave:
+        return h.chunk(2, dim=-1)
+    blocks = h.unflatten(-1, (h.shape[-1] // (2 * interleave), 2, interleave))
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
+def activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """fc1 output ``[.., 2F]`` (GLU) or ``[.., F]`` (relu2) -> ``[.., F]``.
+
+    ``swiglu``: ``silu(gate) * up``; ``geglu``: ``gelu_tanh(gate) * up``;
+    ``quick_geglu``: ``g * sigmoid(1.702 g) * (u + glu_offset)`` with
+    ``g = min(gate, glu_limit)``, ``u = clamp(up, -glu_limit, glu_limit)``;
+    ``relu2``: ``relu(h)^2``.
+    """
+    if cfg.activation == "relu2":
+        return F.relu(h).square()
+    gate, up = glu_halves(h, cfg.glu_interleave)
+    if cfg.activation == "swiglu":
+        return F.silu(gate) * up
+    if cfg.activation == "geglu":
+        return F.gelu(gate, approximate="tanh") * up
+    gate = gate.clamp(max=cfg.glu_limit)
+    up = up.clamp(-cfg.glu_limit, cfg.glu_limit)
+    return gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
+
+
+def expert_mlp(p: dict, x_RD: torch.Tensor, d: Dispatch, cfg: ModelConfig,
+               row_probs_R: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+    """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
+
+    Arguments:
+        p: the ``experts`` subtree (``fc1 [E, D, 2F]``, ``fc2 [E, F, D]``, optional biases).
+        x_RD: ``[R, D]`` permuted rows.
+        d: the Dispatch.
+        cfg: the ModelConfig.
+        row_probs_R: when given, each row's activation is scaled by it before fc2.
+        backend: see ``grouped_matmul``.
+
+    Returns:
+        ``[R, D]``; rows of padding hold values that callers never read.
+    """
+    h = grouped_matmul(x_RD, p["fc1"], d, backend)
+    if "fc1_bias" in p:
+        h = h + p["fc1_bias"].index_select(0, d.row_expert_R)
+    a = activation(h, cfg)
+    if row_probs_R is not None:
+        a = a * row_probs_R.to(a.dtype)[:, None]
+    y = grouped_matmul(a, p["fc2"], d, backend)
+    if "fc2_bias" in p:
+        y = y + p["fc2_bias"].index_select(0, d.row_expert_R)
+    return y
+
+
+def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The shared expert: ``act(x @ fc1) @ fc2`` with the routed experts' activation."""
+    return activation(x_TD @ p["fc1"], cfg) @ p["fc2"]

@@ -1,0 +1,77 @@
+"""The whole transformer as pure functions of the params pytree."""
+
+import optree
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .attention import attention
+from .moe import MoEStats, moe
+from .norm import rms_norm
+from .precision import upcast
+
+# Routing decisions are made in fp32 from fp32 weights whatever the compute dtype.
+FP32_LEAVES = ("router", "expert_bias")
+
+
+def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
+    """The pytree with every leaf in ``dtype`` except the router's (kept fp32).
+
+    The casts are differentiable: gradients flow back to the fp32 leaves as fp32.
+    """
+    def cast(path, leaf):
+        return leaf if path[-1] in FP32_LEAVES else leaf.to(dtype)
+
+    return optree.tree_map_with_path(cast, params)
+
+
+def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
+    """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``.
+
+    Returns:
+        ``(h_BSD, MoEStats)``.
+    """
+    eps = cfg.norm_eps
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg)
+    x_TD = rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
+    y_TD, stats = moe(p["moe"], x_TD, cfg, backend)
+    return h_BSD + y_TD.view_as(h_BSD), stats
+
+
+def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
+    """Logits for every position.
+
+    Arguments:
+        params: the pytree, already in the compute dtype (see ``cast_for_compute``).
+        tokens_BS: ``[B, S]`` token ids.
+        cfg: the ModelConfig.
+        backend: expert matmul backend.
+
+    Returns:
+        ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
+    """
+    h = params["embed"][tokens_BS]
+    stats = []
+    for p in params["layers"]:
+        h, s = block(p, h, cfg, backend)
+        stats.append(s)
+    h = rms_norm(h, params["final_norm"], cfg.norm_eps)
+    return h @ params["head"], stats
+
+
+def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
+    """Summed next-token cross-entropy (fp32) of ``tokens[:, :-1] -> tokens[:, 1:]``.
+
+    Returns:
+        ``(ce_sum, stats)``: a fp32 scalar summed over all ``B * S`` targets, and the
+        per-layer MoEStats.
+    """
+    logits, stats = forward(params, tokens_BS1[:, :-1], cfg, backend)
+    targets = tokens_BS1[:, 1:]
+    ce = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum")
+    return ce, stats
+
+
+def stack_stats(stats: list[MoEStats]) -> MoEStats:
+    """Per-layer MoEStats -> one MoEStats whose fields have a leading layer axis."""
+    return MoEStats(*(torch.stack(field) for field in zip(*stats)))

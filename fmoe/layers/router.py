@@ -1,0 +1,57 @@
+"""Token-choice top-k routing: scores, expert-bias selection, aux losses."""
+
+from typing import NamedTuple
+
+import torch
+
+from ..config import ModelConfig
+from .precision import upcast
+
+
+class Routing(NamedTuple):
+    """What the router decided for ``T`` tokens.
+
+    Attributes:
+        indices_TK: ``[T, K]`` chosen experts (long), best first.
+        probs_TK: ``[T, K]`` fp32 weights applied to those experts' outputs.
+        counts_E: ``[E]`` assignments per expert (long).
+        aux_loss: load-balancing loss ``E * sum_e f_e * P_e`` (fp32 scalar, unscaled).
+        z_loss: ``mean(logsumexp(logits)^2)`` (fp32 scalar, unscaled).
+    """
+
+    indices_TK: torch.Tensor
+    probs_TK: torch.Tensor
+    counts_E: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
+    """Route normalised tokens to ``cfg.topk`` experts.
+
+    Scores are ``softmax`` or ``sigmoid`` of fp32 logits. The expert bias is added to
+    the scores for *selection only*: it never weights an output and gets no gradient
+    (it is updated from counts by ``fmoe.update_expert_bias``).
+
+    Arguments:
+        p: one layer's ``moe`` subtree (``router [D, E]``, ``expert_bias [E]``).
+        x_TD: ``[T, D]`` normalised tokens.
+        cfg: the ModelConfig.
+
+    Returns:
+        A Routing.
+    """
+    E, K = cfg.experts, cfg.topk
+    logits = upcast(x_TD) @ upcast(p["router"])
+    scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
+    selection = scores.detach() + upcast(p["expert_bias"].detach())
+    indices = selection.topk(K, dim=-1, sorted=True).indices
+    probs = scores.gather(-1, indices)
+    if cfg.norm_topk_prob:
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
+    counts = torch.bincount(indices.flatten(), minlength=E)
+    frac_tokens = counts.to(scores.dtype) / indices.numel()
+    score_share = scores / scores.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores
+    aux = E * (frac_tokens * score_share.mean(0)).sum()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return Routing(indices, probs, counts, aux, z)

@@ -1,0 +1,138 @@
+"""The parameter pytree: its canonical layout, ``init`` and layout converters.
+
+Layout (``y = x @ W`` everywhere, fp32)::
+
+    embed [V, D]
+    layers[i].attn.{norm [D], qkv [D, 3D], out [D, D]}
+    layers[i].moe.{norm [D], router [D, E], expert_bias [E]}
+    layers[i].moe.experts.{fc1 [E, D, 2F], fc2 [E, F, D]}  (+ fc1_bias [E, 2F], fc2_bias [E, D])
+    layers[i].moe.shared.{fc1 [D, 2Fs], fc2 [Fs, D]}       (when shared_ffn > 0)
+    final_norm [D]
+    head [D, V]
+
+``qkv`` columns are ``[q | k | v]``, each head-major (``h * head_dim + j``). GLU fc1
+columns are ``[gate | up]``, or blocks of ``glu_interleave`` columns alternating
+gate/up; with ``relu2`` (non-GLU) fc1 is ``[.., F]`` instead of ``[.., 2F]``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import optree
+import torch
+
+from .config import ModelConfig, Plan
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The layout as a pytree of ``(shape, init)`` leaves.
+
+    ``init`` is ``"normal"``, ``"normal_out"`` (residual outputs, std scaled by
+    ``1/sqrt(2 * layers)``), ``"ones"`` or ``"zeros"``.
+    """
+    D, E, F, V = cfg.dim, cfg.experts, cfg.ffn, cfg.vocab
+
+    def layer():
+        experts = {"fc1": ((E, D, cfg.fc1_width(F)), "normal"), "fc2": ((E, F, D), "normal_out")}
+        if cfg.expert_biases:
+            experts["fc1_bias"] = ((E, cfg.fc1_width(F)), "zeros")
+            experts["fc2_bias"] = ((E, D), "zeros")
+        moe = {
+            "norm": ((D,), "ones"),
+            "router": ((D, E), "normal"),
+            "expert_bias": ((E,), "zeros"),
+            "experts": experts,
+        }
+        if cfg.shared_ffn:
+            Fs = cfg.shared_ffn
+            moe["shared"] = {"fc1": ((D, cfg.fc1_width(Fs)), "normal"), "fc2": ((Fs, D), "normal_out")}
+        attn = {"norm": ((D,), "ones"), "qkv": ((D, 3 * D), "normal"), "out": ((D, D), "normal_out")}
+        return {"attn": attn, "moe": moe}
+
+    return {
+        "embed": ((V, D), "normal"),
+        "layers": [layer() for _ in range(cfg.layers)],
+        "final_norm": ((D,), "ones"),
+        "head": ((D, V), "normal"),
+    }
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The layout as a pytree of shape tuples (flatten with ``is_leaf`` on tuples)."""
+    return optree.tree_map(lambda spec: spec[0], param_specs(cfg), is_leaf=_is_spec)
+
+
+def _dotted(path) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def flat_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """``{"layers.0.attn.qkv": (D, 3D), ...}`` in ``optree`` flatten order."""
+    paths, specs, _ = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+    return {_dotted(p): spec[0] for p, spec in zip(paths, specs)}
+
+
+def named_leaves(tree) -> dict:
+    """``{dotted path: leaf}`` of a pytree, in ``optree`` flatten order."""
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return {_dotted(p): leaf for p, leaf in zip(paths, leaves)}
+
+
+def _leaf_seed(seed: int, path: str) -> int:
+    # One generator per leaf, keyed by its path: a leaf's values do not depend on
+    # how many other leaves exist or on the order anything is built in.
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
+
+
+def init_full(cfg: ModelConfig, seed: int, device="cpu") -> dict:
+    """The full fp32 parameter pytree for ``seed`` (drawn on CPU, then moved)."""
+    paths, specs, treedef = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
+    made = []
+    for path, (shape, how) in zip(paths, specs):
+        if how == "ones":
+            t = torch.ones(shape)
+        elif how == "zeros":
+            t = torch.zeros(shape)
+        else:
+            g = torch.Generator().manual_seed(_leaf_seed(seed, _dotted(path)))
+            std = out_std if how == "normal_out" else cfg.init_std
+            t = torch.randn(shape, generator=g) * std
+        made.append(t.to(device))
+    return optree.tree_unflatten(treedef, made)
+
+
+def init(plan: Plan, seed: int = 0) -> dict:
+    """This rank's parameter pytree for ``plan``, deterministic per ``seed``.
+
+    Arguments:
+        plan: the Plan (its model, device and parallel layout).
+        seed: the same seed gives the same full model whatever the plan.
+
+    Returns:
+        A nested dict of fp32 tensors in the canonical layout (see module docstring).
+    """
+    from .runtime import check_runtime
+
+    check_runtime(plan)
+    return init_full(plan.model, seed, plan.device)
+
+
+def glu_to_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:
+    """``[gate | up]`` along the last axis -> blocks of ``block`` columns alternating gate, up."""
+    gate, up = w.chunk(2, dim=-1)
+    n = gate.shape[-1] // block
+    pairs = torch.stack([gate.unflatten(-1, (n, block)), up.unflatten(-1, (n, block))], dim=-2)
+    return pairs.flatten(-3)
+
+
+def glu_from_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of ``glu_to_interleaved``: alternating blocks -> ``[gate | up]``."""
+    pairs = w.unflatten(-1, (w.shape[-1] // (2 * block), 2, block))
+    return torch.cat([pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)], dim=-1)

@@ -1,0 +1,42 @@
+"""Checks that a plan fits the process it runs in, made before any compute."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import Plan
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def check_runtime(plan: Plan) -> None:
+    """Raise ValueError if ``plan`` cannot run here; nothing is computed before this."""
+    world = world_size()
+    if plan.world != world:
+        raise ValueError(
+            f"Plan.dp * Plan.ep = {plan.dp} * {plan.ep} = {plan.world} ranks, but this "
+            f"process sees a world of {world}: launch {plan.world} processes "
+            f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
+        )
+    if world > 1:
+        raise ValueError(
+            f"Plan.dp={plan.dp}, Plan.ep={plan.ep}: this build runs one process only "
+            "(allowed: dp=1, ep=1); data and expert parallelism arrive with fmoe.shard"
+        )
+    if plan.schedule != "standard":
+        raise ValueError(
+            f"Plan.schedule={plan.schedule!r}: this build has the 'standard' executor "
+            "only (allowed: 'standard')"
+        )
+    if plan.delay_wgrad:
+        raise ValueError(
+            "Plan.delay_wgrad=True needs the node executor, which this build lacks "
+            "(allowed: False)"
+        )
+    device = torch.device(plan.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")

@@ -1,0 +1,165 @@
+"""Naive references, written independently of fmoe's layers: loops and formulas.
+
+Everything here is meant to be run in float64 on tiny shapes.
+"""
+
+import math
+
+import optree
+import torch
+
+import fmoe
+
+
+def random_params(cfg, seed=0, dtype=torch.float64, scale=0.3):
+    """A params pytree in ``cfg``'s layout with every leaf random (no zeros, no ones)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(path, shape):
+        t = torch.randn(shape, generator=g, dtype=torch.float64)
+        name = path[-1]
+        if name in ("norm", "final_norm"):
+            return (1 + 0.2 * t).to(dtype)
+        if name == "expert_bias":
+            return (0.05 * t).to(dtype)
+        if name.endswith("bias"):
+            return (0.1 * t).to(dtype)
+        fan_in = shape[-2] if len(shape) >= 2 else 1
+        return (t * scale / math.sqrt(fan_in) * 3).to(dtype)
+
+    return optree.tree_map_with_path(draw, fmoe.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple),
+                                     none_is_leaf=False)
+
+
+def rms_norm(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x_SHd, theta):
+    """Rotate pairs (i, i + d/2) at position s by s * theta^(-2i/d), one position at a time."""
+    S, H, d = x_SHd.shape
+    out = torch.empty_like(x_SHd)
+    half = d // 2
+    for s in range(S):
+        for i in range(half):
+            ang = s * theta ** (-2.0 * i / d)
+            c, sn = math.cos(ang), math.sin(ang)
+            a, b = x_SHd[s, :, i], x_SHd[s, :, i + half]
+            out[s, :, i] = a * c - b * sn
+            out[s, :, i + half] = b * c + a * sn
+    return out
+
+
+def attention(p, x_BSD, cfg):
+    B, S, D = x_BSD.shape
+    H, d = cfg.heads, cfg.head_dim
+    outs = []
+    for b in range(B):
+        qkv = x_BSD[b] @ p["qkv"]
+        q = rope(qkv[:, :D].reshape(S, H, d), cfg.rope_theta)
+        k = rope(qkv[:, D:2 * D].reshape(S, H, d), cfg.rope_theta)
+        v = qkv[:, 2 * D:].reshape(S, H, d)
+        o = torch.empty(S, H, d, dtype=x_BSD.dtype)
+        for h in range(H):
+            for s in range(S):
+                logits = (k[: s + 1, h] @ q[s, h]) / math.sqrt(d)
+                w = torch.exp(logits - logits.max())
+                o[s, h] = (w / w.sum()) @ v[: s + 1, h]
+        outs.append(o.reshape(S, D) @ p["out"])
+    return torch.stack(outs)
+
+
+def glu_columns(width2, interleave):
+    """Column indices of gate and up in an fc1 output of ``width2`` columns."""
+    F = width2 // 2
+    if not interleave:
+        return list(range(F)), list(range(F, 2 * F))
+    gate = [c for c in range(width2) if (c // interleave) % 2 == 0]
+    up = [c for c in range(width2) if (c // interleave) % 2 == 1]
+    return gate, up
+
+
+def act(h, cfg):
+    if cfg.activation == "relu2":
+        return torch.where(h > 0, h * h, torch.zeros_like(h))
+    gi, ui = glu_columns(h.shape[-1], cfg.glu_interleave)
+    g, u = h[..., gi], h[..., ui]
+    if cfg.activation == "swiglu":
+        return g / (1 + torch.exp(-g)) * u
+    if cfg.activation == "geglu":
+        return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+    g = torch.minimum(g, torch.tensor(cfg.glu_limit, dtype=g.dtype))
+    u = u.clamp(-cfg.glu_limit, cfg.glu_limit)
+    return g / (1 + torch.exp(-1.702 * g)) * (u + cfg.glu_offset)
+
+
+def route_token(p, x_D, cfg):
+    """(experts, probs, scores) for one token."""
+    logits = x_D @ p["router"]
+    if cfg.score_func == "softmax":
+        e = torch.exp(logits - logits.max())
+        scores = e / e.sum()
+    else:
+        scores = 1 / (1 + torch.exp(-logits))
+    sel = (scores + p["expert_bias"]).tolist()
+    chosen = sorted(range(cfg.experts), key=lambda i: -sel[i])[: cfg.topk]
+    probs = torch.stack([scores[i] for i in chosen])
+    if cfg.norm_topk_prob:
+        probs = probs / probs.sum()
+    return chosen, probs, scores
+
+
+def moe(p, x_TD, cfg):
+    """Per-token, per-expert loop. Returns (y, counts, aux_loss, z_loss)."""
+    T = x_TD.shape[0]
+    ex = p["experts"]
+    ys, counts, score_rows = [], [0] * cfg.experts, []
+    for t in range(T):
+        chosen, probs, scores = route_token(p, x_TD[t], cfg)
+        share = scores / scores.sum() if cfg.score_func == "sigmoid" else scores
+        score_rows.append(share)
+        y = torch.zeros_like(x_TD[t])
+        for e, prob in zip(chosen, probs):
+            counts[e] += 1
+            h = x_TD[t] @ ex["fc1"][e]
+            if "fc1_bias" in ex:
+                h = h + ex["fc1_bias"][e]
+            a = act(h, cfg)
+            if cfg.prob_placement == "activation":
+                out = (a * prob) @ ex["fc2"][e]
+                if "fc2_bias" in ex:
+                    out = out + ex["fc2_bias"][e]
+                y = y + out
+            else:
+                out = a @ ex["fc2"][e]
+                if "fc2_bias" in ex:
+                    out = out + ex["fc2_bias"][e]
+                y = y + prob * out
+        if "shared" in p:
+            y = y + act(x_TD[t] @ p["shared"]["fc1"], cfg) @ p["shared"]["fc2"]
+        ys.append(y)
+    f = torch.tensor(counts, dtype=x_TD.dtype) / (T * cfg.topk)
+    P = torch.stack(score_rows).mean(0)
+    aux = cfg.experts * (f * P).sum()
+    logits = x_TD @ p["router"]
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    return torch.stack(ys), torch.tensor(counts), aux, z
+
+
+def lm_loss_sum(params, tokens_BS1, cfg):
+    """Summed next-token cross-entropy and per-layer (aux, z) lists."""
+    inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    B, S = inputs.shape
+    h = params["embed"][inputs]
+    aux, z = [], []
+    for p in params["layers"]:
+        h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg)
+        x = rms_norm(h, p["moe"]["norm"], cfg.norm_eps).reshape(B * S, -1)
+        y, _, a, zz = moe(p["moe"], x, cfg)
+        h = h + y.reshape(B, S, -1)
+        aux.append(a)
+        z.append(zz)
+    logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ params["head"]
+    logp = logits - torch.logsumexp(logits, -1, keepdim=True)
+    ce = -logp.gather(-1, targets[..., None]).sum()
+    return ce, aux, z

@@ -1,0 +1,102 @@
+"""fmoe.save / fmoe.load on one process: round trip, validation, atomic writes."""
+
+import os
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe import checkpoint
+
+CFG = fmoe.ModelConfig(vocab=16, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
+PLAN = fmoe.Plan(model=CFG)
+
+
+def trained(steps=2):
+    params = fmoe.init(PLAN, seed=0)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    state = opt.init(params)
+    batch = {"tokens": torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(0))}
+    for _ in range(steps):
+        params, state = opt.update(fmoe.step(params, batch, PLAN).grads, state, params)
+    return params, state, opt, batch
+
+
+def test_round_trip_resumes_bitwise(tmp_path):
+    params, state, opt, batch = trained()
+    fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=2, extra={"pos": 17})
+    ck = fmoe.load(tmp_path / "ck", PLAN)
+    assert ck.step == 2 and ck.extra == {"pos": 17}
+    for a, b in zip(optree.tree_leaves(ck.params), optree.tree_leaves(params)):
+        assert torch.equal(a, b)
+    assert optree.tree_structure(ck.opt_state) == optree.tree_structure(state)
+    grads = fmoe.step(params, batch, PLAN).grads
+    p1, _ = opt.update(grads, state, params)
+    p2, _ = opt.update(grads, ck.opt_state, ck.params)
+    for a, b in zip(optree.tree_leaves(p1), optree.tree_leaves(p2)):
+        assert torch.equal(a, b)
+
+
+def test_model_only_checkpoint(tmp_path):
+    params, *_ = trained(1)
+    fmoe.save(tmp_path / "m", PLAN, params)
+    ck = fmoe.load(tmp_path / "m", PLAN)
+    assert ck.opt_state is None and ck.step == 0
+    assert torch.equal(ck.params["head"], params["head"])
+
+
+def test_load_rejects_other_model_naming_field(tmp_path):
+    params, *_ = trained(1)
+    fmoe.save(tmp_path / "ck", PLAN, params)
+    with pytest.raises(ValueError, match="ffn: checkpoint 8, plan 16"):
+        fmoe.load(tmp_path / "ck", fmoe.Plan(model=CFG.replace(ffn=16)))
+    with pytest.raises(FileNotFoundError):
+        fmoe.load(tmp_path / "nothing", PLAN)
+
+
+def test_save_rejects_bad_extra_before_writing(tmp_path):
+    params, *_ = trained(1)
+    with pytest.raises(ValueError, match="extra must be JSON"):
+        fmoe.save(tmp_path / "ck", PLAN, params, extra={"x": object()})
+    assert not any(tmp_path.iterdir())
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    params, state, *_ = trained(1)
+    fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
+    newer, newer_state, *_ = trained(2)
+    real_save = checkpoint.dcp.save
+
+    def dies_midway(state_dict, checkpoint_id):
+        real_save(dict(list(state_dict.items())[:3]), checkpoint_id=checkpoint_id)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dies_midway)
+    with pytest.raises(OSError, match="disk full"):
+        fmoe.save(tmp_path / "ck", PLAN, newer, opt_state=newer_state, step=2)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    ck = fmoe.load(tmp_path / "ck", PLAN)
+    assert ck.step == 1 and torch.equal(ck.params["embed"], params["embed"])
+
+
+def test_crash_between_renames_leaves_previous_loadable(tmp_path, monkeypatch):
+    params, *_ = trained(1)
+    fmoe.save(tmp_path / "ck", PLAN, params, step=1)
+    real_rename = os.rename
+
+    def dies_before_new_is_in_place(src, dst):
+        # The old checkpoint has been moved aside; the new one never arrives.
+        if os.fspath(dst) == os.fspath(tmp_path / "ck"):
+            raise OSError("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", dies_before_new_is_in_place)
+    with pytest.raises(OSError, match="killed"):
+        fmoe.save(tmp_path / "ck", PLAN, trained(2)[0], step=2)
+    monkeypatch.undo()
+    assert not (tmp_path / "ck").exists()
+    ck = fmoe.load(tmp_path / "ck", PLAN)
+    assert ck.step == 1 and torch.equal(ck.params["embed"], params["embed"])
+    fmoe.save(tmp_path / "ck", PLAN, params, step=3)
+    assert fmoe.load(tmp_path / "ck", PLAN).step == 3

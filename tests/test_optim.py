@@ -1,0 +1,100 @@
+"""fmoe.adamw against torch.optim.AdamW; clipping; the expert-bias update."""
+
+import optree
+import pytest
+import torch
+
+import fmoe
+
+
+def tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 5, generator=g), "layers": [{"moe": {"expert_bias": torch.randn(3, generator=g),
+                                                                     "norm": torch.randn(5, generator=g)}}]}
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_adamw_matches_torch_adamw(clip):
+    params = tree(0)
+    lr, wd = 1e-2, 0.1
+    opt = fmoe.adamw(lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd, max_grad_norm=clip)
+    state = opt.init(params)
+    w, norm = params["w"].clone().requires_grad_(True), params["layers"][0]["moe"]["norm"].clone().requires_grad_(True)
+    # Decay on matrices only, as fmoe.adamw does; the expert bias is not an optimizer leaf.
+    torch_opt = torch.optim.AdamW([{"params": [w], "weight_decay": wd}, {"params": [norm], "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    for _ in range(3):
+        grads = optree.tree_map(lambda t: torch.randn_like(t) * 3, params)
+        grads["layers"][0]["moe"]["expert_bias"] = torch.zeros(3)  # as fmoe.step returns it
+        params, state = opt.update(grads, state, params)
+        w.grad, norm.grad = grads["w"].clone(), grads["layers"][0]["moe"]["norm"].clone()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([w, norm], clip)
+        torch_opt.step()
+    torch.testing.assert_close(params["w"], w.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(params["layers"][0]["moe"]["norm"], norm.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(params["layers"][0]["moe"]["expert_bias"], tree(0)["layers"][0]["moe"]["expert_bias"])
+
+
+def test_clip_by_global_norm_matches_torch():
+    grads = tree(1)
+    clipped, _ = fmoe.clip_by_global_norm(0.7).update(grads, None)
+    ref = [t.clone().requires_grad_(True) for t in optree.tree_leaves(grads)]
+    for r, g in zip(ref, optree.tree_leaves(grads)):
+        r.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(ref, 0.7)
+    torch.testing.assert_close(fmoe.global_norm(grads), total)
+    for c, r in zip(optree.tree_leaves(clipped), ref):
+        torch.testing.assert_close(c, r.grad, rtol=1e-5, atol=1e-7)
+    small, _ = fmoe.clip_by_global_norm(1e3).update(grads, None)
+    for a, b in zip(optree.tree_leaves(small), optree.tree_leaves(grads)):
+        assert torch.equal(a, b)
+
+
+def test_adamw_is_pure():
+    params = tree(2)
+    before = optree.tree_map(torch.clone, params)
+    opt = fmoe.adamw(lr=0.1, weight_decay=0.1)
+    state = opt.init(params)
+    grads = tree(3)
+    new, state2 = opt.update(grads, state, params)
+    for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(before)):
+        assert torch.equal(a, b)
+    assert int(state[0].count) == 0 and int(state2[0].count) == 1
+    assert not torch.equal(new["w"], params["w"])
+
+
+def test_lr_schedule_is_called_with_the_count():
+    seen = []
+    opt = fmoe.adamw(lr=lambda n: seen.append(int(n)) or 0.0)
+    params = tree(0)
+    state = opt.init(params)
+    for _ in range(3):
+        new, state = opt.update(tree(1), state, params)
+    assert seen == [0, 1, 2]
+    assert torch.equal(new["w"], params["w"])
+
+
+def test_warmup_cosine_shape():
+    sched = fmoe.warmup_cosine(1.0, warmup=4, total=14, floor=0.1)
+    values = [sched(torch.tensor(n)) for n in range(20)]
+    assert values[0] == pytest.approx(0.25) and values[3] == pytest.approx(1.0)
+    assert values[14] == pytest.approx(0.1) and values[19] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[3:], values[4:]))
+
+
+@pytest.mark.parametrize("bad", [dict(b1=1.0), dict(b2=-0.1), dict(weight_decay=-1.0), dict(max_grad_norm=0.0)])
+def test_adamw_rejects_bad_hyperparameters(bad):
+    with pytest.raises(ValueError, match=list(bad)[0]):
+        fmoe.adamw(**bad)
+
+
+def test_expert_bias_update_moves_toward_balance():
+    cfg = fmoe.ModelConfig(vocab=16, dim=16, heads=2, layers=2, experts=4, ffn=8)
+    params = fmoe.init(fmoe.Plan(model=cfg), seed=0)
+    counts = torch.tensor([[10, 2, 4, 4], [5, 5, 5, 5]])
+    new = fmoe.update_expert_bias(params, counts, 0.01)
+    torch.testing.assert_close(new["layers"][0]["moe"]["expert_bias"], torch.tensor([-0.01, 0.01, 0.01, 0.01]))
+    assert torch.equal(new["layers"][1]["moe"]["expert_bias"], torch.zeros(4))
+    assert new["embed"] is params["embed"]
+    assert torch.equal(params["layers"][0]["moe"]["expert_bias"], torch.zeros(4))

@@ -1,0 +1,48 @@
+"""The main job and the examples, run for real on small settings."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fmoe
+from fmoe import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_main_job_beats_unigram_and_writes_outputs(tmp_path):
+    summary = train.main(["--steps", "60", "--eval-every", "30", "--eval-batches", "2", "--batch", "8",
+                          "--seq", "64", "--out", str(tmp_path), "--no-progress"])
+    assert summary["heldout_loss"] < 0.85 * summary["unigram"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    assert [r["step"] for r in records if "heldout_loss" in r] == [30, 60]
+    ck = fmoe.load(tmp_path / "checkpoint", train.build_plan(train.parse_args(["--batch", "8"])))
+    assert ck.step == 60 and ck.extra["samples_seen"] == 480
+
+
+def test_main_job_rejects_bad_flags_before_work(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--activation", "tanh", "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "ModelConfig.activation='tanh'" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def run_example(*args):
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_example_train_loop_runs():
+    proc = run_example("examples/train_loop.py", "--steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("loss") == 2
+
+
+def test_example_layer_test_passes():
+    proc = run_example("examples/layer_test.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "layer tests passed" in proc.stdout
