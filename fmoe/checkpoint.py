@@ -25,6 +25,7 @@ from . import optim
 from .config import ModelConfig, Plan
 from .params import flat_shapes
 from .runtime import check_runtime
+from .step import check_params
 
 FORMAT_VERSION = 1
 META_FILE = "fmoe.json"
@@ -87,8 +88,6 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
         The checkpoint's Path.
     """
     check_runtime(plan)
-    from .step import check_params
-
     check_params(params, plan)
     path = Path(path)
     extra = dict(extra or {})

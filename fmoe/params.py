@@ -24,6 +24,7 @@ import optree
 import torch
 
 from .config import ModelConfig, Plan
+from .runtime import check_runtime
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -118,8 +119,6 @@ def init(plan: Plan, seed: int = 0) -> dict:
     Returns:
         A nested dict of fp32 tensors in the canonical layout (see module docstring).
     """
-    from .runtime import check_runtime
-
     check_runtime(plan)
     return init_full(plan.model, seed, plan.device)
 

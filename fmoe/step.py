@@ -45,6 +45,8 @@ def check_params(params, plan: Plan) -> None:
             raise ValueError(f"params[{path!r}] has shape {list(leaf.shape)}, Plan.model needs {list(want[path])}")
         if leaf.dtype != torch.float32:
             raise ValueError(f"params[{path!r}] has dtype {leaf.dtype}; params are float32")
+        if leaf.device.type != torch.device(plan.device).type:
+            raise ValueError(f"params[{path!r}] is on {leaf.device}, but Plan.device={plan.device!r}")
 
 
 def check_batch(batch, plan: Plan) -> torch.Tensor:
@@ -67,6 +69,18 @@ def check_batch(batch, plan: Plan) -> torch.Tensor:
     if lo < 0 or hi >= plan.model.vocab:
         raise ValueError(f"batch['tokens'] holds ids in [{lo}, {hi}]; allowed: 0..{plan.model.vocab - 1}")
     return tokens.to(plan.device)
+
+
+def check_inputs(params, batch, plan: Plan) -> torch.Tensor:
+    """All of ``step``'s validation; returns the batch's tokens on the plan's device."""
+    check_runtime(plan)
+    check_params(params, plan)
+    return check_batch(batch, plan)
+
+
+def num_targets(tokens: torch.Tensor) -> int:
+    """Next-token targets in a ``[B, S+1]`` batch: ``B * S``."""
+    return tokens.shape[0] * (tokens.shape[1] - 1)
 
 
 def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, total_targets: int):
@@ -103,11 +117,9 @@ def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
     Returns:
         A StepOutput. Nothing in ``params`` is modified.
     """
-    check_runtime(plan)
-    check_params(params, plan)
-    tokens = check_batch(batch, plan)
-    cfg, M = plan.model, plan.microbatches
-    total_targets = tokens.shape[0] * (tokens.shape[1] - 1)
+    tokens = check_inputs(params, batch, plan)
+    M = plan.microbatches
+    total_targets = num_targets(tokens)
 
     leaves, treedef = optree.tree_flatten(params)
     inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
@@ -148,10 +160,8 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     Returns:
         A fp32 scalar tensor.
     """
-    check_runtime(plan)
-    check_params(params, plan)
-    tokens = check_batch(batch, plan)
+    tokens = check_inputs(params, batch, plan)
     compute_params = cast_for_compute(params, plan.compute_dtype)
     total = sum(lm_loss_sum(compute_params, mb, plan.model, plan.expert_backend)[0]
                 for mb in tokens.chunk(plan.microbatches))
-    return total / (tokens.shape[0] * (tokens.shape[1] - 1))
+    return total / num_targets(tokens)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fmoe
-from fmoe.step import check_batch, check_params, microbatch_objective
+from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
 
 
 def _attach(module: nn.Module, tree: dict) -> None:
@@ -66,7 +66,6 @@ class FMoEModule(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         tokens = check_batch(batch, self.plan)
-        total = tokens.shape[0] * (tokens.shape[1] - 1)
         params = self.params()
-        return sum(microbatch_objective(params, mb, self.plan, total)[0]
+        return sum(microbatch_objective(params, mb, self.plan, num_targets(tokens))[0]
                    for mb in tokens.chunk(self.plan.microbatches))

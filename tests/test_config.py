@@ -97,6 +97,9 @@ def test_params_of_another_model_are_rejected():
     other = fmoe.init(fmoe.Plan(model=plan.model.replace(ffn=16)), seed=0)
     with pytest.raises(ValueError, match=r"layers.0.moe.experts.fc1.*shape"):
         fmoe.step(other, {"tokens": torch.zeros(2, 5, dtype=torch.long)}, plan)
+    on_meta = dict(fmoe.init(plan, seed=0), head=torch.empty(16, 16, device="meta"))
+    with pytest.raises(ValueError, match=r"params\['head'\] is on meta, but Plan.device='cpu'"):
+        fmoe.step(on_meta, {"tokens": torch.zeros(2, 5, dtype=torch.long)}, plan)
     shared = fmoe.init(fmoe.Plan(model=plan.model.replace(shared_ffn=8)), seed=0)
     with pytest.raises(ValueError, match="differing leaves"):
         fmoe.step(shared, {"tokens": torch.zeros(2, 5, dtype=torch.long)}, plan)

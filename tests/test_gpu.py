@@ -32,21 +32,39 @@ def test_cuda_fp32_step_matches_cpu():
     assert torch.equal(gpu.metrics["expert_counts"].cpu(), cpu.metrics["expert_counts"])
 
 
+def moe_with_grads(p, x, cfg, backend, upstream):
+    leaves, treedef = optree.tree_flatten(p)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in leaves]
+    x = x.detach().requires_grad_(True)
+    y, stats = layers.moe(optree.tree_unflatten(treedef, leaves), x, cfg, backend=backend)
+    y.backward(upstream)
+    grads = optree.tree_unflatten(treedef, [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves])
+    return y.detach(), x.grad, grads, stats
+
+
 @pytest.mark.parametrize("pad", [0, 16])
 def test_cuda_bf16_grouped_mm_matches_loop_and_reference(pad):
     cfg = fmoe.ModelConfig(dim=128, heads=4, experts=8, topk=2, ffn=64, expert_biases=True, pad_multiple=pad)
     p = optree.tree_map(lambda t: t.float().cuda(), ref.random_params(cfg, seed=2)["layers"][0]["moe"])
+    p["expert_bias"][-1] = -100.0  # the last expert receives no token
     p = dict(p, experts=optree.tree_map(lambda t: t.bfloat16(), p["experts"]))
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(pad)).cuda().bfloat16()
+    upstream = torch.randn(256, 128, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+    y, dx, grads, stats = moe_with_grads(p, x, cfg, "torch", upstream)
+    y_loop, dx_loop, grads_loop, _ = moe_with_grads(p, x, cfg, "loop", upstream)
+    assert stats.counts_E[-1] == 0
+    # Both are bf16 GEMMs with fp32 accumulation over the same rows; differences are
+    # bf16 rounding of outputs and of the per-row gradients (2^-8 relative).
+    torch.testing.assert_close(y.float(), y_loop.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx.float(), dx_loop.float(), rtol=2e-2, atol=2e-2)
+    for name in ("fc1", "fc2", "fc1_bias", "fc2_bias"):
+        g, g_loop = grads["experts"][name].float(), grads_loop["experts"][name].float()
+        scale = g_loop.abs().max()
+        torch.testing.assert_close(g / scale, g_loop / scale, rtol=0, atol=2e-2)
+        assert (g[-1] == 0).all(), f"{name}: the expert without tokens must get a zero gradient"
     # The reference sees exactly the bf16-rounded inputs, so routing decisions agree.
     p64, x64 = optree.tree_map(lambda t: t.double().cpu(), p), x.double().cpu()
-    y_grouped, _ = layers.moe(p, x, cfg, backend="torch")
-    y_loop, _ = layers.moe(p, x, cfg, backend="loop")
-    # Both are bf16 GEMMs with fp32 accumulation over the same rows; differences are
-    # bf16 output rounding (2^-8 relative).
-    torch.testing.assert_close(y_grouped.float(), y_loop.float(), rtol=2e-2, atol=2e-2)
-    y_ref = ref.moe(p64, x64, cfg)[0]
-    torch.testing.assert_close(y_grouped.double().cpu(), y_ref, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(y.double().cpu(), ref.moe(p64, x64, cfg)[0], rtol=5e-2, atol=5e-2)
 
 
 def test_cuda_bf16_main_job_learns(tmp_path):

@@ -2,6 +2,7 @@
 
 import itertools
 
+import optree
 import pytest
 import torch
 
@@ -154,19 +155,21 @@ def test_moe_matches_per_token_loop(case):
     assert stats.dropped_tokens.item() == 0
 
 
-def test_expert_without_tokens_gets_zero_grad():
+@pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["loop-fp64", "grouped_mm-fp32"])
+def test_expert_without_tokens_gets_zero_grad(dtype):
     cfg = fmoe.ModelConfig(dim=16, heads=2, experts=4, topk=2, ffn=12, expert_biases=True)
-    p = ref.random_params(cfg)["layers"][0]["moe"]
-    p["expert_bias"] = torch.tensor([-100.0, 0, 0, 0], dtype=F64)
+    p = ref.random_params(cfg, dtype=dtype)["layers"][0]["moe"]
+    p["expert_bias"] = torch.tensor([-100.0, 0, 0, 0], dtype=dtype)
     fc1 = p["experts"]["fc1"].clone().requires_grad_(True)
     b1 = p["experts"]["fc1_bias"].clone().requires_grad_(True)
-    x = torch.randn(10, 16, dtype=F64)
+    x = torch.randn(10, 16, dtype=dtype)
     y, stats = layers.moe(dict(p, experts=dict(p["experts"], fc1=fc1, fc1_bias=b1)), x, cfg)
     y.square().sum().backward()
     assert stats.counts_E[0] == 0
     assert (fc1.grad[0] == 0).all() and (b1.grad[0] == 0).all()
     assert (fc1.grad[1:].abs().sum((1, 2)) > 0).all()
-    torch.testing.assert_close(y, ref.moe(p, x, cfg)[0])
+    p64 = optree.tree_map(lambda t: t.double(), p)
+    torch.testing.assert_close(y.double(), ref.moe(p64, x.double(), cfg)[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pad", [0, 16])

@@ -2,14 +2,14 @@
 
 from .attention import apply_rope, attention, rope_tables
 from .dispatch import Dispatch, make_dispatch, permute, row_weights, unpermute
-from .experts import activation, dense_mlp, expert_mlp, glu_halves, grouped_matmul
+from .experts import activation, add_expert_bias, dense_mlp, expert_mlp, glu_halves, grouped_matmul
 from .model import block, cast_for_compute, forward, lm_loss_sum, stack_stats
 from .moe import MoEStats, moe
 from .norm import rms_norm
 from .router import Routing, route
 
 __all__ = [
-    "Dispatch", "MoEStats", "Routing", "activation", "apply_rope", "attention", "block",
+    "Dispatch", "MoEStats", "Routing", "activation", "add_expert_bias", "apply_rope", "attention", "block",
     "cast_for_compute", "dense_mlp", "expert_mlp", "forward", "glu_halves", "grouped_matmul",
     "lm_loss_sum", "make_dispatch", "moe", "permute", "rms_norm", "rope_tables", "route",
     "row_weights", "stack_stats", "unpermute",

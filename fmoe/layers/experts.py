@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .dispatch import Dispatch
+from .precision import upcast
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -35,6 +36,26 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = torch._grouped_mm(x_RD.t(), grad_RN, offs=offsets_E)
         return grad_x, grad_w, None
+
+
+class _AddExpertBias(torch.autograd.Function):
+    # Rows are grouped by expert, so a bias's gradient is a segment sum: done in fp32
+    # without atomics (autograd's rule would be a bf16 scatter-add over duplicates).
+    @staticmethod
+    def forward(ctx, h_RN, bias_EN, row_expert_R, rows_E):
+        ctx.save_for_backward(rows_E)
+        return h_RN + bias_EN.index_select(0, row_expert_R).to(h_RN.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_RN):
+        (rows_E,) = ctx.saved_tensors
+        grad_bias = torch.segment_reduce(upcast(grad_RN), "sum", lengths=rows_E, axis=0, unsafe=True)
+        return grad_RN, grad_bias, None, None
+
+
+def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, d: Dispatch) -> torch.Tensor:
+    """``h[r] + bias[expert of row r]``; the bias gradient is summed in fp32."""
+    return _AddExpertBias.apply(h_RN, bias_EN, d.row_expert_R, d.rows_E)
 
 
 def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, d: Dispatch, backend: str = "torch"):
@@ -101,13 +122,13 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, d: Dispatch, cfg: ModelConfig,
     """
     h = grouped_matmul(x_RD, p["fc1"], d, backend)
     if "fc1_bias" in p:
-        h = h + p["fc1_bias"].index_select(0, d.row_expert_R)
+        h = add_expert_bias(h, p["fc1_bias"], d)
     a = activation(h, cfg)
     if row_probs_R is not None:
         a = a * row_probs_R.to(a.dtype)[:, None]
     y = grouped_matmul(a, p["fc2"], d, backend)
     if "fc2_bias" in p:
-        y = y + p["fc2_bias"].index_select(0, d.row_expert_R)
+        y = add_expert_bias(y, p["fc2_bias"], d)
     return y
 
 

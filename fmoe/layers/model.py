@@ -10,12 +10,13 @@ from .moe import MoEStats, moe
 from .norm import rms_norm
 from .precision import upcast
 
-# Routing decisions are made in fp32 from fp32 weights whatever the compute dtype.
-FP32_LEAVES = ("router", "expert_bias")
+# Routing is decided in fp32 from fp32 weights whatever the compute dtype; expert
+# biases stay fp32 so their row-summed gradients are accumulated in fp32.
+FP32_LEAVES = ("router", "expert_bias", "fc1_bias", "fc2_bias")
 
 
 def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
-    """The pytree with every leaf in ``dtype`` except the router's (kept fp32).
+    """The pytree with every leaf in ``dtype`` except ``FP32_LEAVES`` (kept fp32).
 
     The casts are differentiable: gradients flow back to the fp32 leaves as fp32.
     """
