@@ -104,6 +104,8 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
         meta_text = json.dumps(meta, indent=1)
     except TypeError as err:
         raise ValueError(f"save: extra must be JSON-serialisable ({err})") from None
+    if path.exists() and not (path / META_FILE).exists():
+        raise ValueError(f"save: {path} exists and is not an fmoe checkpoint; refusing to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -118,7 +120,8 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
         if path.exists():
             os.rename(path, old)
         os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        for stale in path.parent.glob(f".{path.name}.old-*"):  # ours, or left by a crash
+            shutil.rmtree(stale, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

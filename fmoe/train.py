@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import optree
 import torch
 from tqdm import tqdm
 
@@ -83,7 +84,7 @@ def main(argv=None) -> dict:
     opt = fmoe.adamw(fmoe.warmup_cosine(args.lr, args.warmup, args.steps), weight_decay=args.weight_decay,
                      max_grad_norm=args.clip or None)
     opt_state = opt.init(params)
-    n_params = sum(p.numel() for p in torch.utils._pytree.tree_leaves(params))
+    n_params = sum(p.numel() for p in optree.tree_leaves(params))
     print(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(train_ids)} train / {len(heldout_ids)} held-out bytes, "
           f"plan dtype={plan.dtype} device={plan.device}")
     print(f"unigram baseline (held-out): {baseline:.4f} nats/byte")

@@ -62,6 +62,14 @@ def test_save_rejects_bad_extra_before_writing(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_save_never_replaces_a_foreign_directory(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not an fmoe checkpoint"):
+        fmoe.save(tmp_path / "notes", PLAN, trained(1)[0])
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
 def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     params, state, *_ = trained(1)
     fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
@@ -100,3 +108,4 @@ def test_crash_between_renames_leaves_previous_loadable(tmp_path, monkeypatch):
     assert ck.step == 1 and torch.equal(ck.params["embed"], params["embed"])
     fmoe.save(tmp_path / "ck", PLAN, params, step=3)
     assert fmoe.load(tmp_path / "ck", PLAN).step == 3
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the crash's leftover is cleaned up

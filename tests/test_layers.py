@@ -141,13 +141,13 @@ def test_moe_matches_per_token_loop(case):
     cfg = fmoe.ModelConfig(**{**dict(dim=16, heads=2, experts=4, topk=2, ffn=12), **case})
     p = ref.random_params(cfg, seed=3)["layers"][0]["moe"]
     x = torch.randn(24, 16, dtype=F64)
-    leaves, treedef = torch.utils._pytree.tree_flatten(p)
+    leaves, treedef = optree.tree_flatten(p)
 
     def fast(x, *leaves):
-        return layers.moe(torch.utils._pytree.tree_unflatten(leaves, treedef), x, cfg)[0]
+        return layers.moe(optree.tree_unflatten(treedef, leaves), x, cfg)[0]
 
     def slow(x, *leaves):
-        return ref.moe(torch.utils._pytree.tree_unflatten(leaves, treedef), x, cfg)[0]
+        return ref.moe(optree.tree_unflatten(treedef, leaves), x, cfg)[0]
 
     assert_same_fwd_bwd(fast, slow, [x, *leaves])
     _, stats = layers.moe(p, x, cfg)
@@ -180,10 +180,10 @@ def test_grouped_mm_path_matches_loop_path(pad, activation):
                            expert_biases=True, pad_multiple=pad)
     p = ref.random_params(cfg, dtype=torch.float32)["layers"][0]["moe"]
     x = torch.randn(40, 32)
-    leaves, treedef = torch.utils._pytree.tree_flatten(p)
+    leaves, treedef = optree.tree_flatten(p)
 
     def run(backend):
-        return lambda x, *lv: layers.moe(torch.utils._pytree.tree_unflatten(lv, treedef), x, cfg, backend)[0]
+        return lambda x, *lv: layers.moe(optree.tree_unflatten(treedef, lv), x, cfg, backend)[0]
 
     assert_same_fwd_bwd(run("torch"), run("loop"), [x, *leaves], atol=1e-5, rtol=1e-5)
 
@@ -223,12 +223,12 @@ def test_model_loss_matches_reference():
     cfg = fmoe.ModelConfig(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4)
     params = ref.random_params(cfg)
     tokens = torch.randint(0, 11, (2, 6))
-    leaves, treedef = torch.utils._pytree.tree_flatten(params)
+    leaves, treedef = optree.tree_flatten(params)
 
     def fast(*lv):
-        return layers.lm_loss_sum(torch.utils._pytree.tree_unflatten(lv, treedef), tokens, cfg)[0]
+        return layers.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, cfg)[0]
 
     def slow(*lv):
-        return ref.lm_loss_sum(torch.utils._pytree.tree_unflatten(lv, treedef), tokens, cfg)[0]
+        return ref.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, cfg)[0]
 
     assert_same_fwd_bwd(fast, slow, leaves)
