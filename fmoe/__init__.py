@@ -21,13 +21,15 @@ from .optim import (  # noqa: E402
     warmup_cosine,
 )
 from .params import glu_from_interleaved, glu_to_interleaved, init, param_shapes  # noqa: E402
+from .shard.gather import gather_full  # noqa: E402
+from .shard.trace import export_chrome_trace  # noqa: E402
 from .step import StepOutput, eval_loss, step  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "adamw", "chain",
-    "clip_by_global_norm", "eval_loss", "global_norm", "glu_from_interleaved", "glu_to_interleaved", "init",
+    "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full", "global_norm", "glu_from_interleaved", "glu_to_interleaved", "init",
     "layers", "load", "optimizer", "param_shapes", "save", "scale_by_adam", "step",
     "update_expert_bias", "warmup_cosine",
 ]

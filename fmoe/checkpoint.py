@@ -39,6 +39,13 @@ class Checkpoint(NamedTuple):
     extra: dict
 
 
+def _single_process(plan: Plan, what: str) -> None:
+    if plan.world > 1:
+        raise ValueError(f"{what}: Plan.dp * Plan.ep = {plan.world}; this build reads and writes checkpoints "
+                         "from one process (allowed: dp=1, ep=1); gather_full(params, plan) gives the full "
+                         "tensors to save from one rank")
+
+
 def _encode(tree, prefix: str, tensors: dict):
     """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key."""
     if isinstance(tree, torch.Tensor):
@@ -88,6 +95,7 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
         The checkpoint's Path.
     """
     check_runtime(plan)
+    _single_process(plan, "save")
     check_params(params, plan)
     path = Path(path)
     extra = dict(extra or {})
@@ -157,6 +165,7 @@ def load(path, plan: Plan) -> Checkpoint:
         A Checkpoint ``(params, opt_state, step, extra)``.
     """
     check_runtime(plan)
+    _single_process(plan, "load")
     path = _resolve(Path(path))
     meta = json.loads((path / META_FILE).read_text())
     if meta.get("format") != FORMAT_VERSION:

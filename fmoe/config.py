@@ -18,6 +18,7 @@ SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("standard", "1f1b_overlap")
 DTYPES = ("float32", "bfloat16")
 EXPERT_BACKENDS = ("torch", "loop")
+GATHER_BUFFERS = ("dynamic", "double", "persistent")
 
 
 def _fail(owner: str, field: str, value, allowed: str):
@@ -166,6 +167,13 @@ class Plan:
         expert_backend: ``torch`` (``torch._grouped_mm`` where shapes allow, an exact
             per-expert loop otherwise) or ``loop`` (always the loop).
         device: where params live and compute runs (``cpu``, ``cuda``, ``cuda:1``...).
+        units: FSDP units as groups of members (``embed``, ``layers.<i>``, ``head``),
+            e.g. ``(("embed", "head"), ("layers.0", "layers.1"))``; None: one unit per
+            member.
+        prefetch: how many units ahead ``optim_grads_params`` gathers while computing.
+        gather_buffers: memory for gathered units: ``dynamic`` (allocated per gather,
+            freed on release), ``double`` (two slots reused alternately; needs
+            ``prefetch <= 1``) or ``persistent`` (one fixed buffer per unit).
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -178,6 +186,9 @@ class Plan:
     delay_wgrad: bool = False
     expert_backend: str = "torch"
     device: str = "cpu"
+    units: tuple | None = None
+    prefetch: int = 1
+    gather_buffers: str = "dynamic"
 
     def __post_init__(self):
         own = "Plan"
@@ -190,6 +201,16 @@ class Plan:
         _check_choice(own, "dtype", self.dtype, DTYPES)
         _check_choice(own, "expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _check_bool(own, "delay_wgrad", self.delay_wgrad)
+        _check_int(own, "prefetch", self.prefetch, 0)
+        _check_choice(own, "gather_buffers", self.gather_buffers, GATHER_BUFFERS)
+        if self.gather_buffers == "double" and self.prefetch > 1:
+            _fail(own, "prefetch", self.prefetch,
+                  "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
+                  "(or use gather_buffers 'dynamic' / 'persistent')")
+        from .shard.units import check_units  # shard/ builds on config: import late
+
+        if self.units is not None:
+            object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
             _fail(own, "ep", self.ep, f"must divide model.experts ({self.model.experts})")
         if not isinstance(self.device, str):
@@ -204,6 +225,13 @@ class Plan:
     @property
     def world(self) -> int:
         return self.dp * self.ep
+
+    @property
+    def unit_groups(self) -> tuple:
+        """The FSDP units: ``units`` if given, else one unit per member."""
+        from .shard.units import check_units
+
+        return check_units(self.units, self.model)
 
     @property
     def compute_dtype(self):

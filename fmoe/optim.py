@@ -46,10 +46,32 @@ def _map(fn, *trees):
     return optree.tree_map(fn, *trees)
 
 
-def global_norm(tree) -> torch.Tensor:
-    """The fp32 L2 norm over every leaf of ``tree``."""
+def global_norm(tree, plan=None) -> torch.Tensor:
+    """The fp32 L2 norm over every leaf of ``tree``.
+
+    Arguments:
+        tree: a pytree of tensors.
+        plan: the Plan ``tree`` is sharded by; when it shards over several ranks the
+            squared norms are summed over them (a collective), so every rank gets the
+            norm of the whole tree.
+    """
     leaves = optree.tree_leaves(tree)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float()) for x in leaves]))
+    sq = torch.stack([torch.linalg.vector_norm(x.float()).square() for x in leaves]).sum()
+    if plan is not None and _shard_group(plan) is not None:
+        _shard_group(plan).all_reduce(sq).wait()
+    return sq.sqrt()
+
+
+def _shard_group(plan):
+    from .shard.spec import group, shard_spec  # optim is usable without shard/: import late
+
+    return group(plan) if shard_spec(plan).sharded else None
+
+
+def _check_norm_scope(plan, what: str) -> None:
+    if plan is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        raise ValueError(f"{what}: pass plan= when running on several ranks, so the norm covers every shard")
 
 
 def _trainable(path) -> bool:
@@ -58,14 +80,18 @@ def _trainable(path) -> bool:
 
 
 def _decays(path, leaf) -> bool:
-    return _trainable(path) and leaf.dim() >= 2
+    # Matrices decay; norms and biases (expert_bias, fc1_bias, fc2_bias) do not. By
+    # name, since a row shard of a vector is 2-D.
+    name = path[-1]
+    return not (name.endswith("norm") or name.endswith("bias"))
 
 
-def clip_by_global_norm(max_norm: float) -> Transform:
-    """Scale all updates by ``min(1, max_norm / global_norm)``."""
+def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
+    """Scale all updates by ``min(1, max_norm / global_norm)`` (see ``global_norm``)."""
+    _check_norm_scope(plan, "clip_by_global_norm")
 
     def update(grads, state, params=None):
-        scale = (max_norm / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+        scale = (max_norm / (global_norm(grads, plan) + 1e-6)).clamp(max=1.0)
         return _map(lambda g: g * scale, grads), state
 
     return Transform(lambda params: EmptyState(), update)
@@ -153,14 +179,19 @@ def optimizer(transform: Transform) -> Optimizer:
 
 
 def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-          weight_decay: float = 0.0, max_grad_norm: float | None = None) -> Optimizer:
+          weight_decay: float = 0.0, max_grad_norm: float | None = None, plan=None) -> Optimizer:
     """AdamW (decoupled weight decay on matrices), optional global-norm clipping.
+
+    Every operation is per element, so it updates whatever each rank holds (full
+    tensors or shards); only the clipping norm needs the other ranks.
 
     Arguments:
         lr: learning rate, or a function of the update count (a 0-dim int64 tensor).
         b1, b2, eps: Adam's moment decays and epsilon.
-        weight_decay: decoupled decay, scaled by ``lr``; applied to leaves with 2+ dims.
+        weight_decay: decoupled decay, scaled by ``lr``; applied to matrices, not to
+            norms or biases.
         max_grad_norm: clip gradients to this global norm first (None: no clipping).
+        plan: the Plan params are sharded by; needed with clipping on several ranks.
 
     Returns:
         An Optimizer. ``expert_bias`` leaves are never changed by it.
@@ -172,7 +203,7 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
         raise ValueError(f"adamw weight_decay={weight_decay!r} is invalid: must be >= 0")
     if max_grad_norm is not None and max_grad_norm <= 0:
         raise ValueError(f"adamw max_grad_norm={max_grad_norm!r} is invalid: must be > 0 or None")
-    parts = [clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    parts = [clip_by_global_norm(max_grad_norm, plan)] if max_grad_norm else []
     parts += [scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
               scale_by_learning_rate(lr), freeze()]
     return optimizer(chain(*parts))
@@ -211,6 +242,7 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float) -
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
     layers = []
     for layer, d in zip(params["layers"], delta):
-        moe = dict(layer["moe"], expert_bias=layer["moe"]["expert_bias"] + d.to(layer["moe"]["expert_bias"]))
+        bias = layer["moe"]["expert_bias"]  # [E], or a row shard [0 or 1, E]
+        moe = dict(layer["moe"], expert_bias=bias + d.to(bias).expand_as(bias))
         layers.append(dict(layer, moe=moe))
     return dict(params, layers=layers)

@@ -91,22 +91,28 @@ def _leaf_seed(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
 
-def init_full(cfg: ModelConfig, seed: int, device="cpu") -> dict:
-    """The full fp32 parameter pytree for ``seed`` (drawn on CPU, then moved)."""
-    paths, specs, treedef = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+def _full_leaves(cfg: ModelConfig, seed: int):
+    """``(path, fp32 CPU tensor)`` for every leaf, drawn one at a time."""
+    paths, specs, _ = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
     out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-    made = []
     for path, (shape, how) in zip(paths, specs):
         if how == "ones":
-            t = torch.ones(shape)
+            yield _dotted(path), torch.ones(shape)
         elif how == "zeros":
-            t = torch.zeros(shape)
+            yield _dotted(path), torch.zeros(shape)
         else:
             g = torch.Generator().manual_seed(_leaf_seed(seed, _dotted(path)))
             std = out_std if how == "normal_out" else cfg.init_std
-            t = torch.randn(shape, generator=g) * std
-        made.append(t.to(device))
-    return optree.tree_unflatten(treedef, made)
+            yield _dotted(path), torch.randn(shape, generator=g) * std
+
+
+def _treedef(cfg: ModelConfig):
+    return optree.tree_structure(param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_full(cfg: ModelConfig, seed: int, device="cpu") -> dict:
+    """The full fp32 parameter pytree for ``seed`` (drawn on CPU, then moved)."""
+    return optree.tree_unflatten(_treedef(cfg), [t.to(device) for _, t in _full_leaves(cfg, seed)])
 
 
 def init(plan: Plan, seed: int = 0) -> dict:
@@ -117,10 +123,17 @@ def init(plan: Plan, seed: int = 0) -> dict:
         seed: the same seed gives the same full model whatever the plan.
 
     Returns:
-        A nested dict of fp32 tensors in the canonical layout (see module docstring).
+        A nested dict of fp32 tensors in the canonical layout (see module docstring):
+        full tensors, or, when the plan shards parameters over several ranks, this
+        rank's rows of each as ``[local_rows, last_dim]``.
     """
+    from .shard.comm import Group  # shard/ builds on this module: import late
+    from .shard.spec import shard_leaf
+
     check_runtime(plan)
-    return init_full(plan.model, seed, plan.device)
+    rank = Group.world().rank
+    leaves = [shard_leaf(t, path, plan, rank).to(plan.device) for path, t in _full_leaves(plan.model, seed)]
+    return optree.tree_unflatten(_treedef(plan.model), leaves)
 
 
 def glu_to_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:

@@ -22,10 +22,10 @@ def check_runtime(plan: Plan) -> None:
             f"process sees a world of {world}: launch {plan.world} processes "
             f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
         )
-    if world > 1:
+    if plan.ep > 1:
         raise ValueError(
-            f"Plan.dp={plan.dp}, Plan.ep={plan.ep}: this build runs one process only "
-            "(allowed: dp=1, ep=1); data and expert parallelism arrive with fmoe.shard"
+            f"Plan.ep={plan.ep}: expert parallelism is not in this build (allowed: ep=1); "
+            "shard experts with dp and a sharding strategy instead"
         )
     if plan.schedule != "standard":
         raise ValueError(

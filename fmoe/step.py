@@ -11,6 +11,9 @@ from .config import Plan
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .params import flat_shapes, named_leaves
 from .runtime import check_runtime
+from .schedule import build_program, check_program, execute
+from .shard.comm import Group
+from .shard.spec import shard_spec
 
 
 class StepOutput(NamedTuple):
@@ -20,10 +23,11 @@ class StepOutput(NamedTuple):
         loss: fp32 scalar, mean next-token cross-entropy over every target of the batch.
         grads: fp32 pytree shaped like ``params``; the gradient of
             ``loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss``.
-        metrics: dict of detached tensors: ``loss``, ``aux_loss`` and ``z_loss`` (summed
-            over layers, averaged over microbatches), ``objective`` (what was
-            differentiated), ``expert_counts [layers, E]``, ``padded_rows``,
-            ``dropped_tokens``, and ``tokens`` (an int).
+        metrics: dict of detached tensors, summed over ranks: ``loss``, ``aux_loss`` and
+            ``z_loss`` (summed over layers, averaged over microbatches and ranks),
+            ``objective`` (what was differentiated), ``expert_counts [layers, E]``,
+            ``padded_rows``, ``dropped_tokens``; ``tokens`` (an int, the global target
+            count) and ``trace`` (the step's lifecycle and compute Events).
     """
 
     loss: torch.Tensor
@@ -31,9 +35,24 @@ class StepOutput(NamedTuple):
     metrics: dict
 
 
+def local_shapes(plan: Plan, rank: int) -> dict:
+    """``{path: shape}`` of the leaves rank ``rank`` holds: full shapes, or
+    ``[local_rows, cols]`` row shards when the plan shards parameters."""
+    spec = shard_spec(plan)
+    if not spec.sharded:
+        return flat_shapes(plan.model)
+    shapes = {}
+    for u in spec.units:
+        for layout in u.groups.values():
+            for slot, first, last, _ in layout.local_slots(rank):
+                shapes[slot.path] = (last - first, slot.cols)
+    return {p: shapes[p] for p in flat_shapes(plan.model)}
+
+
 def check_params(params, plan: Plan) -> None:
-    """Raise ValueError unless ``params`` has the plan's layout, shapes and dtype."""
-    want = flat_shapes(plan.model)
+    """Raise ValueError unless ``params`` has the layout, shapes, dtype and device this
+    rank holds under ``plan``."""
+    want = local_shapes(plan, Group.world().rank)
     got = named_leaves(params)
     if list(got) != list(want):
         differing = sorted(set(want) ^ set(got)) or [p for p, q in zip(want, got) if p != q]
@@ -42,7 +61,8 @@ def check_params(params, plan: Plan) -> None:
         if not isinstance(leaf, torch.Tensor):
             raise ValueError(f"params[{path!r}] is a {type(leaf).__name__}, not a tensor")
         if tuple(leaf.shape) != want[path]:
-            raise ValueError(f"params[{path!r}] has shape {list(leaf.shape)}, Plan.model needs {list(want[path])}")
+            raise ValueError(f"params[{path!r}] has shape {list(leaf.shape)}; this rank's part under the plan "
+                             f"is {list(want[path])} (sharding={plan.sharding!r})")
         if leaf.dtype != torch.float32:
             raise ValueError(f"params[{path!r}] has dtype {leaf.dtype}; params are float32")
         if leaf.device.type != torch.device(plan.device).type:
@@ -101,67 +121,77 @@ def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, tota
     return ce_sum / total_targets + router_losses / plan.microbatches, ce_sum, s
 
 
+def _sum_over_ranks(group: Group, t: torch.Tensor) -> torch.Tensor:
+    group.all_reduce(t).wait()
+    return t
+
+
 def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
     """Loss, gradients and metrics of one batch under ``plan``.
 
-    The batch is split into ``plan.microbatches`` row blocks; each block's summed
-    cross-entropy is divided by the batch's total target count before its backward,
-    so the accumulated gradient is that of the batch mean whatever the split.
-    Router aux losses are computed per microbatch and averaged.
+    Each rank passes its own slice of the global batch. The slice is split into
+    ``plan.microbatches`` row blocks run by the standard schedule (see
+    ``fmoe.schedule``): every node's cross-entropy is divided by the *global* target
+    count, and gradients are summed over ranks, so loss and gradients are those of
+    the global batch mean whatever the split. Router losses are averaged over all
+    microbatches of all ranks.
 
     Arguments:
-        params: fp32 parameter pytree (from ``fmoe.init``).
-        batch: ``{"tokens": LongTensor[B, S+1]}``.
+        params: this rank's fp32 parameter pytree (from ``fmoe.init``).
+        batch: ``{"tokens": LongTensor[B, S+1]}``, this rank's rows.
         plan: the Plan.
 
     Returns:
-        A StepOutput. Nothing in ``params`` is modified.
+        A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
+        holds the step's Events. Nothing in ``params`` is modified.
     """
     tokens = check_inputs(params, batch, plan)
-    M = plan.microbatches
-    total_targets = num_targets(tokens)
+    program = build_program(plan)
+    slots = check_program(plan, program)  # the last check; collectives start below
+    group = Group.world()
+    total = int(_sum_over_ranks(group, torch.tensor(num_targets(tokens), device=tokens.device)))
+    run = execute(program, named_leaves(params), tokens, plan, group, total, slots)
 
-    leaves, treedef = optree.tree_flatten(params)
-    inputs = [leaf.detach().requires_grad_(True) for leaf in leaves]
-    grads = [torch.zeros_like(leaf) for leaf in leaves]
-    ce_total = torch.zeros((), device=tokens.device)
-    objective = torch.zeros((), device=tokens.device)
-    stats = []
-    for tokens_mb in tokens.chunk(M):
-        obj, ce_sum, s = microbatch_objective(optree.tree_unflatten(treedef, inputs), tokens_mb, plan, total_targets)
-        mb_grads = torch.autograd.grad(obj, inputs, allow_unused=True)
-        for acc, g in zip(grads, mb_grads):
-            if g is not None:
-                acc.add_(g)
-        ce_total += ce_sum.detach()
-        objective += obj.detach()
-        stats.append(s)
-
-    loss = ce_total / total_targets
+    M, world = plan.microbatches, group.size
+    floats = torch.stack([run.ce_sum, run.objective,
+                          sum(s.aux_loss.detach().sum() for s in run.stats),
+                          sum(s.z_loss.detach().sum() for s in run.stats)]).float()
+    counts = sum(s.counts_E for s in run.stats)
+    extra = torch.stack([sum(s.padded_rows.sum() for s in run.stats),
+                         sum(s.dropped_tokens.sum() for s in run.stats)])
+    ints = _sum_over_ranks(group, torch.cat([counts.flatten(), extra]))
+    floats = _sum_over_ranks(group, floats)
+    loss = floats[0] / total
     metrics = {
         "loss": loss,
-        "objective": objective,
-        "aux_loss": sum(s.aux_loss.detach().sum() for s in stats) / M,
-        "z_loss": sum(s.z_loss.detach().sum() for s in stats) / M,
-        "expert_counts": sum(s.counts_E for s in stats),
-        "padded_rows": sum(s.padded_rows.sum() for s in stats),
-        "dropped_tokens": sum(s.dropped_tokens.sum() for s in stats),
-        "tokens": total_targets,
+        "objective": floats[1],
+        "aux_loss": floats[2] / (M * world),
+        "z_loss": floats[3] / (M * world),
+        "expert_counts": ints[:counts.numel()].view_as(counts),
+        "padded_rows": ints[-2],
+        "dropped_tokens": ints[-1],
+        "tokens": total,
+        "trace": run.state.trace,
     }
+    leaves, treedef = optree.tree_flatten(params)
+    grads = [run.grads[p] for p in named_leaves(params)]
     return StepOutput(loss, optree.tree_unflatten(treedef, grads), metrics)
 
 
 @torch.no_grad()
 def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` without gradients (held-out evaluation).
+    """Mean next-token cross-entropy of the global batch, without gradients.
 
-    Arguments and validation are those of ``step``; microbatches bound the memory.
+    Arguments and validation are those of ``step`` (each rank passes its rows);
+    microbatches bound the memory.
 
     Returns:
-        A fp32 scalar tensor.
+        A fp32 scalar tensor, the same on every rank.
     """
     tokens = check_inputs(params, batch, plan)
-    compute_params = cast_for_compute(params, plan.compute_dtype)
-    total = sum(lm_loss_sum(compute_params, mb, plan.model, plan.expert_backend)[0]
-                for mb in tokens.chunk(plan.microbatches))
-    return total / num_targets(tokens)
+    program = build_program(plan, train=False)
+    slots = check_program(plan, program)
+    group = Group.world()
+    total = int(_sum_over_ranks(group, torch.tensor(num_targets(tokens), device=tokens.device)))
+    run = execute(program, named_leaves(params), tokens, plan, group, total, slots)
+    return _sum_over_ranks(group, run.ce_sum.clone()) / total

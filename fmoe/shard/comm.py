@@ -1,0 +1,66 @@
+"""The collectives fmoe issues, as async calls over a process group.
+
+Every call returns a ``Pending`` (the work handle plus what to do once it lands);
+with a group of one rank nothing is sent and the result is ready at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Pending:
+    """An issued collective: ``wait()`` blocks until its output may be read."""
+
+    work: object = None
+    done: bool = False
+
+    def wait(self) -> None:
+        if not self.done:
+            if self.work is not None:
+                self.work.wait()
+            self.done = True
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group and this rank's place in it (``group=None``: the world)."""
+
+    size: int
+    rank: int
+    group: object = field(default=None, compare=False)
+
+    @staticmethod
+    def world() -> "Group":
+        if dist.is_available() and dist.is_initialized():
+            return Group(dist.get_world_size(), dist.get_rank(), dist.group.WORLD)
+        return Group(1, 0, None)
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> Pending:
+        """``out[k*S:(k+1)*S] = shard of rank k``."""
+        if self.size == 1:
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard)
+            return Pending(done=True)
+        return Pending(_all_gather_flat(out, shard, group=self.group, async_op=True))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
+        """``out = sum over ranks of full[rank*S:(rank+1)*S]``."""
+        if self.size == 1:
+            out.copy_(full)
+            return Pending(done=True)
+        return Pending(_reduce_scatter_flat(out, full, group=self.group, async_op=True))
+
+    def all_reduce(self, t: torch.Tensor) -> Pending:
+        """In-place sum over ranks."""
+        if self.size == 1:
+            return Pending(done=True)
+        return Pending(dist.all_reduce(t, group=self.group, async_op=True))

@@ -1,0 +1,307 @@
+"""The FSDP lifecycle as a value: each transition takes the state and returns a new one.
+
+    SHARDED --gather (async)--> GATHERING --wait--> GATHERED --release--> SHARDED
+    grads: accumulate per microbatch --reduce_grads (async)--> folded into the grad shard
+
+The checks are part of the transitions, so a schedule that computes with a unit
+that is not gathered, keeps too many units live, overwrites a busy buffer, or
+reduces a unit's gradients twice or never fails loudly at that point, before the
+compute that would read released memory. Every transition lands in ``trace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..config import Plan
+from .comm import Group, Pending
+from .spec import ShardSpec, full_views, write_shard
+from .trace import Event, now
+
+
+class Phase(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class LifecycleError(RuntimeError):
+    """A schedule broke an invariant of the lifecycle."""
+
+
+def reduces_every_microbatch(plan: Plan) -> bool:
+    """ZeRO-2/3 reduce-scatter after each microbatch; DDP and ZeRO-1 once, on the last."""
+    return plan.sharding in ("optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """One unit's part of the lifecycle.
+
+    Attributes:
+        phase: SHARDED, GATHERING or GATHERED.
+        buffers: ``{dtype group: flat full buffer}`` once the unit was first gathered.
+        in_flight: the pending gathers and when they were issued.
+        grad_full: ``{group: fp32 full-layout grads}`` accumulated since the last reduce.
+        grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
+        reduced: microbatches whose gradients were reduced.
+    """
+
+    phase: Phase = Phase.SHARDED
+    buffers: dict | None = None
+    in_flight: tuple = ()
+    grad_full: dict | None = None
+    grad_shard: dict | None = None
+    reduced: tuple = ()
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """The lifecycle of every unit in one step, plus what the transitions need.
+
+    Attributes:
+        plan, spec: the Plan and its ShardSpec.
+        group: ranks sharing the flat buffers (gather / reduce-scatter).
+        dp_group: ranks holding different data (gradient sum; the world here).
+        shards: ``{unit: {group: compute-dtype flat shard}}`` built from the params.
+        units: ``{unit: UnitState}``.
+        max_live: most units allowed gathered or gathering at once.
+        slots: ``{unit: slot}`` under double buffering, else None.
+        slot_buffers: ``{(slot, group): tensor}`` under double buffering.
+        pending: reductions in flight, oldest first.
+        trace: every Event so far.
+    """
+
+    plan: Plan
+    spec: ShardSpec
+    group: Group
+    dp_group: Group
+    shards: dict
+    units: dict
+    max_live: int
+    slots: dict | None = None
+    slot_buffers: dict | None = None
+    pending: tuple = ()
+    trace: tuple = ()
+
+    def live(self) -> list[str]:
+        return [name for name, u in self.units.items() if u.phase != Phase.SHARDED]
+
+
+MAX_PENDING_REDUCTIONS = 2
+
+
+def start(plan: Plan, spec: ShardSpec, group: Group, dp_group: Group, shards: dict, max_live: int,
+          slots: dict | None = None) -> Lifecycle:
+    """Every unit SHARDED; ``shards`` are the compute-dtype flat shards of the params."""
+    return Lifecycle(plan, spec, group, dp_group, shards, {u.name: UnitState() for u in spec.units},
+                     max_live, slots, {} if slots is not None else None)
+
+
+def _with(state: Lifecycle, unit: str, event: Event | None = None, **changes) -> Lifecycle:
+    units = dict(state.units)
+    units[unit] = dataclasses.replace(state.units[unit], **changes)
+    trace = state.trace + ((event,) if event else ())
+    return dataclasses.replace(state, units=units, trace=trace)
+
+
+def _unit_spec(state: Lifecycle, unit: str):
+    return next(u for u in state.spec.units if u.name == unit)
+
+
+def _gather_buffers(state: Lifecycle, unit: str):
+    """The flat buffers a gather of ``unit`` writes (allocating or re-growing them)."""
+    spec, ustate = _unit_spec(state, unit), state.units[unit]
+    if state.spec.group_size == 1:
+        return state, dict(state.shards[unit])  # one rank holds everything: no copy
+    if state.slots is not None:
+        slot = state.slots[unit]
+        for other in state.live():
+            if state.slots.get(other) == slot:
+                raise LifecycleError(f"gather {unit}: double-buffer slot {slot} is still held by {other}")
+        bufs = {}
+        for g, layout in spec.groups.items():
+            key = (slot, g)
+            if key not in state.slot_buffers:  # sized once for every unit sharing the slot
+                size = max(u.groups[g].full_size for u in state.spec.units
+                           if state.slots.get(u.name) == slot and g in u.groups)
+                state.slot_buffers[key] = torch.empty(size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
+            bufs[g] = state.slot_buffers[key][:layout.full_size]
+        if ustate.buffers is not None and any(bufs[g].data_ptr() != ustate.buffers[g].data_ptr() for g in bufs):
+            raise LifecycleError(f"gather {unit}: its double-buffer slot moved; saved activations would read "
+                                 "another unit's weights")
+        return state, bufs
+    if ustate.buffers is None:
+        bufs = {g: torch.empty(layout.full_size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
+                for g, layout in spec.groups.items()}
+        return state, bufs
+    for buf in ustate.buffers.values():  # dynamic: released storage grows back in place
+        storage = buf.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(buf.numel() * buf.element_size())
+    return state, ustate.buffers
+
+
+def gather(state: Lifecycle, unit: str) -> Lifecycle:
+    """Issue the all-gather of ``unit``'s flat shards (async). SHARDED -> GATHERING."""
+    ustate = state.units[unit]
+    if ustate.phase != Phase.SHARDED:
+        raise LifecycleError(f"gather {unit}: it is {ustate.phase.value}, not sharded")
+    live = state.live()
+    if len(live) + 1 > state.max_live:
+        raise LifecycleError(f"gather {unit}: {len(live) + 1} live units would exceed the plan's "
+                             f"{state.max_live} ({', '.join(live)} already live)")
+    state, bufs = _gather_buffers(state, unit)
+    issued = now()
+    # Autograd may hold views of these buffers from an earlier forward of this unit;
+    # refilling them with the same weights must not count as a mutation. The versions
+    # are put back once the gather has landed (some backends copy in at completion).
+    versions = torch.autograd._unsafe_preserve_version_counter(tuple(bufs.values()))
+    pendings = [state.group.all_gather(buf, state.shards[unit][g])
+                for g, buf in (bufs.items() if state.spec.group_size > 1 else ())]
+    return _with(state, unit, phase=Phase.GATHERING, buffers=bufs, in_flight=(tuple(pendings), issued, versions))
+
+
+def wait(state: Lifecycle, unit: str) -> Lifecycle:
+    """Block until ``unit``'s gather landed. GATHERING -> GATHERED."""
+    ustate = state.units[unit]
+    if ustate.phase != Phase.GATHERING:
+        raise LifecycleError(f"wait {unit}: it is {ustate.phase.value}; only a gathering unit can be waited on")
+    pendings, issued, versions = ustate.in_flight
+    for p in pendings:
+        p.wait()
+    versions.__exit__()
+    event = None
+    if state.spec.group_size > 1:
+        nbytes = sum(b.numel() * b.element_size() for b in ustate.buffers.values())
+        event = Event("all_gather", unit, None, -1, issued, now(), nbytes, "params")
+    return _with(state, unit, event, phase=Phase.GATHERED, in_flight=())
+
+
+def release(state: Lifecycle, unit: str) -> Lifecycle:
+    """Drop ``unit``'s gathered weights. GATHERED -> SHARDED (dynamic buffers are freed)."""
+    ustate = state.units[unit]
+    if ustate.phase != Phase.GATHERED:
+        raise LifecycleError(f"release {unit}: it is {ustate.phase.value}, not gathered")
+    t = now()
+    if state.spec.group_size > 1 and state.plan.gather_buffers == "dynamic":
+        for buf in ustate.buffers.values():
+            buf.untyped_storage().resize_(0)
+    return _with(state, unit, Event("release", unit, None, -1, t, now()), phase=Phase.SHARDED)
+
+
+def require_gathered(state: Lifecycle, unit: str, what: str) -> dict:
+    """The full-shape weight views of ``unit`` for compute ``what``; raises unless GATHERED."""
+    ustate = state.units[unit]
+    if ustate.phase != Phase.GATHERED:
+        raise LifecycleError(f"{what} needs unit {unit}, which is {ustate.phase.value}, not gathered")
+    views = {}
+    for g, layout in _unit_spec(state, unit).groups.items():
+        views.update(full_views(ustate.buffers[g], layout))
+    return views
+
+
+def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
+    """Add ``{path: grad}`` (any dtype, full shapes) into ``unit``'s fp32 full-layout grads."""
+    spec, ustate = _unit_spec(state, unit), state.units[unit]
+    full = ustate.grad_full
+    if full is None:
+        full = {g: torch.zeros(layout.full_size, dtype=torch.float32, device=state.plan.device)
+                for g, layout in spec.groups.items()}
+    for g, layout in spec.groups.items():
+        views = full_views(full[g], layout)
+        for path, grad in grads.items():
+            if path in views and grad is not None:
+                views[path].add_(grad)
+    return _with(state, unit, grad_full=full)
+
+
+def _fold(state: Lifecycle, oldest) -> Lifecycle:
+    unit, results, pending, issued, kind, nbytes = oldest
+    pending.wait()
+    shard = state.units[unit].grad_shard
+    shard = dict(results) if shard is None else {g: shard[g].add_(results[g]) for g in shard}
+    event = Event(kind, unit, None, -1, issued, now(), nbytes, "grads") if kind else None
+    return _with(state, unit, event, grad_shard=shard)
+
+
+def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
+    """Sum ``unit``'s accumulated grads over the data-parallel ranks (async).
+
+    Sharded: reduce-scatter into this rank's shard; unsharded: all-reduce. ZeRO-2/3
+    reduce every microbatch; DDP and ZeRO-1 only on the last (``last=True``).
+    """
+    ustate = state.units[unit]
+    if mb in ustate.reduced:
+        raise LifecycleError(f"reduce {unit}: microbatch {mb}'s gradients were already reduced")
+    if not last and not reduces_every_microbatch(state.plan):
+        raise LifecycleError(f"reduce {unit}: sharding={state.plan.sharding!r} reduces once, on the last microbatch")
+    if ustate.grad_full is None:
+        raise LifecycleError(f"reduce {unit}: no gradients were accumulated since the last reduction")
+    while len(state.pending) >= MAX_PENDING_REDUCTIONS:
+        state = dataclasses.replace(_fold(state, state.pending[0]), pending=state.pending[1:])
+    issued = now()
+    full = ustate.grad_full
+    if state.spec.group_size > 1:
+        layouts = _unit_spec(state, unit).groups
+        results = {g: torch.empty(layouts[g].shard_size, dtype=torch.float32, device=state.plan.device) for g in full}
+        works = [state.group.reduce_scatter(results[g], full[g]) for g in full]
+        kind = "reduce_scatter"
+    else:
+        results = full
+        works = [state.dp_group.all_reduce(full[g]) for g in full]
+        kind = "all_reduce" if state.dp_group.size > 1 else ""
+    pending = Pending(work=_WaitAll(works))
+    nbytes = sum(t.numel() * 4 for t in full.values())
+    state = _with(state, unit, grad_full=None, reduced=ustate.reduced + (mb,))
+    return dataclasses.replace(state, pending=state.pending + ((unit, results, pending, issued, kind, nbytes),))
+
+
+class _WaitAll:
+    def __init__(self, pendings):
+        self.pendings = pendings
+
+    def wait(self):
+        for p in self.pendings:
+            p.wait()
+
+
+def record(state: Lifecycle, event: Event) -> Lifecycle:
+    """Append a compute (or other) event to the trace."""
+    return dataclasses.replace(state, trace=state.trace + (event,))
+
+
+def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
+    """Wait for every reduction and check the step left no unit gathered or unreduced.
+
+    ``trained=False`` (a forward-only program) expects no reduction at all.
+    """
+    for oldest in state.pending:
+        state = _fold(state, oldest)
+    state = dataclasses.replace(state, pending=())
+    M = state.plan.microbatches
+    expected = (tuple(range(M)) if reduces_every_microbatch(state.plan) else (M - 1,)) if trained else ()
+    for name, u in state.units.items():
+        if u.phase != Phase.SHARDED:
+            raise LifecycleError(f"step ended with unit {name} {u.phase.value}; every unit must be released")
+        if tuple(sorted(u.reduced)) != expected:
+            raise LifecycleError(f"unit {name}: gradients reduced for microbatches {sorted(u.reduced)}, "
+                                 f"expected {list(expected)} under sharding={state.plan.sharding!r}")
+        if u.grad_full is not None:
+            raise LifecycleError(f"unit {name}: gradients accumulated after its last reduction were never reduced")
+    return state
+
+
+def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, rank: int) -> dict:
+    """``{unit: {group: compute-dtype flat shard}}`` from this rank's parameter leaves."""
+    shards = {}
+    for u in spec.units:
+        shards[u.name] = {}
+        for g, layout in u.groups.items():
+            flat = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
+            shards[u.name][g] = write_shard(params_named, layout, rank, flat).to(u.dtype(g, plan))
+    return shards

@@ -1,0 +1,55 @@
+"""FSDP units: groups of parameters gathered, released and reduced together.
+
+A model is made of *members*: ``embed``, ``layers.0`` .. ``layers.{L-1}`` and ``head``
+(``final_norm`` + ``head``). A unit is one or more members; the default is one unit
+per member. Every parameter path belongs to exactly one member.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+
+
+def members(cfg: ModelConfig) -> tuple[str, ...]:
+    """Member names in forward order."""
+    return ("embed", *(f"layers.{i}" for i in range(cfg.layers)), "head")
+
+
+def member_of(path: str) -> str:
+    """The member owning a dotted parameter path (``layers.3.moe.router`` -> ``layers.3``)."""
+    head = path.split(".", 1)[0]
+    if head == "layers":
+        return ".".join(path.split(".")[:2])
+    return "head" if head in ("head", "final_norm") else head
+
+
+def default_units(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    return tuple((m,) for m in members(cfg))
+
+
+def check_units(units, cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """Validate ``Plan.units`` against the model; returns it as a tuple of tuples."""
+    known = members(cfg)
+    if units is None:
+        return default_units(cfg)
+    try:
+        units = tuple(tuple(u) for u in units)
+    except TypeError:
+        raise ValueError(f"Plan.units={units!r} is invalid: a sequence of sequences of member names") from None
+    seen = [m for u in units for m in u]
+    unknown = sorted(set(seen) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"Plan.units names unknown members {unknown}; allowed: {', '.join(known)}")
+    twice = sorted({m for m in seen if seen.count(m) > 1})
+    missing = [m for m in known if m not in seen]
+    if twice or missing or any(not u for u in units):
+        raise ValueError(f"Plan.units must put every member in exactly one non-empty unit "
+                         f"(repeated: {twice}, missing: {missing})")
+    return units
+
+
+def unit_name(unit: tuple[str, ...]) -> str:
+    return "+".join(unit)

@@ -1,0 +1,143 @@
+"""What the distributed tests run on each rank (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import optree
+import torch
+
+import fmoe
+from fmoe.shard import count
+
+CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
+                       expert_biases=True)
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STEPS = 3
+
+
+def global_batch(rows=16, seq=12, seed=0):
+    return torch.randint(0, CFG.vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def rank_rows(tokens, rank, world):
+    """Rank r's contiguous slice of the global batch."""
+    per = tokens.shape[0] // world
+    return tokens[rank * per:(rank + 1) * per]
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process."""
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance() touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def collective_counts(trace) -> dict:
+    return {"all_gather": count(trace, "all_gather", "params"),
+            "reduce_scatter": count(trace, "reduce_scatter", "grads"),
+            "all_reduce": count(trace, "all_reduce", "grads")}
+
+
+def train(plan: fmoe.Plan, tokens: torch.Tensor, steps: int = STEPS) -> dict:
+    """``steps`` of step + AdamW on this rank's rows; what the tests compare."""
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    state = opt.init(params)
+    losses, counts, first_grads = [], [], None
+    for i in range(steps):
+        out = fmoe.step(params, {"tokens": tokens}, plan)
+        losses.append(out.loss)
+        counts.append(collective_counts(out.metrics["trace"]))
+        if i == 0:
+            first_grads = fmoe.gather_full(out.grads, plan)
+        params, state = opt.update(out.grads, state, params)
+        params = fmoe.update_expert_bias(params, out.metrics["expert_counts"], plan.model.expert_bias_rate)
+    return {"losses": torch.stack(losses), "grads": first_grads, "params": fmoe.gather_full(params, plan),
+            "counts": counts}
+
+
+def tree_bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def fsdp_configs(rank, world):
+    """Every strategy x {1, 4} microbatches at dp=world, on this rank's rows."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for sharding in STRATEGIES:
+        for mb in (1, 4):
+            plan = fmoe.Plan(model=CFG, dp=world, sharding=sharding, microbatches=mb)
+            out[(sharding, mb)] = train(plan, tokens)
+    return out
+
+
+def resting_memory(rank, world, sharding):
+    """Live tensor bytes held after training, beyond what was alive before."""
+    tokens = rank_rows(global_batch(), rank, world)
+    plan = fmoe.Plan(model=CFG, dp=world, sharding=sharding, microbatches=2)
+    baseline = live_tensor_bytes()
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-2, plan=plan)
+    state = opt.init(params)
+    for _ in range(2):
+        out = fmoe.step(params, {"tokens": tokens}, plan)
+        params, state = opt.update(out.grads, state, params)
+    grads = out.grads
+    del out
+    held = live_tensor_bytes() - baseline
+    return {"held": held, "trees": tree_bytes(params) + tree_bytes(grads) + tree_bytes(state)}
+
+
+VARIANTS = {
+    "dynamic": dict(),
+    "double": dict(gather_buffers="double"),
+    "persistent": dict(gather_buffers="persistent"),
+    "no_prefetch": dict(prefetch=0),
+    "prefetch2": dict(prefetch=2),
+    "grouped_units": dict(units=(("embed", "head"), ("layers.0", "layers.1"))),
+}
+
+
+def zero3_variants(rank, world):
+    """ZeRO-3 under each buffer mode, prefetch depth and unit grouping; plus bf16."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for name, kw in VARIANTS.items():
+        plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, **kw)
+        res = train(plan, tokens, steps=2)
+        step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
+        res["trace"] = [(e.kind, e.unit, e.node, e.mb, e.start, e.end) for e in step.metrics["trace"]]
+        out[name] = res
+    bf16 = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, dtype="bfloat16")
+    out["bfloat16"] = train(bf16, tokens, steps=2)
+    return out
+
+
+def released_weights(rank, world):
+    """Run ZeRO-3 with the re-gather before a backward node removed: the lifecycle
+    must refuse before autograd reads freed storage."""
+    from fmoe.params import named_leaves
+    from fmoe.schedule import build_program, execute
+    from fmoe.shard import Group, LifecycleError
+
+    plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params")
+    program = build_program(plan)
+    bwd = next(i for i, a in enumerate(program) if a.op == "backward" and a.node == "layers.1")
+    regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.1" and a.op in ("gather", "wait")][-2:]
+    wrong = [a for i, a in enumerate(program) if i not in regather]
+    tokens = rank_rows(global_batch(), rank, world)
+    try:
+        execute(wrong, named_leaves(fmoe.init(plan, seed=0)), tokens, plan, Group.world(), 16 * 12)
+    except LifecycleError as err:
+        return str(err)
+    return "no error"

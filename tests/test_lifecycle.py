@@ -1,0 +1,131 @@
+"""The lifecycle checker and the schedule program, on one process."""
+
+import json
+
+import pytest
+import torch
+
+import fmoe
+from fmoe.schedule import Action, build_program, double_buffer_slots, execute
+from fmoe.shard import Group, LifecycleError
+from fmoe.params import named_leaves
+
+CFG = fmoe.ModelConfig(vocab=32, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
+TOKENS = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0))
+
+
+def run(plan, program):
+    params = fmoe.init(plan, seed=0)
+    return execute(program, named_leaves(params), TOKENS, plan, Group.world(), 4 * 8)
+
+
+def zero3(**kw):
+    return fmoe.Plan(model=CFG, sharding="optim_grads_params", **kw)
+
+
+def without(program, action):
+    """``program`` minus the first occurrence of ``action``."""
+    out = list(program)
+    out.remove(action)
+    return out
+
+
+def test_program_runs_and_matches_step():
+    plan = zero3(microbatches=2)
+    ran = run(plan, build_program(plan))
+    out = fmoe.step(fmoe.init(plan, seed=0), {"tokens": TOKENS}, plan)
+    assert torch.equal(ran.ce_sum / 32, out.loss)
+
+
+def test_backward_on_a_released_unit_is_caught_before_it_runs():
+    plan = zero3()
+    program = build_program(plan)
+    bwd = program.index(Action("backward", "layers.0", "layers.0", 0))
+    # Drop the re-gather (and its wait) that precede layers.0's backward: the weights
+    # it would read were released after its forward.
+    regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.0" and a.op in ("gather", "wait")][-2:]
+    assert [program[i].op for i in regather] == ["gather", "wait"]
+    wrong = [a for i, a in enumerate(program) if i not in regather]
+    with pytest.raises(LifecycleError, match=r"backward layers.0 \(microbatch 0\) needs unit layers.0, which is sharded"):
+        run(plan, wrong)
+
+
+def test_forward_before_wait_is_caught():
+    plan = zero3()
+    wrong = without(build_program(plan), Action("wait", "embed"))
+    with pytest.raises(LifecycleError, match="forward embed .* gathering, not gathered"):
+        run(plan, wrong)
+
+
+def test_too_many_live_units_is_caught():
+    plan = zero3(prefetch=1)
+    wrong = [Action("gather", "layers.0"), Action("gather", "layers.1")] + build_program(plan)
+    with pytest.raises(LifecycleError, match="exceed the plan's 2"):
+        run(plan, wrong)
+
+
+def test_gradients_reduced_twice_or_never_are_caught():
+    plan = zero3(microbatches=2)
+    program = build_program(plan)
+    reduce = Action("reduce", "head", None, 0)
+    twice = program[:program.index(reduce) + 1] + [reduce] + program[program.index(reduce) + 1:]
+    with pytest.raises(LifecycleError, match="already reduced"):
+        run(plan, twice)
+    with pytest.raises(LifecycleError, match="never reduced|reduced for microbatches"):
+        run(plan, without(program, Action("reduce", "layers.1", None, 1)))
+
+
+def test_zero1_reducing_every_microbatch_is_caught():
+    plan = fmoe.Plan(model=CFG, sharding="optim", microbatches=2)
+    program = build_program(plan)
+    at = program.index(Action("backward", "head", "head", 0)) + 1
+    wrong = program[:at] + [Action("reduce", "head", None, 0)] + program[at:]
+    with pytest.raises(LifecycleError, match="reduces once, on the last microbatch"):
+        run(plan, wrong)
+
+
+def test_unit_left_gathered_is_caught():
+    plan = zero3()
+    program = build_program(plan)
+    with pytest.raises(LifecycleError, match="every unit must be released"):
+        run(plan, program[:-2] + program[-1:])  # drop the final release of embed
+
+
+def test_double_buffers_refuse_a_schedule_that_needs_one_slot_twice():
+    plan = fmoe.Plan(model=CFG, dp=2, sharding="optim_grads_params", gather_buffers="double",
+                     units=(("embed", "head"), ("layers.0",), ("layers.1",)))
+    with pytest.raises(ValueError, match="share a slot while both are live"):
+        double_buffer_slots(plan, build_program(plan))
+    ok = plan.replace(units=None)
+    assert double_buffer_slots(ok, build_program(ok)) == {"embed": 0, "layers.0": 1, "layers.1": 0, "head": 1}
+
+
+def test_prefetch_issues_gathers_ahead():
+    def gathered_before_forward(plan, node):
+        program = build_program(plan)
+        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", "layers.0", 0))
+
+    assert gathered_before_forward(zero3(prefetch=1), "layers.1")
+    assert not gathered_before_forward(zero3(prefetch=0), "layers.1")
+    assert gathered_before_forward(zero3(prefetch=2), "head")
+
+
+def test_trace_exports_to_chrome_json(tmp_path):
+    plan = zero3(microbatches=2)
+    out = fmoe.step(fmoe.init(plan, seed=0), {"tokens": TOKENS}, plan)
+    trace = out.metrics["trace"]
+    kinds = {e.kind for e in trace}
+    assert {"forward", "backward", "release"} <= kinds
+    path = fmoe.export_chrome_trace(trace, tmp_path / "step.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    assert len(events) == len(trace)
+    assert {e["ph"] for e in events} == {"X"} and all(e["dur"] >= 0 for e in events)
+    names = [e["name"] for e in events if e["cat"] == "forward"]
+    assert names[:2] == ["forward embed mb0", "forward layers.0 mb0"]
+
+
+@pytest.mark.parametrize("kw", [dict(units=("embed", "head")), dict(units=[["embed"], ["nope"]]),
+                                dict(units=[["embed", "head", "layers.0"]])])
+def test_bad_units_are_rejected(kw):
+    with pytest.raises(ValueError, match="Plan.units"):
+        fmoe.Plan(model=CFG, **kw)
