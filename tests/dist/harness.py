@@ -25,11 +25,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, results):
+def _worker(rank, world, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            torch.use_deterministic_algorithms(True)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         value = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(value, buf)
@@ -41,12 +44,16 @@ def _worker(rank, world, port, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 600.0) -> list:
-    """``[fn(rank, world, *args) for each rank]``, each in its own gloo process."""
+def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600.0) -> list:
+    """``[fn(rank, world, *args) for each rank]``, each in its own process.
+
+    ``backend="nccl"`` gives rank r GPU r, with deterministic algorithms on (the
+    caller sets ``CUBLAS_WORKSPACE_CONFIG`` and ``NCCL_ALGO`` for bitwise runs).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

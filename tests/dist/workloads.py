@@ -62,21 +62,22 @@ def train(plan: fmoe.Plan, tokens: torch.Tensor, steps: int = STEPS) -> dict:
             first_grads = fmoe.gather_full(out.grads, plan)
         params, state = opt.update(out.grads, state, params)
         params = fmoe.update_expert_bias(params, out.metrics["expert_counts"], plan.model.expert_bias_rate)
-    return {"losses": torch.stack(losses), "grads": first_grads, "params": fmoe.gather_full(params, plan),
-            "counts": counts}
+    cpu = lambda tree: optree.tree_map(lambda t: t.cpu(), tree)  # noqa: E731
+    return {"losses": torch.stack(losses).cpu(), "grads": cpu(first_grads),
+            "params": cpu(fmoe.gather_full(params, plan)), "counts": counts}
 
 
 def tree_bytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def fsdp_configs(rank, world):
+def fsdp_configs(rank, world, device="cpu"):
     """Every strategy x {1, 4} microbatches at dp=world, on this rank's rows."""
     tokens = rank_rows(global_batch(), rank, world)
     out = {}
     for sharding in STRATEGIES:
         for mb in (1, 4):
-            plan = fmoe.Plan(model=CFG, dp=world, sharding=sharding, microbatches=mb)
+            plan = fmoe.Plan(model=CFG, dp=world, sharding=sharding, microbatches=mb, device=device)
             out[(sharding, mb)] = train(plan, tokens)
     return out
 
@@ -108,17 +109,18 @@ VARIANTS = {
 }
 
 
-def zero3_variants(rank, world):
+def zero3_variants(rank, world, device="cpu"):
     """ZeRO-3 under each buffer mode, prefetch depth and unit grouping; plus bf16."""
     tokens = rank_rows(global_batch(), rank, world)
     out = {}
     for name, kw in VARIANTS.items():
-        plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, **kw)
+        plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, device=device, **kw)
         res = train(plan, tokens, steps=2)
         step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
         res["trace"] = [(e.kind, e.unit, e.node, e.mb, e.start, e.end) for e in step.metrics["trace"]]
         out[name] = res
-    bf16 = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, dtype="bfloat16")
+    bf16 = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params", microbatches=2, dtype="bfloat16",
+                     device=device)
     out["bfloat16"] = train(bf16, tokens, steps=2)
     return out
 
