@@ -46,3 +46,11 @@ def test_example_layer_test_passes():
     proc = run_example("examples/layer_test.py")
     assert proc.returncode == 0, proc.stderr
     assert "layer tests passed" in proc.stdout
+
+
+def test_example_fsdp_train_runs_on_two_gloo_ranks(tmp_path):
+    proc = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/fsdp_train.py",
+                       "--steps", "3", "--trace", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "full embed: (256, 128) this rank's rows: (128, 128)" in proc.stdout
+    assert (tmp_path / "t.json").exists()

@@ -22,7 +22,9 @@ class Event:
         unit: the FSDP unit (None for compute-only or metric events).
         node: the compute node (``embed``, ``layers.3``, ``head``) for compute events.
         mb: microbatch index, or -1.
-        start, end: ``time.perf_counter()`` seconds; a collective spans issue to wait.
+        start, end: host ``time.perf_counter()`` seconds; a collective spans issue to
+            wait. On CUDA these are the times work was issued and waited for on the
+            host, not kernel times (use the torch profiler for those).
         nbytes: bytes sent or received by a collective.
         purpose: ``params``, ``grads`` or ``metrics`` for collectives.
     """
