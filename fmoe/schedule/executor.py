@@ -58,6 +58,50 @@ def check_program(plan: Plan, program: list[Action]) -> dict | None:
     return slots
 
 
+class _Activations:
+    """What flows between nodes of one step: outputs waiting for the next node's
+    forward, saved forwards waiting for their backward, and gradients flowing back."""
+
+    def __init__(self, order):
+        self.previous = {n: order[i - 1] for i, n in enumerate(order) if i}
+        self.outputs, self.saved, self.grad_in = {}, {}, {}
+
+
+def _forward(state, a: Action, acts: _Activations, tokens_mb, plan: Plan, total_targets: int, data_ranks: int):
+    t0 = now()
+    views = lc.require_gathered(state, a.unit, f"forward {a.node} (microbatch {a.mb})")
+    train = torch.is_grad_enabled()
+    weights = {p: v.detach().requires_grad_(train) for p, v in views.items() if member_of(p) == a.node}
+    x = acts.outputs.pop((a.mb, acts.previous[a.node])) if a.node in acts.previous else None
+    x_in = x.detach().requires_grad_(train) if x is not None else None
+    res = run_node(a.node, weights, x_in, tokens_mb, plan, total_targets, data_ranks)
+    if res.output is not None:
+        acts.outputs[(a.mb, a.node)] = res.output
+    if train:
+        acts.saved[(a.mb, a.node)] = (x_in, res, weights)
+    return lc.record(state, Event("forward", a.unit, a.node, a.mb, t0, now())), res
+
+
+def _backward(state, a: Action, acts: _Activations):
+    t0 = now()
+    lc.require_gathered(state, a.unit, f"backward {a.node} (microbatch {a.mb})")
+    x_in, res, weights = acts.saved.pop((a.mb, a.node))
+    outs, grads_out = [], []
+    if res.output is not None:
+        outs.append(res.output)
+        grads_out.append(acts.grad_in.pop((a.mb, a.node)))
+    if res.objective is not None:
+        outs.append(res.objective)
+        grads_out.append(None)
+    inputs = ([x_in] if x_in is not None else []) + list(weights.values())
+    got = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
+    if x_in is not None:
+        acts.grad_in[(a.mb, acts.previous[a.node])] = got[0]
+        got = got[1:]
+    state = lc.accumulate_grads(state, a.unit, dict(zip(weights, got)))
+    return lc.record(state, Event("backward", a.unit, a.node, a.mb, t0, now()))
+
+
 def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, group: Group,
             total_targets: int, slots: dict | None = None) -> Executed:
     """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
@@ -68,14 +112,15 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     spec = shard_spec(plan)
     if slots is None:
         slots = check_program(plan, program)
-    shards = lc.build_shards(params_named, spec, plan, spec.shard_rank(group.rank))
-    state = lc.start(plan, spec, group, group, shards, max_live_units(plan), slots)
+    rank = spec.shard_rank(group.rank)
+    state = lc.start(plan, spec, group, group, lc.build_shards(params_named, spec, plan, rank),
+                     max_live_units(plan), slots)
     order = members(plan.model)
-    previous = {n: order[i - 1] for i, n in enumerate(order) if i}
+    acts = _Activations(order)
     tokens_mb = tokens.chunk(plan.microbatches)
-    outputs, saved, grad_in, stats = {}, {}, {}, {}
     ce_sum = torch.zeros((), device=tokens.device)
     objective = torch.zeros((), device=tokens.device)
+    stats: dict = {}
     for a in program:
         if a.op == "gather":
             state = lc.gather(state, a.unit)
@@ -86,51 +131,22 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
         elif a.op == "reduce":
             state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
         elif a.op == "forward":
-            t0 = now()
-            views = lc.require_gathered(state, a.unit, f"forward {a.node} (microbatch {a.mb})")
-            weights = {p: v.detach().requires_grad_(torch.is_grad_enabled())
-                       for p, v in views.items() if member_of(p) == a.node}
-            x = outputs.pop((a.mb, previous[a.node]), None) if a.node in previous else None
-            x_in = x.detach().requires_grad_(torch.is_grad_enabled()) if x is not None else None
-            res = run_node(a.node, weights, x_in, tokens_mb[a.mb], plan, total_targets, group.size)
-            if res.output is not None:
-                outputs[(a.mb, a.node)] = res.output
+            state, res = _forward(state, a, acts, tokens_mb[a.mb], plan, total_targets, group.size)
             if res.ce_sum is not None:
                 ce_sum += res.ce_sum
             if res.objective is not None:
                 objective += res.objective.detach()
             if res.stats is not None:
                 stats.setdefault(a.mb, {})[a.node] = res.stats
-            if torch.is_grad_enabled():
-                saved[(a.mb, a.node)] = (x_in, res, weights)
-            state = lc.record(state, Event("forward", a.unit, a.node, a.mb, t0, now()))
         elif a.op == "backward":
-            t0 = now()
-            lc.require_gathered(state, a.unit, f"backward {a.node} (microbatch {a.mb})")
-            x_in, res, weights = saved.pop((a.mb, a.node))
-            outs, grads_out = [], []
-            if res.output is not None:
-                outs.append(res.output)
-                grads_out.append(grad_in.pop((a.mb, a.node)))
-            if res.objective is not None:
-                outs.append(res.objective)
-                grads_out.append(None)
-            inputs = ([x_in] if x_in is not None else []) + list(weights.values())
-            got = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
-            if x_in is not None:
-                grad_in[(a.mb, previous[a.node])] = got[0]
-                got = got[1:]
-            state = lc.accumulate_grads(state, a.unit, dict(zip(weights, got)))
-            state = lc.record(state, Event("backward", a.unit, a.node, a.mb, t0, now()))
+            state = _backward(state, a, acts)
         else:
             raise ValueError(f"unknown program op {a.op!r}")
     trained = any(a.op == "backward" for a in program)
     state = lc.finish(state, trained)
     grads = {}
-    if trained:
-        for u in spec.units:
-            for g, layout in u.groups.items():
-                grads.update(local_leaves(state.units[u.name].grad_shard[g], layout, spec.shard_rank(group.rank),
-                                          spec.sharded))
+    for u in spec.units if trained else ():
+        for g, layout in u.groups.items():
+            grads.update(local_leaves(state.units[u.name].grad_shard[g], layout, rank, spec.sharded))
     per_mb = [stack_stats([stats[mb][n] for n in order if n in stats[mb]]) for mb in sorted(stats)]
     return Executed(ce_sum, objective, grads, per_mb, state)

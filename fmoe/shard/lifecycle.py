@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..config import Plan
-from .comm import Group, Pending
+from .comm import Group
 from .spec import ShardSpec, full_views, write_shard
 from .trace import Event, now
 
@@ -72,7 +73,7 @@ class Lifecycle:
         max_live: most units allowed gathered or gathering at once.
         slots: ``{unit: slot}`` under double buffering, else None.
         slot_buffers: ``{(slot, group): tensor}`` under double buffering.
-        pending: reductions in flight, oldest first.
+        pending: Reductions in flight, oldest first.
         trace: every Event so far.
     """
 
@@ -113,11 +114,15 @@ def _unit_spec(state: Lifecycle, unit: str):
     return next(u for u in state.spec.units if u.name == unit)
 
 
-def _gather_buffers(state: Lifecycle, unit: str):
-    """The flat buffers a gather of ``unit`` writes (allocating or re-growing them)."""
+def _gather_buffers(state: Lifecycle, unit: str) -> dict:
+    """The flat buffers a gather of ``unit`` writes (allocating or re-growing them).
+
+    A unit always gathers into the same storage, so views autograd saved during its
+    forward see the re-gathered weights in its backward.
+    """
     spec, ustate = _unit_spec(state, unit), state.units[unit]
     if state.spec.group_size == 1:
-        return state, dict(state.shards[unit])  # one rank holds everything: no copy
+        return dict(state.shards[unit])  # one rank holds everything: no copy
     if state.slots is not None:
         slot = state.slots[unit]
         for other in state.live():
@@ -131,19 +136,15 @@ def _gather_buffers(state: Lifecycle, unit: str):
                            if state.slots.get(u.name) == slot and g in u.groups)
                 state.slot_buffers[key] = torch.empty(size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
             bufs[g] = state.slot_buffers[key][:layout.full_size]
-        if ustate.buffers is not None and any(bufs[g].data_ptr() != ustate.buffers[g].data_ptr() for g in bufs):
-            raise LifecycleError(f"gather {unit}: its double-buffer slot moved; saved activations would read "
-                                 "another unit's weights")
-        return state, bufs
+        return bufs
     if ustate.buffers is None:
-        bufs = {g: torch.empty(layout.full_size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
+        return {g: torch.empty(layout.full_size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
                 for g, layout in spec.groups.items()}
-        return state, bufs
     for buf in ustate.buffers.values():  # dynamic: released storage grows back in place
         storage = buf.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(buf.numel() * buf.element_size())
-    return state, ustate.buffers
+    return ustate.buffers
 
 
 def gather(state: Lifecycle, unit: str) -> Lifecycle:
@@ -155,7 +156,7 @@ def gather(state: Lifecycle, unit: str) -> Lifecycle:
     if len(live) + 1 > state.max_live:
         raise LifecycleError(f"gather {unit}: {len(live) + 1} live units would exceed the plan's "
                              f"{state.max_live} ({', '.join(live)} already live)")
-    state, bufs = _gather_buffers(state, unit)
+    bufs = _gather_buffers(state, unit)
     issued = now()
     # Autograd may hold views of these buffers from an earlier forward of this unit;
     # refilling them with the same weights must not count as a mutation. The versions
@@ -220,13 +221,25 @@ def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
     return _with(state, unit, grad_full=full)
 
 
-def _fold(state: Lifecycle, oldest) -> Lifecycle:
-    unit, results, pending, issued, kind, nbytes = oldest
-    pending.wait()
-    shard = state.units[unit].grad_shard
-    shard = dict(results) if shard is None else {g: shard[g].add_(results[g]) for g in shard}
-    event = Event(kind, unit, None, -1, issued, now(), nbytes, "grads") if kind else None
-    return _with(state, unit, event, grad_shard=shard)
+class Reduction(NamedTuple):
+    """A gradient reduction in flight: ``results`` are valid once ``pendings`` landed."""
+
+    unit: str
+    results: dict
+    pendings: tuple
+    issued: float
+    kind: str
+    nbytes: int
+
+
+def _fold(state: Lifecycle, r: Reduction) -> Lifecycle:
+    """Wait for a reduction and add its result into the unit's grad shard."""
+    for p in r.pendings:
+        p.wait()
+    shard = state.units[r.unit].grad_shard
+    shard = dict(r.results) if shard is None else {g: shard[g].add_(r.results[g]) for g in shard}
+    event = Event(r.kind, r.unit, None, -1, r.issued, now(), r.nbytes, "grads") if r.kind else None
+    return _with(state, r.unit, event, grad_shard=shard)
 
 
 def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
@@ -255,19 +268,10 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
         results = full
         works = [state.dp_group.all_reduce(full[g]) for g in full]
         kind = "all_reduce" if state.dp_group.size > 1 else ""
-    pending = Pending(work=_WaitAll(works))
-    nbytes = sum(t.numel() * 4 for t in full.values())
+    nbytes = sum(t.numel() * t.element_size() for t in full.values())
     state = _with(state, unit, grad_full=None, reduced=ustate.reduced + (mb,))
-    return dataclasses.replace(state, pending=state.pending + ((unit, results, pending, issued, kind, nbytes),))
-
-
-class _WaitAll:
-    def __init__(self, pendings):
-        self.pendings = pendings
-
-    def wait(self):
-        for p in self.pendings:
-            p.wait()
+    reduction = Reduction(unit, results, tuple(works), issued, kind, nbytes)
+    return dataclasses.replace(state, pending=state.pending + (reduction,))
 
 
 def record(state: Lifecycle, event: Event) -> Lifecycle:
