@@ -70,6 +70,9 @@ class ModelConfig:
         shared_ffn: hidden width of an always-on shared expert (0: none).
         pad_multiple: pad each expert's token segment to a multiple of this many rows
             (for quantized kernels); 0 turns padding off. Padding never reaches results.
+        capacity_factor: 0 for dropless routing; f > 0 gives every expert a static
+            ``ceil(f * T * K / E)`` rows per rank (T: the rank's tokens of a microbatch),
+            dropping the assignments beyond that in token order (no host sync).
         aux_loss_coef, z_loss_coef: load-balancing and router z-loss coefficients.
         expert_bias_rate: step of the aux-loss-free expert-bias update (see
             ``fmoe.update_expert_bias``).
@@ -93,6 +96,7 @@ class ModelConfig:
     expert_biases: bool = False
     shared_ffn: int = 0
     pad_multiple: int = 0
+    capacity_factor: float = 0.0
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     expert_bias_rate: float = 1e-3
@@ -114,7 +118,7 @@ class ModelConfig:
         _check_bool(own, "expert_biases", self.expert_biases)
         for name in ("glu_limit", "rope_theta", "norm_eps", "init_std"):
             _check_positive(own, name, getattr(self, name))
-        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
             _check_positive(own, name, getattr(self, name), allow_zero=True)
         if not isinstance(self.glu_offset, (int, float)) or isinstance(self.glu_offset, bool):
             _fail(own, "glu_offset", self.glu_offset, "must be a number")

@@ -50,22 +50,29 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     """The fp32 L2 norm over every leaf of ``tree``.
 
     Arguments:
-        tree: a pytree of tensors.
-        plan: the Plan ``tree`` is sharded by; when it shards over several ranks the
-            squared norms are summed over them (a collective), so every rank gets the
-            norm of the whole tree.
+        tree: a pytree of tensors; with ``plan``, shaped like ``fmoe.init(plan)``.
+        plan: the Plan ``tree`` is laid out by; on several ranks the squared norms of
+            the parts each rank holds alone (shards, its experts) are summed over the
+            ranks that split them (a collective), so every rank gets the norm of the
+            whole model.
     """
-    leaves = optree.tree_leaves(tree)
-    sq = torch.stack([torch.linalg.vector_norm(x.float()).square() for x in leaves]).sum()
-    if plan is not None and _shard_group(plan) is not None:
-        _shard_group(plan).all_reduce(sq).wait()
-    return sq.sqrt()
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    sq = [torch.linalg.vector_norm(x.float()).square() for x in leaves]
+    if plan is None or plan.world == 1:
+        return torch.stack(sq).sum().sqrt()
+    from .shard.mesh import mesh_for  # optim is usable without shard/: import late
+    from .shard.spec import domain_of, shard_spec
 
-
-def _shard_group(plan):
-    from .shard.spec import group, shard_spec  # optim is usable without shard/: import late
-
-    return group(plan) if shard_spec(plan).sharded else None
+    spec, mesh = shard_spec(plan), mesh_for(plan)
+    total = torch.zeros((), device=leaves[0].device)
+    for domain in ("dense", "expert"):
+        part = sum((q for p, q in zip(paths, sq) if domain_of(".".join(map(str, p))) == domain), total * 0)
+        if spec.sharded(domain):
+            mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
+        elif domain == "expert":
+            mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep
+        total = total + part
+    return total.sqrt()
 
 
 def _check_norm_scope(plan, what: str) -> None:

@@ -22,11 +22,6 @@ def check_runtime(plan: Plan) -> None:
             f"process sees a world of {world}: launch {plan.world} processes "
             f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
         )
-    if plan.ep > 1:
-        raise ValueError(
-            f"Plan.ep={plan.ep}: expert parallelism is not in this build (allowed: ep=1); "
-            "shard experts with dp and a sharding strategy instead"
-        )
     if plan.schedule != "standard":
         raise ValueError(
             f"Plan.schedule={plan.schedule!r}: this build has the 'standard' executor "

@@ -13,7 +13,8 @@ from .params import flat_shapes, named_leaves
 from .runtime import check_runtime
 from .schedule import build_program, check_program, execute
 from .shard.comm import Group
-from .shard.spec import shard_spec
+from .shard.mesh import mesh_for
+from .shard.spec import local_shapes
 
 
 class StepOutput(NamedTuple):
@@ -25,28 +26,15 @@ class StepOutput(NamedTuple):
             ``loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss``.
         metrics: dict of detached tensors, summed over ranks: ``loss``, ``aux_loss`` and
             ``z_loss`` (summed over layers, averaged over microbatches and ranks),
-            ``objective`` (what was differentiated), ``expert_counts [layers, E]``,
-            ``padded_rows``, ``dropped_tokens``; ``tokens`` (an int, the global target
+            ``objective`` (what was differentiated), ``expert_counts [layers, E]`` (the
+            load on the global batch), ``padded_rows``, ``dropped_tokens``,
+            ``a2a_bytes`` (sent by the forward all-to-alls); ``tokens`` (an int, the global target
             count) and ``trace`` (the step's lifecycle and compute Events).
     """
 
     loss: torch.Tensor
     grads: dict
     metrics: dict
-
-
-def local_shapes(plan: Plan, rank: int) -> dict:
-    """``{path: shape}`` of the leaves rank ``rank`` holds: full shapes, or
-    ``[local_rows, cols]`` row shards when the plan shards parameters."""
-    spec = shard_spec(plan)
-    if not spec.sharded:
-        return flat_shapes(plan.model)
-    shapes = {}
-    for u in spec.units:
-        for layout in u.groups.values():
-            for slot, first, last, _ in layout.local_slots(rank):
-                shapes[slot.path] = (last - first, slot.cols)
-    return {p: shapes[p] for p in flat_shapes(plan.model)}
 
 
 def check_params(params, plan: Plan) -> None:
@@ -148,9 +136,10 @@ def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
     tokens = check_inputs(params, batch, plan)
     program = build_program(plan)
     slots = check_program(plan, program)  # the last check; collectives start below
-    group = Group.world()
+    mesh = mesh_for(plan)
+    group = mesh.world
     total = int(_sum_over_ranks(group, torch.tensor(num_targets(tokens), device=tokens.device)))
-    run = execute(program, named_leaves(params), tokens, plan, group, total, slots)
+    run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
 
     M, world = plan.microbatches, group.size
     floats = torch.stack([run.ce_sum, run.objective,
@@ -158,7 +147,8 @@ def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
                           sum(s.z_loss.detach().sum() for s in run.stats)]).float()
     counts = sum(s.counts_E for s in run.stats)
     extra = torch.stack([sum(s.padded_rows.sum() for s in run.stats),
-                         sum(s.dropped_tokens.sum() for s in run.stats)])
+                         sum(s.dropped_tokens.sum() for s in run.stats),
+                         sum(s.a2a_bytes.sum() for s in run.stats)])
     ints = _sum_over_ranks(group, torch.cat([counts.flatten(), extra]))
     floats = _sum_over_ranks(group, floats)
     loss = floats[0] / total
@@ -168,8 +158,9 @@ def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
         "aux_loss": floats[2] / (M * world),
         "z_loss": floats[3] / (M * world),
         "expert_counts": ints[:counts.numel()].view_as(counts),
-        "padded_rows": ints[-2],
-        "dropped_tokens": ints[-1],
+        "padded_rows": ints[-3],
+        "dropped_tokens": ints[-2],
+        "a2a_bytes": ints[-1],
         "tokens": total,
         "trace": run.state.trace,
     }
@@ -191,7 +182,7 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     tokens = check_inputs(params, batch, plan)
     program = build_program(plan, train=False)
     slots = check_program(plan, program)
-    group = Group.world()
-    total = int(_sum_over_ranks(group, torch.tensor(num_targets(tokens), device=tokens.device)))
-    run = execute(program, named_leaves(params), tokens, plan, group, total, slots)
-    return _sum_over_ranks(group, run.ce_sum.clone()) / total
+    mesh = mesh_for(plan)
+    total = int(_sum_over_ranks(mesh.world, torch.tensor(num_targets(tokens), device=tokens.device)))
+    run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
+    return _sum_over_ranks(mesh.world, run.ce_sum.clone()) / total

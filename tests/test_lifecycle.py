@@ -7,7 +7,8 @@ import torch
 
 import fmoe
 from fmoe.schedule import Action, build_program, double_buffer_slots, execute
-from fmoe.shard import Group, LifecycleError
+from fmoe.shard import LifecycleError
+from fmoe.shard.mesh import mesh_for
 from fmoe.params import named_leaves
 
 CFG = fmoe.ModelConfig(vocab=32, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
@@ -16,7 +17,7 @@ TOKENS = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0)
 
 def run(plan, program):
     params = fmoe.init(plan, seed=0)
-    return execute(program, named_leaves(params), TOKENS, plan, Group.world(), 4 * 8)
+    return execute(program, named_leaves(params), TOKENS, plan, mesh_for(plan), 4 * 8)
 
 
 def zero3(**kw):

@@ -1,14 +1,18 @@
-"""Permute tokens into per-expert segments and back (dropless, optional padding).
+"""Permute tokens into per-expert segments and back.
 
 The permuted buffer has ``R`` rows: expert 0's tokens, then expert 1's, ... in token
-order inside each segment. With ``pad_multiple = m > 0`` each segment is padded with
-zero rows up to a multiple of ``m``; padded rows are never read back, so they cannot
-reach outputs or gradients.
-
-Both directions are gathers, forward and backward: no scatter-add with duplicate
-indices, so results are deterministic on every backend.
+order inside each segment.
+- Dropless (default): every assignment gets a row. With ``pad_multiple = m > 0`` each
+  segment is padded with zero rows up to a multiple of ``m`` (R is read on the host).
+- Static capacity (``capacity = C``): every segment has exactly ``C`` rows, so no
+  value leaves the device; an expert's assignments beyond the first ``C`` in token
+  order are dropped (they contribute nothing to the output), the rest is padding.
+Padding and dropped rows are never read back, so they cannot reach outputs or
+gradients. Both directions are gathers, forward and backward: no scatter-add with
+duplicate indices, so results are deterministic on every backend.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -20,13 +24,15 @@ class Dispatch(NamedTuple):
     """Where every (token, k) assignment goes.
 
     Attributes:
-        pos_TK: ``[T, K]`` row of each assignment in the permuted buffer.
+        pos_TK: ``[T, K]`` row of each assignment; ``R`` (one past the end) if dropped.
         row_source_R: ``[R]`` flat assignment index ``t * K + k`` of each row;
             ``T * K`` marks a padding row.
         row_expert_R: ``[R]`` expert owning each row.
-        counts_E: ``[E]`` real assignments per expert.
-        rows_E: ``[E]`` rows per expert segment (``counts_E`` rounded up when padding).
+        counts_E: ``[E]`` assignments routed to each expert (before any drop).
+        rows_E: ``[E]`` rows per expert segment.
         offsets_E: ``[E]`` int32 cumulative segment ends (``torch._grouped_mm``'s ``offs``).
+        dropped: long scalar, assignments dropped by the capacity.
+        capacity: rows per expert in static-capacity mode, else None.
     """
 
     pos_TK: torch.Tensor
@@ -35,6 +41,8 @@ class Dispatch(NamedTuple):
     counts_E: torch.Tensor
     rows_E: torch.Tensor
     offsets_E: torch.Tensor
+    dropped: torch.Tensor
+    capacity: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -42,44 +50,59 @@ class Dispatch(NamedTuple):
 
     @property
     def padded_rows(self) -> int:
-        return self.num_rows - self.pos_TK.numel()
+        """Rows holding no assignment (an int for dropless, a device scalar with capacity)."""
+        if self.capacity is None:
+            return self.num_rows - self.pos_TK.numel()
+        return self.num_rows - (self.pos_TK.numel() - self.dropped)
 
 
-def make_dispatch(indices_TK: torch.Tensor, num_experts: int, pad_multiple: int = 0) -> Dispatch:
+def capacity_rows(tokens: int, topk: int, experts: int, factor: float, pad_multiple: int = 0) -> int:
+    """Rows per expert for ``factor`` x the even share ``tokens * topk / experts``,
+    rounded up (to ``pad_multiple`` too when set)."""
+    rows = max(1, math.ceil(factor * tokens * topk / experts))
+    return -(-rows // pad_multiple) * pad_multiple if pad_multiple else rows
+
+
+def make_dispatch(indices_TK: torch.Tensor, num_experts: int, pad_multiple: int = 0,
+                  capacity: int | None = None) -> Dispatch:
     """Build the permutation for a routing decision.
 
     Arguments:
         indices_TK: ``[T, K]`` chosen experts.
         num_experts: E.
-        pad_multiple: 0 for no padding, else the segment size multiple.
+        pad_multiple: dropless only: 0 for no padding, else the segment size multiple.
+        capacity: rows per expert for static-capacity mode (see ``capacity_rows``), or
+            None for dropless.
 
     Returns:
-        A Dispatch. Without padding no value leaves the device (``R = T * K``); with
-        padding, ``R`` is read on the host once.
+        A Dispatch. Without padding, or with a capacity, no value leaves the device.
     """
     T, K = indices_TK.shape
+    device = indices_TK.device
     flat = indices_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
-    if pad_multiple:
-        rows = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-        num_rows = int(rows.sum())
-    else:
-        rows, num_rows = counts, T * K
-    seg_start = torch.cumsum(counts, 0) - counts
-    row_start = torch.cumsum(rows, 0) - rows
     sorted_expert = flat[order]
-    rank_in_expert = torch.arange(T * K, device=flat.device) - seg_start[sorted_expert]
-    dest = row_start[sorted_expert] + rank_in_expert
+    rank_in_expert = torch.arange(T * K, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+    if capacity is not None:
+        rows = torch.full((num_experts,), capacity, dtype=torch.long, device=device)
+        num_rows = num_experts * capacity
+        kept = rank_in_expert < capacity
+        dest = torch.where(kept, sorted_expert * capacity + rank_in_expert, num_rows)
+        dropped = (~kept).sum()
+    else:
+        rows = (counts + pad_multiple - 1) // pad_multiple * pad_multiple if pad_multiple else counts
+        num_rows = int(rows.sum()) if pad_multiple else T * K
+        dest = (torch.cumsum(rows, 0) - rows)[sorted_expert] + rank_in_expert
+        dropped = torch.zeros((), dtype=torch.long, device=device)
     pos = torch.empty_like(flat)
     pos[order] = dest
-    row_source = torch.full((num_rows,), T * K, dtype=torch.long, device=flat.device)
+    # One spare slot takes every dropped assignment's write; it is cut off after.
+    row_source = torch.full((num_rows + 1,), T * K, dtype=torch.long, device=device)
     row_source[dest] = order
-    row_expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=flat.device), rows, output_size=num_rows
-    )
+    row_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), rows, output_size=num_rows)
     offsets = torch.cumsum(rows, 0).to(torch.int32)
-    return Dispatch(pos.view(T, K), row_source, row_expert, counts, rows, offsets)
+    return Dispatch(pos.view(T, K), row_source[:num_rows], row_expert, counts, rows, offsets, dropped, capacity)
 
 
 def _gather_rows_with_zero_pad(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -88,28 +111,31 @@ def _gather_rows_with_zero_pad(src: torch.Tensor, index: torch.Tensor) -> torch.
     return padded.index_select(0, index)
 
 
+def _rows_at(src: torch.Tensor, index: torch.Tensor, may_miss: bool) -> torch.Tensor:
+    return _gather_rows_with_zero_pad(src, index) if may_miss else src.index_select(0, index)
+
+
 class _Permute(torch.autograd.Function):
     # Autograd's backward for a gather with repeated indices is a scatter-add
     # (atomics, order-dependent on GPU); the reverse gather + sum over k is exact.
     @staticmethod
-    def forward(ctx, x_TD, row_token_R, pos_TK):
+    def forward(ctx, x_TD, row_token_R, pos_TK, capacity):
         ctx.save_for_backward(pos_TK)
-        if row_token_R.shape[0] == pos_TK.numel():
-            return x_TD.index_select(0, row_token_R)
-        return _gather_rows_with_zero_pad(x_TD, row_token_R)
+        ctx.dropping = capacity is not None
+        return _rows_at(x_TD, row_token_R, row_token_R.shape[0] != pos_TK.numel() or ctx.dropping)
 
     @staticmethod
     def backward(ctx, grad_RD):
         (pos_TK,) = ctx.saved_tensors
         T, K = pos_TK.shape
-        grad_TKD = grad_RD.index_select(0, pos_TK.reshape(-1)).view(T, K, -1)
-        return grad_TKD.sum(1), None, None
+        grad_TKD = _rows_at(grad_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, -1)
+        return grad_TKD.sum(1), None, None, None
 
 
 def permute(x_TD: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """``[T, D]`` tokens -> ``[R, D]`` rows grouped by expert (zeros on padding rows)."""
     K = d.pos_TK.shape[1]
-    return _Permute.apply(x_TD, d.row_source_R // K, d.pos_TK)
+    return _Permute.apply(x_TD, d.row_source_R // K, d.pos_TK, d.capacity)
 
 
 def row_weights(w_TK: torch.Tensor, d: Dispatch) -> torch.Tensor:
@@ -118,7 +144,8 @@ def row_weights(w_TK: torch.Tensor, d: Dispatch) -> torch.Tensor:
 
 
 def unpermute(y_RD: torch.Tensor, d: Dispatch, w_TK: torch.Tensor | None = None) -> torch.Tensor:
-    """Combine rows back into tokens: ``y[t] = sum_k w[t, k] * y_R[pos[t, k]]``.
+    """Combine rows back into tokens: ``y[t] = sum_k w[t, k] * y_R[pos[t, k]]``
+    (a dropped assignment adds nothing).
 
     Arguments:
         y_RD: ``[R, D]`` expert outputs.
@@ -130,7 +157,7 @@ def unpermute(y_RD: torch.Tensor, d: Dispatch, w_TK: torch.Tensor | None = None)
         ``[T, D]`` in ``y_RD``'s dtype.
     """
     T, K = d.pos_TK.shape
-    y_TKD = y_RD.index_select(0, d.pos_TK.reshape(-1)).view(T, K, -1)
+    y_TKD = _rows_at(y_RD, d.pos_TK.reshape(-1), d.capacity is not None).view(T, K, -1)
     if w_TK is None:
         return upcast(y_TKD).sum(1).to(y_RD.dtype)
     return torch.einsum("tkd,tk->td", upcast(y_TKD), w_TK.to(upcast(y_TKD).dtype)).to(y_RD.dtype)

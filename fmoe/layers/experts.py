@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .dispatch import Dispatch
 from .precision import upcast
 
 QUICK_GELU_ALPHA = 1.702
@@ -53,18 +52,19 @@ class _AddExpertBias(torch.autograd.Function):
         return grad_RN, grad_bias, None, None
 
 
-def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, d: Dispatch) -> torch.Tensor:
+def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, segs) -> torch.Tensor:
     """``h[r] + bias[expert of row r]``; the bias gradient is summed in fp32."""
-    return _AddExpertBias.apply(h_RN, bias_EN, d.row_expert_R, d.rows_E)
+    return _AddExpertBias.apply(h_RN, bias_EN, segs.row_expert_R, segs.rows_E)
 
 
-def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, d: Dispatch, backend: str = "torch"):
+def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str = "torch"):
     """Row segment ``e`` of ``x`` times ``w[e]``, for every expert.
 
     Arguments:
         x_RD: ``[R, D]`` permuted rows.
         w_EDN: ``[E, D, N]`` stacked expert weights.
-        d: the Dispatch giving segment sizes.
+        segs: the segments (a Dispatch, or expert_parallel.Segments): ``rows_E``,
+            ``offsets_E``, ``row_expert_R``.
         backend: ``torch`` uses ``torch._grouped_mm`` when dtype and strides allow,
             else (or with ``loop``) one matmul per expert: the same arithmetic.
 
@@ -72,8 +72,8 @@ def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, d: Dispatch, backend
         ``[R, N]``.
     """
     if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN):
-        return _GroupedMatmul.apply(x_RD, w_EDN, d.offsets_E)
-    segments = x_RD.split(d.rows_E.tolist())
+        return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E)
+    segments = x_RD.split(segs.rows_E.tolist())
     return torch.cat([seg @ w_EDN[e] for e, seg in enumerate(segments)])
 
 
@@ -105,14 +105,14 @@ def activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
 
 
-def expert_mlp(p: dict, x_RD: torch.Tensor, d: Dispatch, cfg: ModelConfig,
+def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
                row_probs_R: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
     """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
 
     Arguments:
         p: the ``experts`` subtree (``fc1 [E, D, 2F]``, ``fc2 [E, F, D]``, optional biases).
         x_RD: ``[R, D]`` permuted rows.
-        d: the Dispatch.
+        segs: their expert segments (see ``grouped_matmul``).
         cfg: the ModelConfig.
         row_probs_R: when given, each row's activation is scaled by it before fc2.
         backend: see ``grouped_matmul``.
@@ -120,15 +120,15 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, d: Dispatch, cfg: ModelConfig,
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
-    h = grouped_matmul(x_RD, p["fc1"], d, backend)
+    h = grouped_matmul(x_RD, p["fc1"], segs, backend)
     if "fc1_bias" in p:
-        h = add_expert_bias(h, p["fc1_bias"], d)
+        h = add_expert_bias(h, p["fc1_bias"], segs)
     a = activation(h, cfg)
     if row_probs_R is not None:
         a = a * row_probs_R.to(a.dtype)[:, None]
-    y = grouped_matmul(a, p["fc2"], d, backend)
+    y = grouped_matmul(a, p["fc2"], segs, backend)
     if "fc2_bias" in p:
-        y = add_expert_bias(y, p["fc2_bias"], d)
+        y = add_expert_bias(y, p["fc2_bias"], segs)
     return y
 
 

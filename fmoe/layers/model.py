@@ -8,11 +8,8 @@ from ..config import ModelConfig
 from .attention import attention
 from .moe import MoEStats, moe
 from .norm import rms_norm
-from .precision import upcast
+from .precision import FP32_LEAVES, upcast
 
-# Routing is decided in fp32 from fp32 weights whatever the compute dtype; expert
-# biases stay fp32 so their row-summed gradients are accumulated in fp32.
-FP32_LEAVES = ("router", "expert_bias", "fc1_bias", "fc2_bias")
 
 
 def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
@@ -26,8 +23,10 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
     return optree.tree_map_with_path(cast, params)
 
 
-def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
+def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None):
     """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``.
+
+    ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert).
 
     Returns:
         ``(h_BSD, MoEStats)``.
@@ -35,7 +34,7 @@ def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"
     eps = cfg.norm_eps
     h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg)
     x_TD = rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
-    y_TD, stats = moe(p["moe"], x_TD, cfg, backend)
+    y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep)
     return h_BSD + y_TD.view_as(h_BSD), stats
 
 

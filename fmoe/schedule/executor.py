@@ -9,6 +9,7 @@ first asks the lifecycle for its unit (which raises if the unit is not gathered)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -16,8 +17,8 @@ import torch
 from ..config import Plan
 from ..layers.model import stack_stats
 from ..shard import lifecycle as lc
-from ..shard.comm import Group
-from ..shard.spec import local_leaves, shard_spec
+from ..shard.mesh import Mesh
+from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
 from ..shard.units import member_of, members
 from .nodes import run_node
@@ -47,10 +48,10 @@ def check_program(plan: Plan, program: list[Action]) -> dict | None:
     double-buffer slots, and room for persistent buffers. Returns the slots."""
     slots = double_buffer_slots(plan, program)
     device = torch.device(plan.device)
-    if plan.gather_buffers == "persistent" and device.type == "cuda" and shard_spec(plan).sharded:
-        spec = shard_spec(plan)
-        need = sum(layout.full_size * torch.empty((), dtype=u.dtype(g, plan)).element_size()
-                   for u in spec.units for g, layout in u.groups.items())
+    spec = shard_spec(plan)
+    if plan.gather_buffers == "persistent" and device.type == "cuda":
+        need = sum(layout.full_size * torch.empty((), dtype=u.dtype(key, plan)).element_size()
+                   for u in spec.units for key, layout in u.groups.items() if spec.sharded(key[0]))
         free, _ = torch.cuda.mem_get_info(device)
         if need > free:
             raise ValueError(f"Plan.gather_buffers='persistent' keeps every unit gathered: {need / 2**30:.1f} GiB, "
@@ -67,14 +68,16 @@ class _Activations:
         self.outputs, self.saved, self.grad_in = {}, {}, {}
 
 
-def _forward(state, a: Action, acts: _Activations, tokens_mb, plan: Plan, total_targets: int, data_ranks: int):
+def _forward(state, a: Action, acts: _Activations, tokens_mb, plan: Plan, total_targets: int, mesh: Mesh):
     t0 = now()
     views = lc.require_gathered(state, a.unit, f"forward {a.node} (microbatch {a.mb})")
     train = torch.is_grad_enabled()
     weights = {p: v.detach().requires_grad_(train) for p, v in views.items() if member_of(p) == a.node}
     x = acts.outputs.pop((a.mb, acts.previous[a.node])) if a.node in acts.previous else None
     x_in = x.detach().requires_grad_(train) if x is not None else None
-    res = run_node(a.node, weights, x_in, tokens_mb, plan, total_targets, data_ranks)
+    events: list = []
+    res = run_node(a.node, weights, x_in, tokens_mb, plan, total_targets, mesh, events)
+    state = lc.record(state, *(dataclasses.replace(e, node=a.node, mb=a.mb) for e in events))
     if res.output is not None:
         acts.outputs[(a.mb, a.node)] = res.output
     if train:
@@ -102,7 +105,7 @@ def _backward(state, a: Action, acts: _Activations):
     return lc.record(state, Event("backward", a.unit, a.node, a.mb, t0, now()))
 
 
-def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, group: Group,
+def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
             total_targets: int, slots: dict | None = None) -> Executed:
     """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
 
@@ -112,9 +115,7 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     spec = shard_spec(plan)
     if slots is None:
         slots = check_program(plan, program)
-    rank = spec.shard_rank(group.rank)
-    state = lc.start(plan, spec, group, group, lc.build_shards(params_named, spec, plan, rank),
-                     max_live_units(plan), slots)
+    state = lc.start(plan, spec, mesh, lc.build_shards(params_named, spec, plan, mesh), max_live_units(plan), slots)
     order = members(plan.model)
     acts = _Activations(order)
     tokens_mb = tokens.chunk(plan.microbatches)
@@ -131,7 +132,7 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
         elif a.op == "reduce":
             state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
         elif a.op == "forward":
-            state, res = _forward(state, a, acts, tokens_mb[a.mb], plan, total_targets, group.size)
+            state, res = _forward(state, a, acts, tokens_mb[a.mb], plan, total_targets, mesh)
             if res.ce_sum is not None:
                 ce_sum += res.ce_sum
             if res.objective is not None:
@@ -146,7 +147,8 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     state = lc.finish(state, trained)
     grads = {}
     for u in spec.units if trained else ():
-        for g, layout in u.groups.items():
-            grads.update(local_leaves(state.units[u.name].grad_shard[g], layout, rank, spec.sharded))
+        for key, layout in u.groups.items():
+            grads.update(local_leaves(state.units[u.name].grad_shard[key], layout,
+                                      shard_rank(plan, mesh.world.rank, key[0]), spec.sharded(key[0])))
     per_mb = [stack_stats([stats[mb][n] for n in order if n in stats[mb]]) for mb in sorted(stats)]
     return Executed(ce_sum, objective, grads, per_mb, state)

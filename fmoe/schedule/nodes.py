@@ -12,10 +12,12 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
+from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import block
 from ..layers.moe import MoEStats
 from ..layers.norm import rms_norm
 from ..layers.precision import upcast
+from ..shard.mesh import Mesh
 
 
 class NodeResult(NamedTuple):
@@ -42,7 +44,7 @@ def nest(flat: dict, prefix: str) -> dict:
 
 
 def run_node(node: str, weights: dict, x: torch.Tensor, tokens_mb: torch.Tensor, plan: Plan,
-             total_targets: int, data_ranks: int) -> NodeResult:
+             total_targets: int, mesh: Mesh, events: list) -> NodeResult:
     """Forward of one node.
 
     Arguments:
@@ -52,7 +54,9 @@ def run_node(node: str, weights: dict, x: torch.Tensor, tokens_mb: torch.Tensor,
         tokens_mb: this microbatch's ``[b, S+1]`` tokens.
         plan: the Plan.
         total_targets: targets in the whole global batch (the loss's denominator).
-        data_ranks: ranks holding different data (router losses average over them).
+        mesh: this rank's groups (router losses average over all ranks; experts
+            exchange tokens over ``mesh.ep``).
+        events: the layer's all-to-all exchanges and host syncs are appended here.
     """
     cfg = plan.model
     if node == "embed":
@@ -62,9 +66,10 @@ def run_node(node: str, weights: dict, x: torch.Tensor, tokens_mb: torch.Tensor,
         ce_sum = torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), tokens_mb[:, 1:].flatten(),
                                                    reduction="sum")
         return NodeResult(None, ce_sum / total_targets, ce_sum=ce_sum.detach())
-    h, stats = block(nest(weights, node), x, cfg, plan.expert_backend)
+    ep = ExpertParallel(mesh.ep, cfg.experts // plan.ep, events) if plan.ep > 1 else None
+    h, stats = block(nest(weights, node), x, cfg, plan.expert_backend, ep)
     objective = None
     if cfg.aux_loss_coef or cfg.z_loss_coef:
         router = cfg.aux_loss_coef * stats.aux_loss + cfg.z_loss_coef * stats.z_loss
-        objective = router / (plan.microbatches * data_ranks)
+        objective = router / (plan.microbatches * mesh.world.size)
     return NodeResult(h, objective, stats)

@@ -99,7 +99,7 @@ def double_buffer_slots(plan: Plan, program: list[Action]) -> dict | None:
     Slots alternate in order of first gather; ValueError (before anything runs) if
     the program would ever need both live units in one slot.
     """
-    if plan.gather_buffers != "double" or shard_spec(plan).group_size == 1:
+    if plan.gather_buffers != "double" or not any(size > 1 for size in shard_spec(plan).sizes.values()):
         return None
     slots, live = {}, set()
     for a in program:

@@ -59,6 +59,15 @@ class Group:
             return Pending(done=True)
         return Pending(_reduce_scatter_flat(out, full, group=self.group, async_op=True))
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> Pending:
+        """Rows ``inp`` split by ``in_splits`` go one block per rank; ``out`` receives
+        ``out_splits`` rows from each rank (equal blocks when the splits are None)."""
+        if self.size == 1:
+            out.copy_(inp)
+            return Pending(done=True)
+        return Pending(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
+                                              input_split_sizes=in_splits, group=self.group, async_op=True))
+
     def all_reduce(self, t: torch.Tensor) -> Pending:
         """In-place sum over ranks."""
         if self.size == 1:

@@ -7,33 +7,44 @@ import torch
 
 from ..config import Plan
 from ..params import named_leaves
-from .comm import Group
-from .spec import full_views, shard_spec, write_shard
+from .mesh import mesh_for
+from .spec import full_views, shard_rank, shard_spec, write_shard
 
 
 def gather_full(tree, plan: Plan):
-    """Full tensors for a pytree sharded like ``fmoe.init(plan)`` (params, grads, or
+    """Full tensors for a pytree laid out like ``fmoe.init(plan)`` (params, grads, or
     an optimizer moment). Every rank must call it; every rank gets the same result.
 
+    Row shards are gathered over the ranks that split them; under expert
+    parallelism each rank's experts are then gathered over the EP group.
+
     Arguments:
-        tree: this rank's pytree in the plan's sharding.
+        tree: this rank's pytree in the plan's layout.
         plan: the Plan.
 
     Returns:
-        The pytree in the canonical full layout (the input itself when unsharded).
+        The pytree in the canonical full layout (the input itself on one rank).
     """
-    spec = shard_spec(plan)
-    if not spec.sharded:
+    if plan.world == 1:
         return tree
-    group = Group.world()
+    spec, mesh = shard_spec(plan), mesh_for(plan)
     named = named_leaves(tree)
     first = next(iter(named.values()))
     full = {}
     for u in spec.units:
-        for layout in u.groups.values():
-            shard = torch.empty(layout.shard_size, dtype=first.dtype, device=first.device)
-            write_shard(named, layout, group.rank, shard)
-            out = torch.empty(layout.full_size, dtype=first.dtype, device=first.device)
-            group.all_gather(out, shard).wait()
-            full.update(full_views(out, layout))
+        for (domain, dtype), layout in u.groups.items():
+            if spec.sharded(domain):
+                shard = torch.empty(layout.shard_size, dtype=first.dtype, device=first.device)
+                write_shard(named, layout, shard_rank(plan, mesh.world.rank, domain), shard)
+                out = torch.empty(layout.full_size, dtype=first.dtype, device=first.device)
+                mesh.shard_group(domain, spec.sizes[domain]).all_gather(out, shard).wait()
+                views = full_views(out, layout)
+            else:
+                views = {s.path: named[s.path] for s in layout.slots}
+            if domain == "expert" and plan.ep > 1:
+                for path, local in views.items():
+                    every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))
+                    mesh.ep.all_gather(every.view(-1), local.contiguous().view(-1)).wait()
+                    views[path] = every
+            full.update(views)
     return optree.tree_unflatten(optree.tree_structure(tree), [full[p] for p in named])

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
-from .comm import Group
-from .spec import ShardSpec, full_views, write_shard
+from .mesh import Mesh
+from .spec import ShardSpec, full_views, shard_rank, write_shard
 from .trace import Event, now
 
 
@@ -45,7 +45,7 @@ class UnitState:
 
     Attributes:
         phase: SHARDED, GATHERING or GATHERED.
-        buffers: ``{dtype group: flat full buffer}`` once the unit was first gathered.
+        buffers: ``{(domain, dtype): flat full buffer}`` once the unit was first gathered.
         in_flight: the pending gathers and when they were issued.
         grad_full: ``{group: fp32 full-layout grads}`` accumulated since the last reduce.
         grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
@@ -66,9 +66,8 @@ class Lifecycle:
 
     Attributes:
         plan, spec: the Plan and its ShardSpec.
-        group: ranks sharing the flat buffers (gather / reduce-scatter).
-        dp_group: ranks holding different data (gradient sum; the world here).
-        shards: ``{unit: {group: compute-dtype flat shard}}`` built from the params.
+        mesh: this rank's process groups (who shares which buffers, who sums grads).
+        shards: ``{unit: {(domain, dtype): flat shard in that dtype}}`` built from the params.
         units: ``{unit: UnitState}``.
         max_live: most units allowed gathered or gathering at once.
         slots: ``{unit: slot}`` under double buffering, else None.
@@ -79,8 +78,7 @@ class Lifecycle:
 
     plan: Plan
     spec: ShardSpec
-    group: Group
-    dp_group: Group
+    mesh: Mesh
     shards: dict
     units: dict
     max_live: int
@@ -96,11 +94,20 @@ class Lifecycle:
 MAX_PENDING_REDUCTIONS = 2
 
 
-def start(plan: Plan, spec: ShardSpec, group: Group, dp_group: Group, shards: dict, max_live: int,
+def start(plan: Plan, spec: ShardSpec, mesh: Mesh, shards: dict, max_live: int,
           slots: dict | None = None) -> Lifecycle:
-    """Every unit SHARDED; ``shards`` are the compute-dtype flat shards of the params."""
-    return Lifecycle(plan, spec, group, dp_group, shards, {u.name: UnitState() for u in spec.units},
+    """Every unit SHARDED; ``shards`` are the flat shards of the params (``build_shards``)."""
+    return Lifecycle(plan, spec, mesh, shards, {u.name: UnitState() for u in spec.units},
                      max_live, slots, {} if slots is not None else None)
+
+
+def _shared(state: Lifecycle, key: tuple) -> bool:
+    """Whether the buffers of group ``key`` are split over several ranks."""
+    return state.spec.sizes[key[0]] > 1
+
+
+def _shard_group(state: Lifecycle, key: tuple):
+    return state.mesh.shard_group(key[0], state.spec.sizes[key[0]])
 
 
 def _with(state: Lifecycle, unit: str, event: Event | None = None, **changes) -> Lifecycle:
@@ -118,33 +125,35 @@ def _gather_buffers(state: Lifecycle, unit: str) -> dict:
     """The flat buffers a gather of ``unit`` writes (allocating or re-growing them).
 
     A unit always gathers into the same storage, so views autograd saved during its
-    forward see the re-gathered weights in its backward.
+    forward see the re-gathered weights in its backward. A group held whole by
+    every rank needs no buffer: its shard is the full tensor.
     """
     spec, ustate = _unit_spec(state, unit), state.units[unit]
-    if state.spec.group_size == 1:
-        return dict(state.shards[unit])  # one rank holds everything: no copy
+    bufs = {}
     if state.slots is not None:
         slot = state.slots[unit]
         for other in state.live():
             if state.slots.get(other) == slot:
                 raise LifecycleError(f"gather {unit}: double-buffer slot {slot} is still held by {other}")
-        bufs = {}
-        for g, layout in spec.groups.items():
-            key = (slot, g)
-            if key not in state.slot_buffers:  # sized once for every unit sharing the slot
-                size = max(u.groups[g].full_size for u in state.spec.units
-                           if state.slots.get(u.name) == slot and g in u.groups)
-                state.slot_buffers[key] = torch.empty(size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
-            bufs[g] = state.slot_buffers[key][:layout.full_size]
-        return bufs
-    if ustate.buffers is None:
-        return {g: torch.empty(layout.full_size, dtype=spec.dtype(g, state.plan), device=state.plan.device)
-                for g, layout in spec.groups.items()}
-    for buf in ustate.buffers.values():  # dynamic: released storage grows back in place
-        storage = buf.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(buf.numel() * buf.element_size())
-    return ustate.buffers
+    for key, layout in spec.groups.items():
+        if not _shared(state, key):
+            bufs[key] = state.shards[unit][key]
+        elif state.slots is not None:
+            slot_key = (state.slots[unit], key)
+            if slot_key not in state.slot_buffers:  # sized once for every unit sharing the slot
+                size = max(u.groups[key].full_size for u in state.spec.units
+                           if state.slots.get(u.name) == slot_key[0] and key in u.groups)
+                state.slot_buffers[slot_key] = torch.empty(size, dtype=spec.dtype(key, state.plan),
+                                                           device=state.plan.device)
+            bufs[key] = state.slot_buffers[slot_key][:layout.full_size]
+        elif ustate.buffers is None:
+            bufs[key] = torch.empty(layout.full_size, dtype=spec.dtype(key, state.plan), device=state.plan.device)
+        else:  # dynamic: released storage grows back in place
+            buf = bufs[key] = ustate.buffers[key]
+            storage = buf.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(buf.numel() * buf.element_size())
+    return bufs
 
 
 def gather(state: Lifecycle, unit: str) -> Lifecycle:
@@ -162,8 +171,8 @@ def gather(state: Lifecycle, unit: str) -> Lifecycle:
     # refilling them with the same weights must not count as a mutation. The versions
     # are put back once the gather has landed (some backends copy in at completion).
     versions = torch.autograd._unsafe_preserve_version_counter(tuple(bufs.values()))
-    pendings = [state.group.all_gather(buf, state.shards[unit][g])
-                for g, buf in (bufs.items() if state.spec.group_size > 1 else ())]
+    pendings = [_shard_group(state, key).all_gather(buf, state.shards[unit][key])
+                for key, buf in bufs.items() if _shared(state, key)]
     return _with(state, unit, phase=Phase.GATHERING, buffers=bufs, in_flight=(tuple(pendings), issued, versions))
 
 
@@ -177,8 +186,8 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
         p.wait()
     versions.__exit__()
     event = None
-    if state.spec.group_size > 1:
-        nbytes = sum(b.numel() * b.element_size() for b in ustate.buffers.values())
+    if pendings:
+        nbytes = sum(b.numel() * b.element_size() for k, b in ustate.buffers.items() if _shared(state, k))
         event = Event("all_gather", unit, None, -1, issued, now(), nbytes, "params")
     return _with(state, unit, event, phase=Phase.GATHERED, in_flight=())
 
@@ -189,9 +198,10 @@ def release(state: Lifecycle, unit: str) -> Lifecycle:
     if ustate.phase != Phase.GATHERED:
         raise LifecycleError(f"release {unit}: it is {ustate.phase.value}, not gathered")
     t = now()
-    if state.spec.group_size > 1 and state.plan.gather_buffers == "dynamic":
-        for buf in ustate.buffers.values():
-            buf.untyped_storage().resize_(0)
+    if state.plan.gather_buffers == "dynamic":
+        for key, buf in ustate.buffers.items():
+            if _shared(state, key):
+                buf.untyped_storage().resize_(0)
     return _with(state, unit, Event("release", unit, None, -1, t, now()), phase=Phase.SHARDED)
 
 
@@ -259,24 +269,28 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
         state = dataclasses.replace(_fold(state, state.pending[0]), pending=state.pending[1:])
     issued = now()
     full = ustate.grad_full
-    if state.spec.group_size > 1:
-        layouts = _unit_spec(state, unit).groups
-        results = {g: torch.empty(layouts[g].shard_size, dtype=torch.float32, device=state.plan.device) for g in full}
-        works = [state.group.reduce_scatter(results[g], full[g]) for g in full]
-        kind = "reduce_scatter"
-    else:
-        results = full
-        works = [state.dp_group.all_reduce(full[g]) for g in full]
-        kind = "all_reduce" if state.dp_group.size > 1 else ""
+    layouts = _unit_spec(state, unit).groups
+    results, works, kinds = {}, [], set()
+    for key, grads in full.items():
+        if _shared(state, key):
+            results[key] = torch.empty(layouts[key].shard_size, dtype=torch.float32, device=state.plan.device)
+            works.append(_shard_group(state, key).reduce_scatter(results[key], grads))
+            kinds.add("reduce_scatter")
+        else:
+            results[key] = grads
+            group = state.mesh.data_group(key[0])
+            works.append(group.all_reduce(grads))
+            kinds.add("all_reduce" if group.size > 1 else "")
+    kind = "reduce_scatter" if "reduce_scatter" in kinds else ("all_reduce" if "all_reduce" in kinds else "")
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
     state = _with(state, unit, grad_full=None, reduced=ustate.reduced + (mb,))
     reduction = Reduction(unit, results, tuple(works), issued, kind, nbytes)
     return dataclasses.replace(state, pending=state.pending + (reduction,))
 
 
-def record(state: Lifecycle, event: Event) -> Lifecycle:
-    """Append a compute (or other) event to the trace."""
-    return dataclasses.replace(state, trace=state.trace + (event,))
+def record(state: Lifecycle, *events: Event) -> Lifecycle:
+    """Append compute (or other) events to the trace."""
+    return dataclasses.replace(state, trace=state.trace + events)
 
 
 def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
@@ -300,12 +314,13 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
     return state
 
 
-def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, rank: int) -> dict:
-    """``{unit: {group: compute-dtype flat shard}}`` from this rank's parameter leaves."""
+def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> dict:
+    """``{unit: {(domain, dtype): flat shard in that dtype}}`` from this rank's leaves."""
     shards = {}
     for u in spec.units:
         shards[u.name] = {}
-        for g, layout in u.groups.items():
+        for key, layout in u.groups.items():
             flat = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
-            shards[u.name][g] = write_shard(params_named, layout, rank, flat).to(u.dtype(g, plan))
+            rank = shard_rank(plan, mesh.world.rank, key[0])
+            shards[u.name][key] = write_shard(params_named, layout, rank, flat).to(u.dtype(key, plan))
     return shards

@@ -1,7 +1,11 @@
-"""How a plan lays parameters out over ranks: units, dtype groups, flat layouts.
+"""How a plan lays parameters out over ranks: units, buffer groups, flat layouts.
 
-Everything here is a pure function of the plan (cached), so every rank derives the
-same layout without talking to the others.
+A unit's parameters fall into buffer groups keyed ``(domain, dtype)``: the domain is
+``dense`` (sharded over the whole world) or ``expert`` (this rank's ``E / ep``
+experts, sharded over its expert-data-parallel group); the dtype is ``compute`` or
+``float32`` (router and biases stay fp32 in bf16 runs). Everything here is a pure
+function of the plan (cached), so every rank derives the same layout without
+talking to the others.
 """
 
 from __future__ import annotations
@@ -12,47 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Plan
-from ..layers.model import FP32_LEAVES
+from ..layers.precision import FP32_LEAVES
 from ..params import flat_shapes
-from .comm import Group
 from .layout import FlatLayout, make_layout
 from .units import member_of, unit_name
 
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """One FSDP unit: its members and one flat layout per dtype group.
-
-    ``groups`` maps a dtype name (``"compute"`` or ``"float32"``) to the layout of the
-    unit's parameters gathered in that dtype.
-    """
-
-    name: str
-    members: tuple[str, ...]
-    groups: dict
-
-    def dtype(self, group: str, plan: Plan) -> torch.dtype:
-        return torch.float32 if group == "float32" else plan.compute_dtype
+DOMAINS = ("dense", "expert")
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """The plan's units and the number of ranks sharing each flat buffer."""
-
-    units: tuple[UnitSpec, ...]
-    group_size: int
-
-    @property
-    def sharded(self) -> bool:
-        """Whether params/grads at rest are row shards (else full tensors)."""
-        return self.group_size > 1
-
-    def shard_rank(self, rank: int) -> int:
-        """A rank's index among those sharing the buffers (0 when nothing is shared)."""
-        return rank if self.sharded else 0
-
-    def unit_of_member(self, member: str) -> UnitSpec:
-        return next(u for u in self.units if member in u.members)
+def domain_of(path: str) -> str:
+    """``expert`` for the routed experts' weights (split over EP ranks), else ``dense``."""
+    return "expert" if ".moe.experts." in path else "dense"
 
 
 def dtype_group(path: str, plan: Plan) -> str:
@@ -62,25 +36,86 @@ def dtype_group(path: str, plan: Plan) -> str:
     return "compute"
 
 
-def shard_group_size(plan: Plan) -> int:
-    """Ranks a unit's buffers are split over: the world for sharded strategies."""
-    return 1 if plan.sharding == "no_shard" else plan.dp * plan.ep
+@dataclass(frozen=True)
+class UnitSpec:
+    """One FSDP unit: its members and one flat layout per ``(domain, dtype)`` group."""
+
+    name: str
+    members: tuple[str, ...]
+    groups: dict
+
+    def dtype(self, key: tuple, plan: Plan) -> torch.dtype:
+        return torch.float32 if key[1] == "float32" else plan.compute_dtype
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The plan's units and how many ranks share each domain's buffers.
+
+    Attributes:
+        units: the UnitSpecs in member order.
+        sizes: ``{"dense": G, "expert": G}``; 1 means every rank holds the whole
+            domain (full tensors, or its own experts under EP).
+        experts_per_rank: ``E / ep``.
+    """
+
+    units: tuple[UnitSpec, ...]
+    sizes: dict
+    experts_per_rank: int
+
+    def sharded(self, domain: str) -> bool:
+        """Whether ``domain``'s params/grads at rest are row shards."""
+        return self.sizes[domain] > 1
+
+    def unit_of_member(self, member: str) -> UnitSpec:
+        return next(u for u in self.units if member in u.members)
+
+    def layout_of(self, path: str, plan: Plan) -> FlatLayout:
+        return self.unit_of_member(member_of(path)).groups[(domain_of(path), dtype_group(path, plan))]
+
+
+def shard_sizes(plan: Plan) -> dict:
+    """Ranks sharing each domain's buffers: world / edp under sharded strategies, else 1."""
+    if plan.sharding == "no_shard":
+        return {"dense": 1, "expert": 1}
+    return {"dense": plan.dp * plan.ep, "expert": plan.dp}
+
+
+def local_full_shape(path: str, shape: tuple, plan: Plan) -> tuple:
+    """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
+    if domain_of(path) == "expert":
+        return (shape[0] // plan.ep,) + tuple(shape[1:])
+    return tuple(shape)
 
 
 @functools.lru_cache(maxsize=64)
 def shard_spec(plan: Plan) -> ShardSpec:
     """The layout of ``plan``'s parameters (pure, cached per plan)."""
+    sizes = shard_sizes(plan)
     shapes = flat_shapes(plan.model)
-    size = shard_group_size(plan)
     units = []
     for members in plan.unit_groups:
-        by_group: dict = {}
+        by_key: dict = {}
         for path, shape in shapes.items():
             if member_of(path) in members:
-                by_group.setdefault(dtype_group(path, plan), []).append((path, shape))
-        groups = {g: make_layout(named, size) for g, named in sorted(by_group.items())}
+                key = (domain_of(path), dtype_group(path, plan))
+                by_key.setdefault(key, []).append((path, local_full_shape(path, shape, plan)))
+        groups = {key: make_layout(named, sizes[key[0]]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups))
-    return ShardSpec(tuple(units), size)
+    return ShardSpec(tuple(units), sizes, plan.model.experts // plan.ep)
+
+
+def ep_index(plan: Plan, world_rank: int) -> int:
+    """Which expert slice a rank holds: its column in the ``dp x ep`` mesh."""
+    return world_rank % plan.ep
+
+
+def shard_rank(plan: Plan, world_rank: int, domain: str) -> int:
+    """A rank's index among those sharing ``domain``'s buffers (0 if none share):
+    its world rank for dense groups, its row (``rank // ep``) for expert groups."""
+    if not shard_spec(plan).sharded(domain):
+        return 0
+    return world_rank if domain == "dense" else world_rank // plan.ep
 
 
 def local_leaf(flat: torch.Tensor, layout: FlatLayout, index: int, rank: int, sharded: bool) -> torch.Tensor:
@@ -112,17 +147,29 @@ def full_views(full: torch.Tensor, layout: FlatLayout) -> dict:
     return {s.path: full[s.start:s.end].view(s.shape) for s in layout.slots}
 
 
-def shard_leaf(full_leaf: torch.Tensor, path: str, plan: Plan, rank: int) -> torch.Tensor:
-    """This rank's part of a full parameter: its own rows, or all of it when unsharded."""
+def shard_leaf(full_leaf: torch.Tensor, path: str, plan: Plan, world_rank: int) -> torch.Tensor:
+    """This rank's part of a full parameter: its experts (under EP), then its rows
+    (when the domain is sharded)."""
     spec = shard_spec(plan)
-    if not spec.sharded:
-        return full_leaf
-    layout = spec.unit_of_member(member_of(path)).groups[dtype_group(path, plan)]
+    domain = domain_of(path)
+    if domain == "expert" and plan.ep > 1:
+        first = ep_index(plan, world_rank) * spec.experts_per_rank
+        full_leaf = full_leaf[first:first + spec.experts_per_rank]
+    if not spec.sharded(domain):
+        return full_leaf.clone() if domain == "expert" and plan.ep > 1 else full_leaf
+    layout = spec.layout_of(path, plan)
     index = next(i for i, s in enumerate(layout.slots) if s.path == path)
-    slot, first, last, _ = layout.local_slots(rank)[index]
+    slot, first, last, _ = layout.local_slots(shard_rank(plan, world_rank, domain))[index]
     return full_leaf.reshape(slot.rows, slot.cols)[first:last].clone()
 
 
-def group(plan: Plan) -> Group:
-    """The process group a plan shards over (the world here)."""
-    return Group.world()
+def local_shapes(plan: Plan, world_rank: int) -> dict:
+    """``{path: shape}`` of the leaves rank ``world_rank`` holds under ``plan`` (pure)."""
+    spec = shard_spec(plan)
+    shapes = {}
+    for u in spec.units:
+        for (domain, _), layout in u.groups.items():
+            rank = shard_rank(plan, world_rank, domain)
+            for slot, first, last, _ in layout.local_slots(rank):
+                shapes[slot.path] = (last - first, slot.cols) if spec.sharded(domain) else slot.shape
+    return {p: shapes[p] for p in flat_shapes(plan.model)}

@@ -130,7 +130,8 @@ def released_weights(rank, world):
     must refuse before autograd reads freed storage."""
     from fmoe.params import named_leaves
     from fmoe.schedule import build_program, execute
-    from fmoe.shard import Group, LifecycleError
+    from fmoe.shard import LifecycleError
+    from fmoe.shard.mesh import mesh_for
 
     plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params")
     program = build_program(plan)
@@ -139,7 +140,7 @@ def released_weights(rank, world):
     wrong = [a for i, a in enumerate(program) if i not in regather]
     tokens = rank_rows(global_batch(), rank, world)
     try:
-        execute(wrong, named_leaves(fmoe.init(plan, seed=0)), tokens, plan, Group.world(), 16 * 12)
+        execute(wrong, named_leaves(fmoe.init(plan, seed=0)), tokens, plan, mesh_for(plan), 16 * 12)
     except LifecycleError as err:
         return str(err)
     return "no error"
