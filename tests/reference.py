@@ -109,8 +109,11 @@ def route_token(p, x_D, cfg):
     return chosen, probs, scores
 
 
-def moe(p, x_TD, cfg):
-    """Per-token, per-expert loop. Returns (y, counts, aux_loss, z_loss)."""
+def moe(p, x_TD, cfg, capacity=None):
+    """Per-token, per-expert loop. Returns (y, counts, aux_loss, z_loss).
+
+    With ``capacity``, an expert serves only its first ``capacity`` assignments in
+    token order; later ones are skipped (dropped)."""
     T = x_TD.shape[0]
     ex = p["experts"]
     ys, counts, score_rows = [], [0] * cfg.experts, []
@@ -121,6 +124,8 @@ def moe(p, x_TD, cfg):
         y = torch.zeros_like(x_TD[t])
         for e, prob in zip(chosen, probs):
             counts[e] += 1
+            if capacity is not None and counts[e] > capacity:
+                continue
             h = x_TD[t] @ ex["fc1"][e]
             if "fc1_bias" in ex:
                 h = h + ex["fc1_bias"][e]

@@ -78,6 +78,46 @@ def test_router_matches_per_token_loop(score_func, norm_topk):
     torch.testing.assert_close(r.z_loss.double(), z, atol=1e-5, rtol=1e-6)
 
 
+def test_capacity_drops_assignments_beyond_the_first_c_in_token_order():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0], [2, 0]])
+    d = layers.make_dispatch(idx, 3, capacity=2)
+    R = 6
+    assert d.num_rows == R and d.rows_E.tolist() == [2, 2, 2] and d.offsets_E.tolist() == [2, 4, 6]
+    # expert 0 keeps tokens 0, 1 and drops 2, 3, 4; expert 1 keeps 0, 2 and drops 3; expert 2 keeps 1, 4
+    assert d.pos_TK.tolist() == [[0, 2], [1, 4], [R, 3], [R, R], [5, R]]
+    assert d.dropped.item() == 4 and d.counts_E.tolist() == [5, 3, 2]
+    assert int(d.padded_rows) == 0
+    x = torch.randn(5, 4, dtype=F64, requires_grad=True)
+    rows = layers.permute(x, d)
+    y = layers.unpermute(rows, d)
+    kept = torch.tensor([[1, 1], [1, 1], [0, 1], [0, 0], [1, 0]], dtype=F64)
+    torch.testing.assert_close(y, x.detach() * kept.sum(1, keepdim=True))
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, kept.sum(1, keepdim=True).expand(5, 4))
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 100.0])
+def test_capacity_moe_matches_loop_with_the_same_drops(factor):
+    cfg = fmoe.ModelConfig(dim=16, heads=2, experts=4, topk=2, ffn=12, expert_biases=True, capacity_factor=factor)
+    p = ref.random_params(cfg, seed=5)["layers"][0]["moe"]
+    x = torch.randn(24, 16, dtype=F64)
+    capacity = layers.capacity_rows(24, 2, 4, factor)
+    leaves, treedef = optree.tree_flatten(p)
+
+    def fast(x, *lv):
+        return layers.moe(optree.tree_unflatten(treedef, lv), x, cfg)[0]
+
+    def slow(x, *lv):
+        return ref.moe(optree.tree_unflatten(treedef, lv), x, cfg, capacity)[0]
+
+    assert_same_fwd_bwd(fast, slow, [x, *leaves])
+    _, stats = layers.moe(p, x, cfg)
+    overflow = sum(max(0, c - capacity) for c in stats.counts_E.tolist())
+    assert stats.dropped_tokens.item() == overflow
+    if factor == 100.0:
+        torch.testing.assert_close(fast(x, *leaves), layers.moe(p, x, cfg.replace(capacity_factor=0.0))[0])
+
+
 def test_expert_bias_selects_without_weighting():
     cfg = fmoe.ModelConfig(dim=16, heads=2, experts=4, topk=1, norm_topk_prob=False)
     p = ref.random_params(cfg)["layers"][0]["moe"]

@@ -10,16 +10,17 @@ import torch
 import fmoe
 
 from .harness import run_ranks
-from .workloads import CFG, STRATEGIES, VARIANTS, fsdp_configs, global_batch, train, zero3_variants
+from .workloads import CFG, STRATEGIES, VARIANTS, ep_configs, fsdp_configs, global_batch, train, zero3_variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
 @functools.lru_cache(maxsize=None)
-def nccl(fn):
+def nccl(fn, *args):
+    """``fn(rank, 2, *args, "cuda")`` on two GPUs with bitwise-repeatable settings."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("NCCL_ALGO", "Ring")
-    return run_ranks(2, fn, "cuda", backend="nccl")
+    return run_ranks(2, fn, *args, "cuda", backend="nccl")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,3 +49,16 @@ def test_nccl_zero3_variants_are_bitwise_identical(name):
         assert torch.equal(res[name]["losses"], res["dynamic"]["losses"])
         for a, b in zip(optree.tree_leaves(res[name]["grads"]), optree.tree_leaves(res["dynamic"]["grads"])):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("sharding", STRATEGIES)
+def test_nccl_ep2_matches_single_gpu(sharding):
+    ref = train(fmoe.Plan(model=CFG, sharding=sharding, microbatches=2, device="cuda"), global_batch().cuda())
+    for res in nccl(ep_configs, 1, 2):
+        got = res[sharding]
+        assert got["metrics"]["a2a_bytes"] > 0
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        for a, b in zip(optree.tree_leaves(got["grads"]), optree.tree_leaves(ref["grads"])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(ref["params"])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

@@ -144,3 +144,47 @@ def released_weights(rank, world):
     except LifecycleError as err:
         return str(err)
     return "no error"
+
+
+def ep_configs(rank, world, dp, ep, device="cpu"):
+    """Every strategy at dp x ep, 2 microbatches, on this rank's rows."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for sharding in STRATEGIES:
+        plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2, device=device)
+        res = train(plan, tokens)
+        step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
+        res["metrics"] = {k: step.metrics[k] for k in ("expert_counts", "a2a_bytes", "dropped_tokens")}
+        res["trace_kinds"] = sorted({e.kind for e in step.metrics["trace"]})
+        out[sharding] = res
+    cap = fmoe.Plan(model=CFG.replace(capacity_factor=float(CFG.experts)), dp=dp, ep=ep,
+                    sharding="optim_grads_params", microbatches=2, device=device)
+    out["capacity"] = train(cap, tokens)
+    return out
+
+
+def round_trip(rank, world, route_to_first_rank: bool):
+    """dispatch -> identity experts -> combine on ``world`` EP ranks; returns the
+    output, the input gradient and the split sizes this rank saw."""
+    from fmoe.layers.dispatch import make_dispatch, permute, unpermute
+    from fmoe.layers.expert_parallel import ExpertParallel, combine, dispatch, plan_exchange
+    from fmoe.shard.mesh import mesh_for
+
+    E, K, T, D = 2 * world, 2, 5 + 3 * rank, 8  # uneven token counts per rank
+    mesh = mesh_for(fmoe.Plan(model=CFG.replace(experts=E), dp=1, ep=world))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    if route_to_first_rank:  # every token to rank 0's experts: the other ranks receive nothing
+        idx = torch.stack([torch.zeros(T, dtype=torch.long), torch.ones(T, dtype=torch.long)], 1)
+    else:
+        idx = torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])  # expert E-1 idle
+    d = make_dispatch(idx, E)
+    ep = ExpertParallel(mesh.ep, 2)
+    ex = plan_exchange(d.rows_E, None, ep)
+    local = dispatch(permute(x, d), ex, ep, None)
+    back = combine(local * 1.0, ex, ep, None)
+    y = unpermute(back, d)
+    upstream = torch.randn(T, D, generator=g)
+    y.backward(upstream)
+    return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
+            "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
