@@ -10,9 +10,9 @@ dispatch is one ``all_to_all`` and combine is its mirror image.
 - Static capacity: every (source rank, expert) block has exactly ``C`` rows, so the
   all-to-all has equal splits and nothing is read on the host (CUDA-graph friendly).
 
-``all_to_all`` returns a handle; ``handle.wait()`` gives the received rows with
-autograd attached (its backward is the reverse all-to-all), so schedules can issue
-the exchange and compute something else before waiting.
+``dispatch``, ``combine`` and ``all_to_all`` return handles; ``wait()`` gives the
+received rows with autograd attached (their backward is the reverse all-to-all), so
+a schedule can issue the exchange and compute something else before waiting.
 """
 
 from __future__ import annotations
@@ -149,25 +149,36 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def dispatch(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> torch.Tensor:
-    """Rows permuted by global expert -> this rank's rows, grouped by local expert."""
-    handle = all_to_all(x_RD, ex.send_splits, ex.recv_splits, ep.group)
-    y = handle.wait()
-    ep.events.append(Event("all_to_all", None, None, -1, handle.issued, now(), _bytes(x_RD), "dispatch"))
-    if capacity is None:
-        return _Reorder.apply(y, ex.order, ex.inverse)
+class InFlight:
+    """A dispatch or combine in flight: ``wait()`` returns its rows (differentiable)."""
+
+    def __init__(self, handle: A2AHandle, finish, ep: ExpertParallel, purpose: str):
+        self.handle, self.finish, self.ep, self.purpose = handle, finish, ep, purpose
+
+    def wait(self) -> torch.Tensor:
+        rows = self.handle.wait()
+        nbytes = _bytes(self.handle.x)
+        self.ep.events.append(Event("all_to_all", None, None, -1, self.handle.issued, now(), nbytes, self.purpose))
+        return self.finish(rows)
+
+
+def dispatch(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
+    """Start sending rows permuted by global expert to their experts' ranks; ``wait()``
+    gives this rank's rows grouped by local expert."""
     P, El = ep.group.size, ep.experts_per_rank
-    return y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)
+    if capacity is None:
+        finish = lambda y: _Reorder.apply(y, ex.order, ex.inverse)  # noqa: E731
+    else:
+        finish = lambda y: y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)  # noqa: E731
+    return InFlight(all_to_all(x_RD, ex.send_splits, ex.recv_splits, ep.group), finish, ep, "dispatch")
 
 
-def combine(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> torch.Tensor:
-    """Inverse of ``dispatch``: this rank's expert outputs back to the rows' owners."""
+def combine(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
+    """Inverse of ``dispatch``: start sending this rank's expert outputs back to the
+    rows' owners; ``wait()`` gives them in the original permuted order."""
     if capacity is None:
         y = _Reorder.apply(y_local, ex.inverse, ex.order)
     else:
         P, El = ep.group.size, ep.experts_per_rank
         y = y_local.view(El, P, capacity, -1).transpose(0, 1).reshape(P * El * capacity, -1)
-    handle = all_to_all(y, ex.recv_splits, ex.send_splits, ep.group)
-    out = handle.wait()
-    ep.events.append(Event("all_to_all", None, None, -1, handle.issued, now(), _bytes(y), "combine"))
-    return out
+    return InFlight(all_to_all(y, ex.recv_splits, ex.send_splits, ep.group), lambda rows: rows, ep, "combine")

@@ -60,14 +60,15 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
         segments = d
     else:
         ex = plan_exchange(d.rows_E, capacity, ep)
-        x_RD = dispatch(x_RD, ex, ep, capacity)
+        sending = dispatch(x_RD, ex, ep, capacity)
         if probs_R is not None:
-            probs_R = dispatch(probs_R, ex, ep, capacity)
+            probs_R = dispatch(probs_R, ex, ep, capacity).wait()
+        x_RD = sending.wait()
         segments = ex.segments
         sent = sent + 2 * d.num_rows * x_TD.shape[1] * x_TD.element_size()
     y_RD = expert_mlp(p["experts"], x_RD, segments, cfg, None if probs_R is None else probs_R[:, 0], backend)
     if ep is not None and ep.group.size > 1:
-        y_RD = combine(y_RD, ex, ep, capacity)
+        y_RD = combine(y_RD, ex, ep, capacity).wait()
     y_TD = unpermute(y_RD, d, None if probs_R is not None else r.probs_TK)
     if "shared" in p:
         y_TD = y_TD + dense_mlp(p["shared"], x_TD, cfg)
