@@ -48,17 +48,25 @@ def _subgroup(mesh, dim: str) -> Group:
 
 
 @functools.lru_cache(maxsize=8)
-def _mesh(dp: int, ep: int, device_type: str) -> Mesh:
+def _device_mesh(dp: int, ep: int, device_type: str):
+    # The DeviceMesh refers to its groups by name; process-group objects are looked up
+    # per call and never cached, so destroy_process_group() really releases them
+    # (a cached gloo group outliving it can abort the interpreter at exit).
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
-    return Mesh(Group.world(), _subgroup(mesh, "ep"), _subgroup(mesh, "dp"))
+    return init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
 
 
 def mesh_for(plan: Plan) -> Mesh:
-    """The plan's groups on this process (created once per ``dp x ep`` layout)."""
-    if plan.world == 1:
-        return Mesh(LOCAL, LOCAL, LOCAL)
+    """The plan's groups on this process. A mesh with one dimension of size 1 needs no
+    subgroup (the other dimension is the world); a full ``dp x ep`` mesh is created
+    once per layout."""
+    world = Group.world()
+    if plan.ep == 1:
+        return Mesh(world, LOCAL, world)
+    if plan.dp == 1:
+        return Mesh(world, world, LOCAL)
     import torch
 
-    return _mesh(plan.dp, plan.ep, torch.device(plan.device).type)
+    mesh = _device_mesh(plan.dp, plan.ep, torch.device(plan.device).type)
+    return Mesh(world, _subgroup(mesh, "ep"), _subgroup(mesh, "dp"))
