@@ -9,7 +9,7 @@ import torch
 
 from .config import Plan
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
-from .params import flat_shapes, named_leaves
+from .params import named_leaves
 from .runtime import check_runtime
 from .schedule import build_program, check_program, execute
 from .shard.comm import Group

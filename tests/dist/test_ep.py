@@ -23,8 +23,8 @@ def distributed(dp, ep):
 
 
 @functools.lru_cache(maxsize=None)
-def single(sharding, capacity_factor=0.0):
-    plan = fmoe.Plan(model=CFG.replace(capacity_factor=capacity_factor), sharding=sharding, microbatches=2)
+def single(sharding, **changes):
+    plan = fmoe.Plan(model=CFG.replace(**changes), sharding=sharding, microbatches=2)
     return train(plan, global_batch())
 
 
@@ -63,6 +63,14 @@ def test_large_capacity_equals_dropless(dp, ep):
     for res in distributed(dp, ep):
         torch.testing.assert_close(res["capacity"]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
         assert_trees_close(res["capacity"]["grads"], ref["grads"], **GRAD_TOL)
+
+
+@pytest.mark.parametrize("dp,ep", MESHES, ids=[f"dp{d}xep{e}" for d, e in MESHES])
+def test_probabilities_inside_the_activation_travel_with_the_rows(dp, ep):
+    ref = single("no_shard", prob_placement="activation")
+    for res in distributed(dp, ep):
+        torch.testing.assert_close(res["prob_in_activation"]["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        assert_trees_close(res["prob_in_activation"]["grads"], ref["grads"], **GRAD_TOL)
 
 
 @pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])

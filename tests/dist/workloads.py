@@ -160,6 +160,8 @@ def ep_configs(rank, world, dp, ep, device="cpu"):
     cap = fmoe.Plan(model=CFG.replace(capacity_factor=float(CFG.experts)), dp=dp, ep=ep,
                     sharding="optim_grads_params", microbatches=2, device=device)
     out["capacity"] = train(cap, tokens)
+    in_act = fmoe.Plan(model=CFG.replace(prob_placement="activation"), dp=dp, ep=ep, microbatches=2, device=device)
+    out["prob_in_activation"] = train(in_act, tokens)
     return out
 
 
