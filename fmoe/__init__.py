@@ -1,14 +1,9 @@
 """fmoe: Mixture-of-Experts transformers as pure functions over parameter pytrees."""
 
-import warnings
-
-# torch warns at import when NumPy is absent; fmoe never uses NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-from . import layers  # noqa: E402
-from .checkpoint import Checkpoint, load, save  # noqa: E402
-from .config import ModelConfig, Plan  # noqa: E402
-from .optim import (  # noqa: E402
+from . import layers
+from .checkpoint import Checkpoint, load, save
+from .config import ModelConfig, Plan
+from .optim import (
     Optimizer,
     Transform,
     adamw,
@@ -20,10 +15,10 @@ from .optim import (  # noqa: E402
     update_expert_bias,
     warmup_cosine,
 )
-from .params import glu_from_interleaved, glu_to_interleaved, init, param_shapes  # noqa: E402
-from .shard.gather import gather_full  # noqa: E402
-from .shard.trace import export_chrome_trace  # noqa: E402
-from .step import StepOutput, eval_loss, step  # noqa: E402
+from .params import glu_from_interleaved, glu_to_interleaved, init, param_shapes
+from .shard.gather import gather_full
+from .shard.trace import export_chrome_trace
+from .step import StepOutput, eval_loss, step
 
 __version__ = "0.1.0"
 

@@ -3,8 +3,9 @@
     python -m fmoe.train                       # CPU, a few minutes
     python -m fmoe.train --device cuda --dtype bfloat16 --dim 512 --steps 2000
 
-Prints the unigram baseline and the held-out loss, writes ``metrics.jsonl`` and a
-final checkpoint (``fmoe.save``) under ``--out``.
+Prints the unigram baseline and the held-out loss, writes ``metrics.jsonl`` and
+checkpoints (``fmoe.save``: every ``--save-every`` steps and at the end) under
+``--out``; ``--resume`` continues from the checkpoint there, bit for bit.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--eval-every", type=int, default=200)
     r.add_argument("--eval-batches", type=int, default=8)
     r.add_argument("--out", default="runs/fmoe-lm", help="folder for metrics.jsonl and the checkpoint")
+    r.add_argument("--save-every", type=int, default=250, help="checkpoint every N steps (0: only at the end)")
+    r.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    r.add_argument("--stop-after", type=int, default=0,
+                   help="end this run after that step, with a checkpoint (for time-limited jobs; 0: run to --steps)")
+    r.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
@@ -72,18 +78,35 @@ def main(argv=None) -> dict:
     if args.steps < 1 or args.eval_every < 1:
         raise SystemExit("fmoe.train: --steps and --eval-every must be >= 1")
     torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out_dir / "checkpoint"
+    if args.resume and not ckpt_path.exists():
+        raise SystemExit(f"fmoe.train: --resume, but there is no checkpoint at {ckpt_path}")
 
     train_ids, heldout_ids = train_heldout_split(corpus_bytes())
     heldout = tiled_windows(heldout_ids, args.batch, args.seq, args.eval_batches)
     baseline = unigram_cross_entropy(train_ids, heldout_ids)
     sampler = torch.Generator().manual_seed(args.seed)
 
-    params = fmoe.init(plan, seed=args.seed)
     opt = fmoe.adamw(fmoe.warmup_cosine(args.lr, args.warmup, args.steps), weight_decay=args.weight_decay,
                      max_grad_norm=args.clip or None)
-    opt_state = opt.init(params)
+    first_step = 1
+    if args.resume:
+        try:
+            ck = fmoe.load(ckpt_path, plan)
+        except ValueError as err:
+            raise SystemExit(f"fmoe.train: cannot resume: {err}") from None
+        params, opt_state, first_step = ck.params, ck.opt_state, ck.step + 1
+        sampler.set_state(ck.rng)
+        if first_step > args.steps:
+            raise SystemExit(f"fmoe.train: the checkpoint is at step {ck.step} already; raise --steps to go on")
+        print(f"resumed from {ckpt_path} at step {ck.step}")
+    else:
+        params = fmoe.init(plan, seed=args.seed)
+        opt_state = opt.init(params)
     n_params = sum(p.numel() for p in optree.tree_leaves(params))
     print(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(train_ids)} train / {len(heldout_ids)} held-out bytes, "
           f"plan dtype={plan.dtype} device={plan.device}")
@@ -93,9 +116,14 @@ def main(argv=None) -> dict:
         losses = [float(fmoe.eval_loss(params, b, plan)) for b in heldout]
         return sum(losses) / len(losses)
 
-    log = open(out_dir / "metrics.jsonl", "w")
+    def checkpoint(step_num):
+        return fmoe.save(ckpt_path, plan, params, opt_state=opt_state, step=step_num, rng=sampler.get_state(),
+                         extra={"seed": args.seed, "samples_seen": step_num * args.batch})
+
+    log = open(out_dir / "metrics.jsonl", "a" if args.resume else "w")
     start = time.perf_counter()
-    bar = tqdm(range(1, args.steps + 1), desc="train", disable=args.no_progress, dynamic_ncols=True)
+    last_step = min(args.steps, args.stop_after) if args.stop_after else args.steps
+    bar = tqdm(range(first_step, last_step + 1), desc="train", disable=args.no_progress, dynamic_ncols=True)
     train_loss = heldout_loss = float("nan")
     for step_num in bar:
         batch = random_windows(train_ids, args.batch, args.seq, sampler)
@@ -111,7 +139,7 @@ def main(argv=None) -> dict:
             "max_load": float((counts.max(-1).values / counts.mean(-1)).max()),
             "elapsed_s": time.perf_counter() - start,
         }
-        if step_num % args.eval_every == 0 or step_num == args.steps:
+        if step_num % args.eval_every == 0 or step_num == last_step:
             heldout_loss = evaluate()
             record["heldout_loss"] = heldout_loss
             bar.write(f"step {step_num:5d}  train {train_loss:.4f}  held-out {heldout_loss:.4f}  "
@@ -119,13 +147,14 @@ def main(argv=None) -> dict:
         log.write(json.dumps(record) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{train_loss:.3f}")
+        if args.save_every and step_num % args.save_every == 0 and step_num < last_step:
+            checkpoint(step_num)
     bar.close()
     log.close()
     wall = time.perf_counter() - start
-    ckpt = fmoe.save(out_dir / "checkpoint", plan, params, opt_state=opt_state, step=args.steps,
-                     extra={"seed": args.seed, "samples_seen": args.steps * args.batch})
+    ckpt = checkpoint(last_step)
     summary = {"unigram": baseline, "train_loss": train_loss, "heldout_loss": heldout_loss,
-               "wall_s": wall, "steps": args.steps, "checkpoint": str(ckpt)}
+               "wall_s": wall, "steps": last_step, "checkpoint": str(ckpt)}
     print(f"done in {wall:.1f}s: train {train_loss:.4f}, held-out {heldout_loss:.4f} nats/byte "
           f"vs unigram {baseline:.4f} ({heldout_loss / baseline:.0%} of baseline); checkpoint {ckpt}")
     return summary

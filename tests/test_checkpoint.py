@@ -1,13 +1,18 @@
 """fmoe.save / fmoe.load on one process: round trip, validation, atomic writes."""
 
+import json
 import os
+import pickle
+import subprocess
+import sys
+import time
 
 import optree
 import pytest
 import torch
 
 import fmoe
-from fmoe import checkpoint
+from fmoe.checkpoint import api as checkpoint_api, files as checkpoint_files
 
 CFG = fmoe.ModelConfig(vocab=16, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
 PLAN = fmoe.Plan(model=CFG)
@@ -74,13 +79,13 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     params, state, *_ = trained(1)
     fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
     newer, newer_state, *_ = trained(2)
-    real_save = checkpoint.dcp.save
+    real_save = checkpoint_api.dcp.save
 
-    def dies_midway(state_dict, checkpoint_id):
-        real_save(dict(list(state_dict.items())[:3]), checkpoint_id=checkpoint_id)
+    def dies_midway(state_dict, **kw):
+        real_save(state_dict, **kw)
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", dies_midway)
+    monkeypatch.setattr(checkpoint_api.dcp, "save", dies_midway)
     with pytest.raises(OSError, match="disk full"):
         fmoe.save(tmp_path / "ck", PLAN, newer, opt_state=newer_state, step=2)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -99,7 +104,7 @@ def test_crash_between_renames_leaves_previous_loadable(tmp_path, monkeypatch):
             raise OSError("killed")
         real_rename(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "rename", dies_before_new_is_in_place)
+    monkeypatch.setattr(checkpoint_files.os, "rename", dies_before_new_is_in_place)
     with pytest.raises(OSError, match="killed"):
         fmoe.save(tmp_path / "ck", PLAN, trained(2)[0], step=2)
     monkeypatch.undo()
@@ -109,3 +114,90 @@ def test_crash_between_renames_leaves_previous_loadable(tmp_path, monkeypatch):
     fmoe.save(tmp_path / "ck", PLAN, params, step=3)
     assert fmoe.load(tmp_path / "ck", PLAN).step == 3
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # the crash's leftover is cleaned up
+
+
+def saved(tmp_path):
+    params, state, *_ = trained(1)
+    return fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1), params
+
+
+def edit_meta(path, change):
+    meta = json.loads((path / "fmoe.json").read_text())
+    change(meta)
+    (path / "fmoe.json").write_text(json.dumps(meta))
+
+
+def data_file(path):
+    return next(p for p in path.iterdir() if p.suffix == ".distcp")
+
+
+CORRUPTIONS = {
+    "missing key": (lambda p: edit_meta(p, lambda m: m["dcp"]["tensors"].pop("params.head")),
+                    "missing tensor 'params.head'"),
+    "wrong shape": (lambda p: edit_meta(p, lambda m: m["dcp"]["tensors"]["params.embed"].update(size=[8, 16])),
+                    r"'params.embed' has shape \[8, 16\], Plan.model needs \[16, 16\]"),
+    "other model": (lambda p: edit_meta(p, lambda m: m["model"].update(experts=8)),
+                    "model config differs from Plan.model: experts: checkpoint 8, plan 4"),
+    "truncated file": (lambda p: os.truncate(data_file(p), data_file(p).stat().st_size - 100), "is truncated"),
+    "corrupted file": (lambda p: flip_byte(data_file(p)), r"is corrupted \(checksum mismatch\); it holds"),
+    "garbage metadata": (lambda p: (p / "fmoe.json").write_text("{not json"), "fmoe.json is unreadable"),
+    "missing data file": (lambda p: data_file(p).unlink(), "is missing"),
+}
+
+
+def flip_byte(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(data)
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_each_corruption_gives_its_error_before_reading(tmp_path, case):
+    path, _ = saved(tmp_path)
+    corrupt, message = CORRUPTIONS[case]
+    corrupt(path)
+    with pytest.raises(ValueError, match=message):
+        fmoe.load(path, PLAN)
+
+
+def test_loading_never_unpickles(tmp_path):
+    path, params = saved(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(path / ".metadata", "wb") as f:  # DCP's own (pickled) metadata file
+        pickle.dump(Evil(), f)
+    ck = fmoe.load(path, PLAN)
+    assert not marker.exists()
+    assert torch.equal(ck.params["embed"], params["embed"])
+
+
+KILLED_WRITER = """
+import sys, torch, fmoe
+plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=256, dim=256, layers=4, heads=4, experts=8, ffn=512))
+params = fmoe.init(plan, seed=1)
+state = fmoe.adamw().init(params)
+print("ready", flush=True)
+while True:
+    fmoe.save(sys.argv[1], plan, params, opt_state=state, step=2)
+"""
+
+
+def test_a_save_killed_mid_write_leaves_the_last_good_checkpoint(tmp_path):
+    plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=256, dim=256, layers=4, heads=4, experts=8, ffn=512))
+    fmoe.save(tmp_path / "ck", plan, fmoe.init(plan, seed=0), step=1)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "ck")], stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"ready"
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".ck.tmp-") and any(p.iterdir()) for p in tmp_path.iterdir()):
+        assert time.monotonic() < deadline, "the writer never started a save"
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    ck = fmoe.load(tmp_path / "ck", plan)
+    assert ck.step in (1, 2)  # the old checkpoint, or a complete new one: never a torn one
+    if ck.step == 1:
+        assert torch.equal(ck.params["embed"], fmoe.init(plan, seed=0)["embed"])

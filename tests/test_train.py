@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import fmoe
 from fmoe import train
 
@@ -54,3 +56,22 @@ def test_example_fsdp_train_runs_on_two_gloo_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "full embed: (256, 128) this rank's rows: (128, 128)" in proc.stdout
     assert (tmp_path / "t.json").exists()
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    common = ["--steps", "12", "--eval-every", "6", "--eval-batches", "1", "--batch", "4", "--seq", "32",
+              "--threads", "1", "--no-progress", "--save-every", "5"]
+    straight = train.main(common + ["--out", str(tmp_path / "a")])
+    train.main(common + ["--out", str(tmp_path / "b"), "--stop-after", "7"])
+    assert fmoe.load(tmp_path / "b" / "checkpoint", train.build_plan(train.parse_args(common))).step == 7
+    resumed = train.main(common + ["--out", str(tmp_path / "b"), "--resume"])
+    a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == list(range(1, 13))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert resumed["heldout_loss"] == straight["heldout_loss"]
+
+
+def test_resume_without_checkpoint_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint"):
+        train.main(["--resume", "--out", str(tmp_path), "--no-progress"])

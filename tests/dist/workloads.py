@@ -190,3 +190,43 @@ def round_trip(rank, world, route_to_first_rank: bool):
     y.backward(upstream)
     return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
             "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
+
+
+def adam_moments(state):
+    from fmoe.optim import ScaleByAdamState
+
+    return next(s for s in state if isinstance(s, ScaleByAdamState))
+
+
+def _steps(plan, params, opt, state, tokens, n):
+    losses = []
+    for _ in range(n):
+        out = fmoe.step(params, {"tokens": tokens}, plan)
+        losses.append(out.loss)
+        params, state = opt.update(out.grads, state, params)
+        params = fmoe.update_expert_bias(params, out.metrics["expert_counts"], plan.model.expert_bias_rate)
+    return params, state, torch.stack(losses)
+
+
+def checkpoint_writer(rank, world, path, dp, ep, sharding):
+    """Train 2 steps, save, train 2 more: the uninterrupted run to compare with."""
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
+    tokens = rank_rows(global_batch(), rank, world)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    params = fmoe.init(plan, seed=0)
+    params, state, _ = _steps(plan, params, opt, opt.init(params), tokens, 2)
+    fmoe.save(path, plan, params, opt_state=state, step=2, extra={"rows": tokens.shape[0]})
+    full = {"params": fmoe.gather_full(params, plan), "mu": fmoe.gather_full(adam_moments(state).mu, plan)}
+    _, _, after = _steps(plan, params, opt, state, tokens, 2)
+    return {"full": full, "after": after}
+
+
+def checkpoint_reader(rank, world, path, dp, ep, sharding):
+    """Load under another plan: the full tensors it sees, and 2 more steps."""
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
+    tokens = rank_rows(global_batch(), rank, world)
+    ck = fmoe.load(path, plan)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    full = {"params": fmoe.gather_full(ck.params, plan), "mu": fmoe.gather_full(adam_moments(ck.opt_state).mu, plan)}
+    _, _, after = _steps(plan, ck.params, opt, ck.opt_state, tokens, 2)
+    return {"full": full, "after": after, "step": ck.step}

@@ -1,0 +1,271 @@
+"""``fmoe.save`` / ``fmoe.load``: torch.distributed.checkpoint, any plan to any plan.
+
+A checkpoint is a directory: DCP's data files hold every tensor in its global shape
+(``params.<path>``, ``opt_state.<path>``, ``rng``), and ``fmoe.json`` holds the model
+config, step, ``extra``, the optimizer state's structure, DCP's metadata and a
+checksum per data file, all as JSON. Saves go to a temporary sibling directory
+renamed into place; loads validate everything before reading a tensor and never
+unpickle anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .. import optim
+from ..config import ModelConfig, Plan
+from ..params import _treedef, flat_shapes, named_leaves
+from ..runtime import check_runtime
+from ..shard.comm import Group
+from ..shard.spec import local_shapes
+from ..step import check_params
+from .boxes import local_boxes
+from .dcp_io import BoxedTensor, BoxLoadPlanner, BoxSavePlanner, JsonMetadataReader, metadata_from_json, metadata_to_json
+from .files import META_FILE, check_files, checksums, resolve, swap_into_place, write_atomically
+
+FORMAT_VERSION = 2
+_STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState)}
+
+
+class Checkpoint(NamedTuple):
+    """What ``load`` returns: params and optimizer state laid out for the load plan."""
+
+    params: dict
+    opt_state: Any
+    step: int
+    extra: dict
+    rng: torch.Tensor | None = None
+
+
+def _encode(tree, prefix: str, tensors: dict):
+    """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key."""
+    if isinstance(tree, torch.Tensor):
+        tensors[prefix] = tree.detach()
+        return {"tensor": prefix}
+    if isinstance(tree, dict):
+        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors) for k, v in tree.items()}}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        name = type(tree).__name__
+        if name not in _STATE_TYPES:
+            raise ValueError(f"cannot save optimizer state of type {name}; known: {sorted(_STATE_TYPES)}")
+        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors) for f, v in zip(tree._fields, tree)]}
+    if isinstance(tree, (list, tuple)):
+        kind = "list" if isinstance(tree, list) else "tuple"
+        return {kind: [_encode(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]}
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return {"value": tree}
+    raise ValueError(f"cannot save {prefix!r} of type {type(tree).__name__}")
+
+
+def _decode(desc, tensors: dict):
+    if "tensor" in desc:
+        return tensors[desc["tensor"]]
+    if "dict" in desc:
+        return {k: _decode(v, tensors) for k, v in desc["dict"].items()}
+    if "state" in desc:
+        return _STATE_TYPES[desc["state"]](*(_decode(v, tensors) for v in desc["fields"]))
+    if "list" in desc:
+        return [_decode(v, tensors) for v in desc["list"]]
+    if "tuple" in desc:
+        return tuple(_decode(v, tensors) for v in desc["tuple"])
+    return desc["value"]
+
+
+def _param_of(key: str, shapes: dict) -> str | None:
+    """The parameter an optimizer-state key mirrors (``opt_state.1.mu.embed`` -> ``embed``)."""
+    parts = key.split(".")
+    return next((".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in shapes), None)
+
+
+def _broadcast_text(text: str | None, world: Group) -> str | None:
+    """Rank 0's ``text`` (or None) on every rank (plain tensors: no pickle, no NumPy)."""
+    if world.size == 1:
+        return text
+    data = torch.tensor(list((text or "").encode()) if world.rank == 0 else [], dtype=torch.uint8)
+    length = torch.tensor([len(data) if text is not None or world.rank != 0 else -1], dtype=torch.long)
+    dist.broadcast(length, src=0)
+    if length.item() < 0:
+        return None
+    if world.rank != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    return bytes(data.tolist()).decode()
+
+
+def _quiet():
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+    return ctx
+
+
+def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: dict | None = None,
+         rng: torch.Tensor | None = None) -> Path:
+    """Write a checkpoint of this rank's params (and optimizer state) in global shapes.
+
+    A collective: every rank of the plan calls it with its own shards. Atomic: the
+    previous checkpoint at ``path`` survives any failure.
+
+    Arguments:
+        path: the checkpoint directory (created or replaced).
+        plan: the Plan the params are laid out by (its model config is recorded).
+        params: this rank's parameter pytree.
+        opt_state: the optimizer state (laid out like params), or None for model-only.
+        step: the training step count.
+        extra: JSON-serialisable user data (e.g. the data position).
+        rng: an optional uint8 tensor (e.g. ``generator.get_state()``), the same on all ranks.
+
+    Returns:
+        The checkpoint's Path.
+    """
+    check_runtime(plan)
+    check_params(params, plan)
+    path = Path(path)
+    world = Group.world()
+    shapes = flat_shapes(plan.model)
+    local = local_shapes(plan, world.rank)
+    tensors = {}
+    for p, leaf in named_leaves(params).items():
+        tensors["params." + p] = BoxedTensor(shapes[p], torch.float32,
+                                             local_boxes(p, shapes[p], leaf.detach().cpu(), plan, world.rank))
+    meta: dict = {"format": FORMAT_VERSION, "model": dataclasses.asdict(plan.model), "step": int(step),
+                  "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
+    if opt_state is not None:
+        leaves: dict = {}
+        meta["opt_state"] = _encode(opt_state, "opt_state", leaves)
+        for key, t in leaves.items():
+            p = _param_of(key, shapes)
+            t = t.cpu()
+            if p is not None and tuple(t.shape) == tuple(local[p]):
+                meta["opt_params"][key] = p
+                tensors[key] = BoxedTensor(shapes[p], t.dtype, local_boxes(p, shapes[p], t, plan, world.rank))
+            else:  # scalars (step counts): the same on every rank
+                tensors[key] = BoxedTensor(t.shape, t.dtype, [((0,) * t.dim(), t)])
+    if rng is not None:
+        tensors["rng"] = BoxedTensor(rng.shape, rng.dtype, [((0,) * rng.dim(), rng.cpu())])
+    meta["tensor_keys"] = sorted(tensors)
+    try:
+        json.dumps(meta)
+    except TypeError as err:
+        raise ValueError(f"save: extra must be JSON-serialisable ({err})") from None
+    if path.exists() and not (path / META_FILE).exists():
+        raise ValueError(f"save: {path} exists and is not an fmoe checkpoint; refusing to replace it")
+
+    tmp = path.parent / _broadcast_text(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}", world)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    error = None
+    try:
+        ctx = _quiet()
+        try:
+            md = dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
+                          no_dist=world.size == 1)
+        finally:
+            ctx.__exit__(None, None, None)
+        if world.rank == 0:
+            try:
+                meta["dcp"] = metadata_to_json(md)
+                meta["checksums"] = checksums(tmp)
+                write_atomically(json.dumps(meta, indent=1), tmp / META_FILE)
+                swap_into_place(tmp, path)
+            except Exception as err:  # reported to every rank below
+                error = f"{type(err).__name__}: {err}"
+        error = _broadcast_text(error, world)
+        if error:
+            raise OSError(f"save to {path} failed on rank 0: {error}")
+    finally:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _config_mismatch(saved: dict, cfg: ModelConfig) -> list[str]:
+    want = dataclasses.asdict(cfg)
+    return [f"{k}: checkpoint {saved.get(k)!r}, plan {want[k]!r}" for k in want if saved.get(k) != want[k]]
+
+
+def read_meta(path) -> tuple[Path, dict]:
+    """The checkpoint directory and its parsed ``fmoe.json`` (ValueError if unreadable)."""
+    path = resolve(Path(path))
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: {META_FILE} is unreadable ({err})") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this fmoe reads {FORMAT_VERSION}")
+    return path, meta
+
+
+def _validate(path: Path, meta: dict, plan: Plan, verify: bool) -> None:
+    diff = _config_mismatch(meta["model"], plan.model)
+    if diff:
+        raise ValueError(f"{path}: model config differs from Plan.model: " + "; ".join(diff))
+    stored = meta["dcp"]["tensors"]
+    shapes = flat_shapes(plan.model)
+    expected = {"params." + p: s for p, s in shapes.items()}
+    expected.update({k: shapes[p] for k, p in meta["opt_params"].items()})
+    for key in meta["tensor_keys"]:
+        if key not in stored:
+            raise ValueError(f"{path}: missing tensor {key!r}")
+    for key, shape in expected.items():
+        if key not in stored:
+            raise ValueError(f"{path}: missing tensor {key!r}")
+        if tuple(stored[key]["size"]) != tuple(shape):
+            raise ValueError(f"{path}: {key!r} has shape {stored[key]['size']}, Plan.model needs {list(shape)}")
+    check_files(path, meta["dcp"]["storage"], meta.get("checksums") if verify else None)
+
+
+def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
+    """Read a checkpoint for ``plan``, whatever plan saved it (a collective).
+
+    Everything is checked before a tensor is read: the model config must equal
+    ``plan.model``, every tensor must be present with its shape, and the data files
+    must be complete and (``verify``) match their checksums. Nothing is unpickled.
+
+    Arguments:
+        path: the checkpoint directory.
+        plan: the Plan to load into (params land on ``plan.device``, sharded as it says).
+        verify: check the data files' sha256 (reads them once more).
+
+    Returns:
+        A Checkpoint ``(params, opt_state, step, extra, rng)``.
+    """
+    check_runtime(plan)
+    path, meta = read_meta(path)
+    _validate(path, meta, plan, verify)
+    world = Group.world()
+    shapes = flat_shapes(plan.model)
+    local = local_shapes(plan, world.rank)
+    stored = meta["dcp"]["tensors"]
+    dest, values = {}, {}
+
+    def boxed(key, param):
+        if param is not None:
+            t = torch.empty(local[param], dtype=getattr(torch, stored[key]["dtype"]))
+            return t, BoxedTensor(shapes[param], t.dtype, local_boxes(param, shapes[param], t, plan, world.rank))
+        t = torch.empty(stored[key]["size"], dtype=getattr(torch, stored[key]["dtype"]))
+        return t, BoxedTensor(t.shape, t.dtype, [((0,) * t.dim(), t)])
+
+    for key in meta["tensor_keys"]:
+        param = key[len("params."):] if key.startswith("params.") else meta["opt_params"].get(key)
+        values[key], dest[key] = boxed(key, param)
+    ctx = _quiet()
+    try:
+        dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
+                 planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
+    finally:
+        ctx.__exit__(None, None, None)
+    values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
+    params = optree.tree_unflatten(_treedef(plan.model), [values["params." + p] for p in shapes])
+    opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)
+    return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))

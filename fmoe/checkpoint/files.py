@@ -1,0 +1,74 @@
+"""The checkpoint directory on disk: atomic replacement, integrity checks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+META_FILE = "fmoe.json"
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checksums(directory: Path) -> dict:
+    """``{file name: sha256}`` of the data files DCP wrote."""
+    return {p.name: digest(p) for p in sorted(directory.iterdir()) if p.suffix == ".distcp"}
+
+
+def write_atomically(text: str, path: Path) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def swap_into_place(tmp: Path, path: Path) -> None:
+    """Replace ``path`` by the complete directory ``tmp``; the old one is removed last.
+
+    A crash between the two renames leaves the old checkpoint as ``.<name>.old-*``,
+    which ``resolve`` finds.
+    """
+    old = path.parent / f".{path.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    for stale in path.parent.glob(f".{path.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint directory to read for ``path`` (recovering an interrupted swap)."""
+    if (path / META_FILE).exists():
+        return path
+    olds = [p for p in path.parent.glob(f".{path.name}.old-*") if (p / META_FILE).exists()]
+    if not path.exists() and olds:
+        return max(olds, key=lambda p: p.stat().st_mtime)
+    raise FileNotFoundError(f"no fmoe checkpoint at {path} ({META_FILE} missing)")
+
+
+def check_files(directory: Path, storage: list, sums: dict | None) -> None:
+    """Raise ValueError naming the file and a key it holds if data is missing,
+    truncated or (with ``sums``) altered."""
+    holds: dict = {}
+    for entry in storage:
+        holds.setdefault(entry["file"], []).append(entry["fqn"])
+        f = directory / entry["file"]
+        if not f.exists():
+            raise ValueError(f"{directory}: data file {entry['file']} holding {entry['fqn']!r} is missing")
+        if f.stat().st_size < entry["start"] + entry["length"]:
+            raise ValueError(f"{directory}: data file {entry['file']} is truncated "
+                             f"({f.stat().st_size} bytes); {entry['fqn']!r} needs bytes up to "
+                             f"{entry['start'] + entry['length']}")
+    for name, want in (sums or {}).items():
+        if digest(directory / name) != want:
+            keys = sorted(set(holds.get(name, [])))
+            raise ValueError(f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
+                             f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
