@@ -88,19 +88,20 @@ def _param_of(key: str, shapes: dict) -> str | None:
     return next((".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in shapes), None)
 
 
-def _broadcast_text(text: str | None, world: Group) -> str | None:
-    """Rank 0's ``text`` (or None) on every rank (plain tensors: no pickle, no NumPy)."""
+def _broadcast_text(text: str | None, world: Group, device) -> str | None:
+    """Rank 0's ``text`` (or None) on every rank, as tensors on the plan's device (NCCL
+    has no CPU tensors); no pickle involved."""
     if world.size == 1:
         return text
-    data = torch.tensor(list((text or "").encode()) if world.rank == 0 else [], dtype=torch.uint8)
-    length = torch.tensor([len(data) if text is not None or world.rank != 0 else -1], dtype=torch.long)
+    encoded = list((text or "").encode()) if world.rank == 0 else []
+    length = torch.tensor([len(encoded) if (text is not None or world.rank != 0) else -1], device=device)
     dist.broadcast(length, src=0)
-    if length.item() < 0:
+    if int(length) < 0:
         return None
-    if world.rank != 0:
-        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    data = torch.tensor(encoded, dtype=torch.uint8, device=device) if world.rank == 0 else \
+        torch.empty(int(length), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=0)
-    return bytes(data.tolist()).decode()
+    return bytes(data.cpu().tolist()).decode()
 
 
 def _quiet():
@@ -162,25 +163,27 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     if path.exists() and not (path / META_FILE).exists():
         raise ValueError(f"save: {path} exists and is not an fmoe checkpoint; refusing to replace it")
 
-    tmp = path.parent / _broadcast_text(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}", world)
+    tmp = path.parent / _broadcast_text(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}", world, plan.device)
     path.parent.mkdir(parents=True, exist_ok=True)
     error = None
     try:
         ctx = _quiet()
         try:
-            md = dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
-                          no_dist=world.size == 1)
+            dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
+                     no_dist=world.size == 1)
         finally:
             ctx.__exit__(None, None, None)
         if world.rank == 0:
             try:
-                meta["dcp"] = metadata_to_json(md)
+                # DCP's metadata file was written by this save a moment ago (not every torch
+                # release returns it complete); loads never read it, they read the JSON.
+                meta["dcp"] = metadata_to_json(dcp.FileSystemReader(str(tmp)).read_metadata())
                 meta["checksums"] = checksums(tmp)
                 write_atomically(json.dumps(meta, indent=1), tmp / META_FILE)
                 swap_into_place(tmp, path)
             except Exception as err:  # reported to every rank below
                 error = f"{type(err).__name__}: {err}"
-        error = _broadcast_text(error, world)
+        error = _broadcast_text(error, world, plan.device)
         if error:
             raise OSError(f"save to {path} failed on rank 0: {error}")
     finally:

@@ -10,7 +10,18 @@ import torch
 import fmoe
 
 from .harness import run_ranks
-from .workloads import CFG, STRATEGIES, VARIANTS, ep_configs, fsdp_configs, global_batch, train, zero3_variants
+from .workloads import (
+    CFG,
+    STRATEGIES,
+    VARIANTS,
+    checkpoint_reader,
+    checkpoint_writer,
+    ep_configs,
+    fsdp_configs,
+    global_batch,
+    train,
+    zero3_variants,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
@@ -62,3 +73,14 @@ def test_nccl_ep2_matches_single_gpu(sharding):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(ref["params"])):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("target", [(2, 1, "optim"), (1, 2, "no_shard")], ids=["dp2-zero1", "ep2"])
+def test_nccl_checkpoint_reshards_and_resumes(tmp_path_factory, target):
+    path = str(tmp_path_factory.mktemp("nccl_ck") / "ck")
+    writers = nccl(checkpoint_writer, path, 2, 1, "optim_grads_params")
+    for res in nccl(checkpoint_reader, path, *target):
+        for a, b in zip(optree.tree_leaves(res["full"]), optree.tree_leaves(writers[0]["full"])):
+            assert torch.equal(a, b)
+    for resumed, uninterrupted in zip(nccl(checkpoint_reader, path, 2, 1, "optim_grads_params"), writers):
+        assert torch.equal(resumed["after"], uninterrupted["after"])

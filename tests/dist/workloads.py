@@ -208,9 +208,9 @@ def _steps(plan, params, opt, state, tokens, n):
     return params, state, torch.stack(losses)
 
 
-def checkpoint_writer(rank, world, path, dp, ep, sharding):
+def checkpoint_writer(rank, world, path, dp, ep, sharding, device="cpu"):
     """Train 2 steps, save, train 2 more: the uninterrupted run to compare with."""
-    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2, device=device)
     tokens = rank_rows(global_batch(), rank, world)
     opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
     params = fmoe.init(plan, seed=0)
@@ -218,15 +218,15 @@ def checkpoint_writer(rank, world, path, dp, ep, sharding):
     fmoe.save(path, plan, params, opt_state=state, step=2, extra={"rows": tokens.shape[0]})
     full = {"params": fmoe.gather_full(params, plan), "mu": fmoe.gather_full(adam_moments(state).mu, plan)}
     _, _, after = _steps(plan, params, opt, state, tokens, 2)
-    return {"full": full, "after": after}
+    return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after})
 
 
-def checkpoint_reader(rank, world, path, dp, ep, sharding):
+def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu"):
     """Load under another plan: the full tensors it sees, and 2 more steps."""
-    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2, device=device)
     tokens = rank_rows(global_batch(), rank, world)
     ck = fmoe.load(path, plan)
     opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
     full = {"params": fmoe.gather_full(ck.params, plan), "mu": fmoe.gather_full(adam_moments(ck.opt_state).mu, plan)}
     _, _, after = _steps(plan, ck.params, opt, ck.opt_state, tokens, 2)
-    return {"full": full, "after": after, "step": ck.step}
+    return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after}) | {"step": ck.step}
