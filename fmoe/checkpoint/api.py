@@ -10,6 +10,7 @@ unpickle anything.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -104,11 +105,12 @@ def _broadcast_text(text: str | None, world: Group, device) -> str | None:
     return bytes(data.cpu().tolist()).decode()
 
 
+@contextlib.contextmanager
 def _quiet():
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
-    return ctx
+    """Silence DCP's notice that a one-process save/load runs without a process group."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        yield
 
 
 def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: dict | None = None,
@@ -167,12 +169,9 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     path.parent.mkdir(parents=True, exist_ok=True)
     error = None
     try:
-        ctx = _quiet()
-        try:
+        with _quiet():
             dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
                      no_dist=world.size == 1)
-        finally:
-            ctx.__exit__(None, None, None)
         if world.rank == 0:
             try:
                 # DCP's metadata file was written by this save a moment ago (not every torch
@@ -262,12 +261,9 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
     for key in meta["tensor_keys"]:
         param = key[len("params."):] if key.startswith("params.") else meta["opt_params"].get(key)
         values[key], dest[key] = boxed(key, param)
-    ctx = _quiet()
-    try:
+    with _quiet():
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
-    finally:
-        ctx.__exit__(None, None, None)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
     params = optree.tree_unflatten(_treedef(plan.model), [values["params." + p] for p in shapes])
     opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)

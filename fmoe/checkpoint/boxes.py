@@ -10,8 +10,6 @@ overlaps them, which is how a checkpoint moves between plans.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..config import Plan
@@ -63,7 +61,3 @@ def local_boxes(path: str, global_shape: tuple, leaf: torch.Tensor, plan: Plan, 
         view = as_rows[r0 - first:r1 - first].view(sizes)
         out.append(((offsets[0] + expert_offset,) + tuple(offsets[1:]), view))
     return out
-
-
-def numel(shape) -> int:
-    return math.prod(shape)
