@@ -11,7 +11,6 @@ achieved bus bandwidth, compared with a standalone all_to_all of the same size.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -20,19 +19,11 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import fmoe
+from ep_args import ep_layer_parser
 
 
 def parse():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=1408)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per microbatch")
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=3)
-    return ap.parse_args()
+    return ep_layer_parser(steps=3).parse_args()
 
 
 def a2a_kernel_seconds(prof) -> float:

@@ -162,19 +162,22 @@ class Plan:
         model: the ModelConfig.
         dp, ep: data- and expert-parallel sizes; the world is ``dp * ep`` ranks.
         sharding: ``no_shard | optim | optim_grads | optim_grads_params``.
-        schedule: ``standard | 1f1b_overlap``.
+        schedule: ``standard`` (each microbatch forward, then backward) or
+            ``1f1b_overlap`` (the forward of microbatch i+1 woven into the backward of
+            microbatch i so one microbatch's all-to-alls run under the other's compute).
         microbatches: gradient-accumulation steps per ``fmoe.step`` (must divide each
             rank's batch rows).
         dtype: compute dtype, ``float32 | bfloat16``; params, grads and optimizer
             state stay fp32.
-        delay_wgrad: split the experts' backward and run weight gradients later.
+        delay_wgrad: the experts' backward computes input gradients only; their
+            weight-gradient GEMMs run later, under the dispatch's backward all-to-all.
         expert_backend: ``torch`` (``torch._grouped_mm`` where shapes allow, an exact
             per-expert loop otherwise) or ``loop`` (always the loop).
         device: where params live and compute runs (``cpu``, ``cuda``, ``cuda:1``...).
         units: FSDP units as groups of members (``embed``, ``layers.<i>``, ``head``),
             e.g. ``(("embed", "head"), ("layers.0", "layers.1"))``; None: one unit per
             member.
-        prefetch: how many units ahead ``optim_grads_params`` gathers while computing.
+        prefetch: how many unit spans ahead ``optim_grads_params`` gathers while computing.
         gather_buffers: memory for gathered units: ``dynamic`` (allocated per gather,
             freed on release), ``double`` (two slots reused alternately; needs
             ``prefetch <= 1``) or ``persistent`` (one fixed buffer per unit).

@@ -22,16 +22,6 @@ def check_runtime(plan: Plan) -> None:
             f"process sees a world of {world}: launch {plan.world} processes "
             f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
         )
-    if plan.schedule != "standard":
-        raise ValueError(
-            f"Plan.schedule={plan.schedule!r}: this build has the 'standard' executor "
-            "only (allowed: 'standard')"
-        )
-    if plan.delay_wgrad:
-        raise ValueError(
-            "Plan.delay_wgrad=True needs the node executor, which this build lacks "
-            "(allowed: False)"
-        )
     device = torch.device(plan.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")

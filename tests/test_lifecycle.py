@@ -41,13 +41,13 @@ def test_program_runs_and_matches_step():
 def test_backward_on_a_released_unit_is_caught_before_it_runs():
     plan = zero3()
     program = build_program(plan)
-    bwd = program.index(Action("backward", "layers.0", "layers.0", 0))
+    bwd = program.index(Action("backward", "layers.0", "layers.0.experts", 0))
     # Drop the re-gather (and its wait) that precede layers.0's backward: the weights
     # it would read were released after its forward.
     regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.0" and a.op in ("gather", "wait")][-2:]
     assert [program[i].op for i in regather] == ["gather", "wait"]
     wrong = [a for i, a in enumerate(program) if i not in regather]
-    with pytest.raises(LifecycleError, match=r"backward layers.0 \(microbatch 0\) needs unit layers.0, which is sharded"):
+    with pytest.raises(LifecycleError, match=r"backward layers.0.experts \(microbatch 0\) needs unit layers.0, which is sharded"):
         run(plan, wrong)
 
 
@@ -104,7 +104,7 @@ def test_double_buffers_refuse_a_schedule_that_needs_one_slot_twice():
 def test_prefetch_issues_gathers_ahead():
     def gathered_before_forward(plan, node):
         program = build_program(plan)
-        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", "layers.0", 0))
+        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", "layers.0.attn", 0))
 
     assert gathered_before_forward(zero3(prefetch=1), "layers.1")
     assert not gathered_before_forward(zero3(prefetch=0), "layers.1")
@@ -122,7 +122,7 @@ def test_trace_exports_to_chrome_json(tmp_path):
     assert len(events) == len(trace)
     assert {e["ph"] for e in events} == {"X"} and all(e["dur"] >= 0 for e in events)
     names = [e["name"] for e in events if e["cat"] == "forward"]
-    assert names[:2] == ["forward embed mb0", "forward layers.0 mb0"]
+    assert names[:2] == ["forward embed mb0", "forward layers.0.attn mb0"]
 
 
 @pytest.mark.parametrize("kw", [dict(units=("embed", "head")), dict(units=[["embed"], ["nope"]]),

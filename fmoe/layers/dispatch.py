@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .precision import upcast
+from .router import expert_counts
 
 
 class Dispatch(NamedTuple):
@@ -81,7 +82,7 @@ def make_dispatch(indices_TK: torch.Tensor, num_experts: int, pad_multiple: int 
     device = indices_TK.device
     flat = indices_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     sorted_expert = flat[order]
     rank_in_expert = torch.arange(T * K, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
     if capacity is not None:

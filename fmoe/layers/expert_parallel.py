@@ -10,9 +10,9 @@ dispatch is one ``all_to_all`` and combine is its mirror image.
 - Static capacity: every (source rank, expert) block has exactly ``C`` rows, so the
   all-to-all has equal splits and nothing is read on the host (CUDA-graph friendly).
 
-``dispatch``, ``combine`` and ``all_to_all`` return handles; ``wait()`` gives the
-received rows with autograd attached (their backward is the reverse all-to-all), so
-a schedule can issue the exchange and compute something else before waiting.
+``to_experts`` and ``from_experts`` (each the other's adjoint) return Transfers
+that a schedule issues and waits for explicitly, computing something else in
+between; ``dispatch`` and ``combine`` wrap them for plain autograd (``moe``).
 """
 
 from __future__ import annotations
@@ -39,56 +39,6 @@ class ExpertParallel:
     group: Group
     experts_per_rank: int
     events: list = field(default_factory=list)
-
-
-class A2AHandle:
-    """An all-to-all in flight. ``wait()`` returns the received rows (differentiable)."""
-
-    def __init__(self, x, out, pending: Pending, send_splits, recv_splits, group: Group, issued: float):
-        self.x, self.out, self.pending = x, out, pending
-        self.send_splits, self.recv_splits, self.group, self.issued = send_splits, recv_splits, group, issued
-
-    def wait(self) -> torch.Tensor:
-        return _Received.apply(self.x, self)
-
-
-class _Received(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, handle: A2AHandle):
-        handle.pending.wait()
-        ctx.handle = handle
-        return handle.out
-
-    @staticmethod
-    def backward(ctx, grad):
-        h = ctx.handle
-        grad = grad.contiguous()
-        back = grad.new_empty((h.x.shape[0],) + tuple(grad.shape[1:]))
-        h.group.all_to_all(back, grad, h.send_splits, h.recv_splits).wait()
-        return back, None
-
-
-def all_to_all(x: torch.Tensor, send_splits, recv_splits, group: Group) -> A2AHandle:
-    """Start sending ``send_splits[j]`` rows of ``x`` to rank ``j`` (None: equal blocks)."""
-    x = x.contiguous()
-    rows = sum(recv_splits) if recv_splits is not None else x.shape[0]
-    out = x.new_empty((rows,) + tuple(x.shape[1:]))
-    issued = now()
-    pending = group.all_to_all(out.detach(), x.detach(), recv_splits, send_splits)
-    return A2AHandle(x, out, pending, send_splits, recv_splits, group, issued)
-
-
-class _Reorder(torch.autograd.Function):
-    # A permutation of rows: forward and backward are both gathers.
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
 
 
 class Segments(NamedTuple):
@@ -128,8 +78,8 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     recv_counts = torch.empty_like(send_counts)
     t0 = now()
     ep.group.all_to_all(recv_counts.view(-1), send_counts.reshape(-1)).wait()
-    send_splits = send_counts.sum(1).tolist()  # the host sync dropless dispatch needs
-    recv_splits = recv_counts.sum(1).tolist()
+    # The one host sync dropless dispatch needs: both split lists in one read.
+    send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
     ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv_counts.numel() * 8, "dispatch"))
     total = sum(recv_splits)
     # Received rows come source-major (src, expert); the experts want expert-major.
@@ -145,40 +95,102 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     return Exchange(send_splits, recv_splits, order, inverse, _segments(recv_counts.sum(0), total))
 
 
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+class Transfer:
+    """Rows in flight between the expert-parallel ranks (no autograd).
 
+    ``wait()`` blocks until they landed and returns them in the receiver's order;
+    ``event()`` describes the exchange for the trace (``node`` and ``mb``: who issued it).
+    """
 
-class InFlight:
-    """A dispatch or combine in flight: ``wait()`` returns its rows (differentiable)."""
-
-    def __init__(self, handle: A2AHandle, finish, ep: ExpertParallel, purpose: str):
-        self.handle, self.finish, self.ep, self.purpose = handle, finish, ep, purpose
+    def __init__(self, out: torch.Tensor, pending: Pending, finish, nbytes: int, purpose: str):
+        self.out, self.pending, self.finish, self.nbytes, self.purpose = out, pending, finish, nbytes, purpose
+        self.issued, self.landed = now(), None
+        self.node, self.mb = None, -1
 
     def wait(self) -> torch.Tensor:
-        rows = self.handle.wait()
-        nbytes = _bytes(self.handle.x)
-        self.ep.events.append(Event("all_to_all", None, None, -1, self.handle.issued, now(), nbytes, self.purpose))
-        return self.finish(rows)
+        if self.landed is None:
+            self.pending.wait()
+            self.landed = now()
+            self.out = self.finish(self.out)
+        return self.out
+
+    def event(self) -> Event:
+        return Event("all_to_all", None, self.node, self.mb, self.issued, self.landed, self.nbytes, self.purpose)
 
 
-def dispatch(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
-    """Start sending rows permuted by global expert to their experts' ranks; ``wait()``
-    gives this rank's rows grouped by local expert."""
+def _exchange(x: torch.Tensor, send_splits, recv_splits, group: Group, finish, purpose: str) -> Transfer:
+    x = x.detach().contiguous()
+    rows = sum(recv_splits) if recv_splits is not None else x.shape[0]
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    nbytes = x.numel() * x.element_size()
+    return Transfer(out, group.all_to_all(out, x, recv_splits, send_splits), finish, nbytes, purpose)
+
+
+def to_experts(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None,
+               purpose: str = "dispatch") -> Transfer:
+    """Start sending rows permuted by global expert to their experts' ranks; the
+    Transfer lands as this rank's rows grouped by local expert.
+
+    Used for the forward dispatch and, as its adjoint, for the combine's backward.
+    """
     P, El = ep.group.size, ep.experts_per_rank
     if capacity is None:
-        finish = lambda y: _Reorder.apply(y, ex.order, ex.inverse)  # noqa: E731
+        finish = lambda y: y.index_select(0, ex.order)  # noqa: E731
     else:
         finish = lambda y: y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)  # noqa: E731
-    return InFlight(all_to_all(x_RD, ex.send_splits, ex.recv_splits, ep.group), finish, ep, "dispatch")
+    return _exchange(x_RD, ex.send_splits, ex.recv_splits, ep.group, finish, purpose)
 
 
-def combine(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
-    """Inverse of ``dispatch``: start sending this rank's expert outputs back to the
-    rows' owners; ``wait()`` gives them in the original permuted order."""
+def from_experts(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None,
+                 purpose: str = "combine") -> Transfer:
+    """Inverse of ``to_experts``: start sending this rank's expert-major rows back to
+    their owners; the Transfer lands in the owner's permuted order.
+
+    Used for the forward combine and, as its adjoint, for the dispatch's backward.
+    """
     if capacity is None:
-        y = _Reorder.apply(y_local, ex.inverse, ex.order)
+        y = y_local.index_select(0, ex.inverse)
     else:
         P, El = ep.group.size, ep.experts_per_rank
         y = y_local.view(El, P, capacity, -1).transpose(0, 1).reshape(P * El * capacity, -1)
-    return InFlight(all_to_all(y, ex.recv_splits, ex.send_splits, ep.group), lambda rows: rows, ep, "combine")
+    return _exchange(y, ex.recv_splits, ex.send_splits, ep.group, lambda rows: rows, purpose)
+
+
+class _Landed(torch.autograd.Function):
+    # The received rows of ``transfer``; backward sends the gradient back by ``adjoint``.
+    @staticmethod
+    def forward(ctx, x, transfer: Transfer, adjoint, events: list):
+        ctx.adjoint, ctx.events = adjoint, events
+        rows = transfer.wait()
+        events.append(transfer.event())
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = ctx.adjoint(grad)
+        rows = back.wait()
+        ctx.events.append(back.event())
+        return rows, None, None, None
+
+
+class InFlight:
+    """A differentiable dispatch or combine in flight: ``wait()`` returns its rows,
+    whose backward is the reverse exchange (issued and waited at once)."""
+
+    def __init__(self, x: torch.Tensor, transfer: Transfer, adjoint, ep: ExpertParallel):
+        self.x, self.transfer, self.adjoint, self.ep = x, transfer, adjoint, ep
+
+    def wait(self) -> torch.Tensor:
+        return _Landed.apply(self.x, self.transfer, self.adjoint, self.ep.events)
+
+
+def dispatch(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
+    """``to_experts`` under autograd: ``wait()`` gives this rank's rows grouped by local expert."""
+    return InFlight(x_RD, to_experts(x_RD, ex, ep, capacity),
+                    lambda g: from_experts(g, ex, ep, capacity, "dispatch_grad"), ep)
+
+
+def combine(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> InFlight:
+    """``from_experts`` under autograd: ``wait()`` gives the rows in the original permuted order."""
+    return InFlight(y_local, from_experts(y_local, ex, ep, capacity),
+                    lambda g: to_experts(g, ex, ep, capacity, "combine_grad"), ep)

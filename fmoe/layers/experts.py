@@ -17,13 +17,50 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[-1] % per_16_bytes == 0 and w.shape[-1] % per_16_bytes == 0
 
 
+class DeferredWgrad:
+    """Weight-gradient GEMMs of the experts, held back to run later (``Plan.delay_wgrad``).
+
+    Passed to ``expert_mlp``; during backward each grouped matmul computes its input
+    gradient at once and leaves its weight gradient here. ``run()`` computes them.
+    """
+
+    def __init__(self):
+        self.pending: list = []
+
+    def defer(self, weight: torch.Tensor, compute) -> None:
+        self.pending.append((weight, compute))
+
+    def run(self) -> list:
+        """``[(weight, grad)]`` for every deferred GEMM, in the order they were deferred."""
+        with torch.no_grad():
+            done = [(w, compute()) for w, compute in self.pending]
+        self.pending = []
+        return done
+
+
+def _per_expert(x_RD, w_EDN, rows, transpose_w=False):
+    w = w_EDN.transpose(-2, -1) if transpose_w else w_EDN
+    return torch.cat([seg @ w[e] for e, seg in enumerate(x_RD.split(rows))])
+
+
+def _wgrad(x_RD, grad_RN, offsets_E, rows):
+    if rows is None:
+        return torch._grouped_mm(x_RD.t(), grad_RN, offs=offsets_E)
+    return torch.stack([x.t() @ g for x, g in zip(x_RD.split(rows), grad_RN.split(rows))])
+
+
 class _GroupedMatmul(torch.autograd.Function):
     # Explicit backward: autograd's rule for _grouped_mm rejects expanded (stride-0)
-    # gradients, and a split dgrad/wgrad is what delayed-wgrad schedules build on.
+    # gradients, and the weight gradient must be separable for delayed wgrad.
+    # ``rows`` (host list) selects the per-expert loop, None torch._grouped_mm.
     @staticmethod
-    def forward(ctx, x_RD, w_EDN, offsets_E):
+    def forward(ctx, x_RD, w_EDN, offsets_E, rows, deferred):
         ctx.save_for_backward(x_RD, w_EDN, offsets_E)
-        return torch._grouped_mm(x_RD, w_EDN, offs=offsets_E)
+        ctx.rows, ctx.deferred = rows, deferred
+        ctx.weight = w_EDN if deferred is not None else None  # the key its deferred grad is filed under
+        if rows is None:
+            return torch._grouped_mm(x_RD, w_EDN, offs=offsets_E)
+        return _per_expert(x_RD, w_EDN, rows)
 
     @staticmethod
     def backward(ctx, grad_RN):
@@ -31,10 +68,17 @@ class _GroupedMatmul(torch.autograd.Function):
         grad_RN = grad_RN.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_RN, w_EDN.transpose(-2, -1), offs=offsets_E)
+            if ctx.rows is None:
+                grad_x = torch._grouped_mm(grad_RN, w_EDN.transpose(-2, -1), offs=offsets_E)
+            else:
+                grad_x = _per_expert(grad_RN, w_EDN, ctx.rows, transpose_w=True)
         if ctx.needs_input_grad[1]:
-            grad_w = torch._grouped_mm(x_RD.t(), grad_RN, offs=offsets_E)
-        return grad_x, grad_w, None
+            rows = ctx.rows
+            if ctx.deferred is None:
+                grad_w = _wgrad(x_RD, grad_RN, offsets_E, rows)
+            else:
+                ctx.deferred.defer(ctx.weight, lambda: _wgrad(x_RD, grad_RN, offsets_E, rows))
+        return grad_x, grad_w, None, None, None
 
 
 class _AddExpertBias(torch.autograd.Function):
@@ -57,7 +101,8 @@ def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, segs) -> torch.Te
     return _AddExpertBias.apply(h_RN, bias_EN, segs.row_expert_R, segs.rows_E)
 
 
-def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str = "torch"):
+def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str = "torch",
+                   deferred: DeferredWgrad | None = None):
     """Row segment ``e`` of ``x`` times ``w[e]``, for every expert.
 
     Arguments:
@@ -67,14 +112,13 @@ def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str =
             ``offsets_E``, ``row_expert_R``.
         backend: ``torch`` uses ``torch._grouped_mm`` when dtype and strides allow,
             else (or with ``loop``) one matmul per expert: the same arithmetic.
+        deferred: when given, the backward leaves ``w``'s gradient GEMM there.
 
     Returns:
         ``[R, N]``.
     """
-    if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN):
-        return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E)
-    segments = x_RD.split(segs.rows_E.tolist())
-    return torch.cat([seg @ w_EDN[e] for e, seg in enumerate(segments)])
+    rows = None if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN) else segs.rows_E.tolist()
+    return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E, rows, deferred)
 
 
 def glu_halves(h: torch.Tensor, interleave: int):
@@ -106,7 +150,8 @@ def activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
-               row_probs_R: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
+               row_probs_R: torch.Tensor | None = None, backend: str = "torch",
+               deferred: DeferredWgrad | None = None) -> torch.Tensor:
     """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
 
     Arguments:
@@ -116,17 +161,19 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
         cfg: the ModelConfig.
         row_probs_R: when given, each row's activation is scaled by it before fc2.
         backend: see ``grouped_matmul``.
+        deferred: collects the fc1/fc2 weight-gradient GEMMs instead of running them
+            in backward (delayed wgrad); the bias gradients are not deferred.
 
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
-    h = grouped_matmul(x_RD, p["fc1"], segs, backend)
+    h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)
     a = activation(h, cfg)
     if row_probs_R is not None:
         a = a * row_probs_R.to(a.dtype)[:, None]
-    y = grouped_matmul(a, p["fc2"], segs, backend)
+    y = grouped_matmul(a, p["fc2"], segs, backend, deferred)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)
     return y

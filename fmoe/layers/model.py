@@ -23,6 +23,17 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
     return optree.tree_map_with_path(cast, params)
 
 
+def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig):
+    """``h += attn(norm(h))``, then the MoE's input norm.
+
+    Returns:
+        ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
+    """
+    eps = cfg.norm_eps
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg)
+    return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
+
+
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None):
     """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``.
 
@@ -31,9 +42,7 @@ def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"
     Returns:
         ``(h_BSD, MoEStats)``.
     """
-    eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg)
-    x_TD = rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
+    h_BSD, x_TD = attention_half(p, h_BSD, cfg)
     y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep)
     return h_BSD + y_TD.view_as(h_BSD), stats
 

@@ -5,10 +5,10 @@ from typing import NamedTuple
 import torch
 
 from ..config import ModelConfig
-from .dispatch import capacity_rows, make_dispatch, permute, row_weights, unpermute
-from .expert_parallel import ExpertParallel, combine, dispatch, plan_exchange
-from .experts import dense_mlp, expert_mlp
-from .router import route
+from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
+from .expert_parallel import Exchange, ExpertParallel, combine, dispatch, plan_exchange
+from .experts import DeferredWgrad, dense_mlp, expert_mlp
+from .router import Routing, route
 
 
 class MoEStats(NamedTuple):
@@ -30,12 +30,83 @@ class MoEStats(NamedTuple):
     a2a_bytes: torch.Tensor
 
 
+class Routed(NamedTuple):
+    """One MoE layer's tokens after routing, permuted and ready to leave for their experts.
+
+    Attributes:
+        rows_RD: ``[R, D]`` tokens permuted by global expert (differentiable).
+        row_probs_R: ``[R, 1]`` probabilities travelling with the rows (prob placement
+            ``activation``), else None.
+        probs_TK: ``[T, K]`` router probabilities (applied at unpermute, placement ``output``).
+        dispatch: where each assignment went (the Dispatch).
+        exchange: how rows travel between expert ranks (None without expert parallelism).
+        segments: the row segments of the experts this rank computes.
+        routing: the router's Routing (for the statistics).
+    """
+
+    rows_RD: torch.Tensor
+    row_probs_R: torch.Tensor | None
+    probs_TK: torch.Tensor
+    dispatch: Dispatch
+    exchange: Exchange | None
+    segments: object
+    routing: Routing
+
+
+def _crosses_ranks(ep: ExpertParallel | None) -> bool:
+    return ep is not None and ep.group.size > 1
+
+
+def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None) -> Routed:
+    """Route and permute ``x_TD``; with expert parallelism also plan the exchange (for
+    dropless routing, a small all-to-all of counts and one host read of split sizes)."""
+    T, K = x_TD.shape[0], cfg.topk
+    r = route(p, x_TD, cfg)
+    capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
+        if cfg.capacity_factor else None
+    d = make_dispatch(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+    rows_RD = permute(x_TD, d)
+    row_probs_R = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
+    ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
+    return Routed(rows_RD, row_probs_R, r.probs_TK, d, ex, d if ex is None else ex.segments, r)
+
+
+def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
+                cfg: ModelConfig, backend: str = "torch", deferred: DeferredWgrad | None = None) -> torch.Tensor:
+    """The routed experts on the rows this rank computes (see ``expert_mlp``)."""
+    probs = None if row_probs_R is None else row_probs_R[:, 0]
+    return expert_mlp(p["experts"], rows_RD, routed.segments, cfg, probs, backend, deferred)
+
+
+def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,
+               shared_TD: torch.Tensor | None) -> torch.Tensor:
+    """Expert outputs back in token order, weighted by ``probs_TK`` (None when the
+    probabilities were applied in the activation), plus the shared expert's output."""
+    y_TD = unpermute(y_RD, d, probs_TK)
+    return y_TD if shared_TD is None else y_TD + shared_TD
+
+
+def output_probs(routed: Routed) -> torch.Tensor | None:
+    """The probabilities ``moe_output`` applies: None under placement ``activation``."""
+    return routed.probs_TK if routed.row_probs_R is None else None
+
+
+def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
+    """The layer's MoEStats (no host sync)."""
+    d, r = routed.dispatch, routed.routing
+    sent = torch.zeros((), dtype=torch.long, device=d.pos_TK.device)
+    if routed.exchange is not None:
+        sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
+    return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)
+
+
 def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None):
     """Top-k MoE of already-normalised tokens; no residual.
 
     Dropless unless ``cfg.capacity_factor > 0`` (then each expert takes at most
     ``capacity_rows(T, K, E, factor)`` of this rank's assignments, first come first
-    served in token order, and drops the rest).
+    served in token order, and drops the rest). The schedule's layer nodes run the
+    same phases (``moe_route``, ``moe_experts``, ``moe_output``) one at a time.
 
     Arguments:
         p: one layer's ``moe`` subtree; under expert parallelism ``experts`` holds only
@@ -48,29 +119,16 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
     Returns:
         ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
     """
-    T, K = x_TD.shape[0], cfg.topk
-    r = route(p, x_TD, cfg)
-    capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
-        if cfg.capacity_factor else None
-    d = make_dispatch(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
-    x_RD = permute(x_TD, d)
-    probs_R = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
-    sent = torch.zeros((), dtype=torch.long, device=x_TD.device)
-    if ep is None or ep.group.size == 1:
-        segments = d
-    else:
-        ex = plan_exchange(d.rows_E, capacity, ep)
-        sending = dispatch(x_RD, ex, ep, capacity)
-        if probs_R is not None:
-            probs_R = dispatch(probs_R, ex, ep, capacity).wait()
-        x_RD = sending.wait()
-        segments = ex.segments
-        sent = sent + 2 * d.num_rows * x_TD.shape[1] * x_TD.element_size()
-    y_RD = expert_mlp(p["experts"], x_RD, segments, cfg, None if probs_R is None else probs_R[:, 0], backend)
-    if ep is not None and ep.group.size > 1:
-        y_RD = combine(y_RD, ex, ep, capacity).wait()
-    y_TD = unpermute(y_RD, d, None if probs_R is not None else r.probs_TK)
-    if "shared" in p:
-        y_TD = y_TD + dense_mlp(p["shared"], x_TD, cfg)
-    stats = MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)
-    return y_TD, stats
+    routed = moe_route(p, x_TD, cfg, ep)
+    rows, probs = routed.rows_RD, routed.row_probs_R
+    ex, capacity = routed.exchange, routed.dispatch.capacity
+    if ex is not None:
+        sending = dispatch(rows, ex, ep, capacity)
+        if probs is not None:
+            probs = dispatch(probs, ex, ep, capacity).wait()
+        rows = sending.wait()
+    y = moe_experts(p, rows, probs, routed, cfg, backend)
+    if ex is not None:
+        y = combine(y, ex, ep, capacity).wait()
+    shared = dense_mlp(p["shared"], x_TD, cfg) if "shared" in p else None
+    return moe_output(y, routed.dispatch, output_probs(routed), shared), moe_stats(routed, x_TD.shape[1], x_TD.dtype)

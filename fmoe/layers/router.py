@@ -26,6 +26,17 @@ class Routing(NamedTuple):
     z_loss: torch.Tensor
 
 
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (long ``[E]``) of any-shaped ``indices``.
+
+    A scatter-add of ones, not ``torch.bincount``: on CUDA bincount reads the indices'
+    min and max on the host, a sync that would stall every layer of every microbatch.
+    Integer sums are exact, so the result does not depend on the order of the adds.
+    """
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     """Route normalised tokens to ``cfg.topk`` experts.
 
@@ -49,7 +60,7 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     probs = scores.gather(-1, indices)
     if cfg.norm_topk_prob:
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
-    counts = torch.bincount(indices.flatten(), minlength=E)
+    counts = expert_counts(indices, E)
     frac_tokens = counts.to(scores.dtype) / indices.numel()
     score_share = scores / scores.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores
     aux = E * (frac_tokens * score_share.mean(0)).sum()

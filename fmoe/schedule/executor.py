@@ -1,10 +1,17 @@
 """Run a program: thread the lifecycle state through gathers, nodes and reductions.
 
-Each node runs under plain autograd on its own: its input is a detached boundary
-tensor and its weights are leaves viewing the unit's gathered buffer. Its backward
-is ``torch.autograd.grad`` from the saved outputs, so the executor, not a hook,
-decides when weights are gathered, released and reduced, and every backward node
-first asks the lifecycle for its unit (which raises if the unit is not gathered).
+Each compute node runs under plain autograd on its own: its inputs are detached
+boundary tensors and its weights are leaves viewing the unit's gathered buffer. Its
+backward is ``torch.autograd.grad`` from the saved outputs, so the executor, not a
+hook, decides when weights are gathered, released and reduced, and every node first
+asks the lifecycle for its unit (which raises if the unit is not gathered).
+
+The all-to-all nodes issue an exchange and return at once; the exchange is waited
+for only where its result is first needed (the next compute node of that
+microbatch, forward or backward). Whatever the program runs in between, typically
+another microbatch's compute, overlaps the exchange: on CUDA the collective runs on
+NCCL's stream, ordered against the compute stream by events; on CPU on gloo's
+threads.
 """
 
 from __future__ import annotations
@@ -15,13 +22,15 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
+from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
+from ..layers.experts import DeferredWgrad
 from ..layers.model import stack_stats
 from ..shard import lifecycle as lc
 from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
-from ..shard.units import member_of, members
-from .nodes import run_node
+from .nodes import (Attended, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
+                    member_of_node, node_names, node_of_param)
 from .program import Action, double_buffer_slots, max_live_units
 
 
@@ -59,50 +68,215 @@ def check_program(plan: Plan, program: list[Action]) -> dict | None:
     return slots
 
 
-class _Activations:
-    """What flows between nodes of one step: outputs waiting for the next node's
-    forward, saved forwards waiting for their backward, and gradients flowing back."""
+class _Computed(NamedTuple):
+    """A node's autograd record: detached ``inputs`` (by name), differentiable
+    ``outputs`` (by name), weight leaves and an optional scalar objective."""
 
-    def __init__(self, order):
-        self.previous = {n: order[i - 1] for i, n in enumerate(order) if i}
-        self.outputs, self.saved, self.grad_in = {}, {}, {}
-
-
-def _forward(state, a: Action, acts: _Activations, tokens_mb, plan: Plan, total_targets: int, mesh: Mesh):
-    t0 = now()
-    views = lc.require_gathered(state, a.unit, f"forward {a.node} (microbatch {a.mb})")
-    train = torch.is_grad_enabled()
-    weights = {p: v.detach().requires_grad_(train) for p, v in views.items() if member_of(p) == a.node}
-    x = acts.outputs.pop((a.mb, acts.previous[a.node])) if a.node in acts.previous else None
-    x_in = x.detach().requires_grad_(train) if x is not None else None
-    events: list = []
-    res = run_node(a.node, weights, x_in, tokens_mb, plan, total_targets, mesh, events)
-    state = lc.record(state, *(dataclasses.replace(e, node=a.node, mb=a.mb) for e in events))
-    if res.output is not None:
-        acts.outputs[(a.mb, a.node)] = res.output
-    if train:
-        acts.saved[(a.mb, a.node)] = (x_in, res, weights)
-    return lc.record(state, Event("forward", a.unit, a.node, a.mb, t0, now())), res
+    inputs: dict
+    outputs: dict
+    weights: dict
+    objective: torch.Tensor | None = None
 
 
-def _backward(state, a: Action, acts: _Activations):
-    t0 = now()
-    lc.require_gathered(state, a.unit, f"backward {a.node} (microbatch {a.mb})")
-    x_in, res, weights = acts.saved.pop((a.mb, a.node))
-    outs, grads_out = [], []
-    if res.output is not None:
-        outs.append(res.output)
-        grads_out.append(acts.grad_in.pop((a.mb, a.node)))
-    if res.objective is not None:
-        outs.append(res.objective)
-        grads_out.append(None)
-    inputs = ([x_in] if x_in is not None else []) + list(weights.values())
-    got = torch.autograd.grad(outs, inputs, grads_out, allow_unused=True)
-    if x_in is not None:
-        acts.grad_in[(a.mb, acts.previous[a.node])] = got[0]
-        got = got[1:]
-    state = lc.accumulate_grads(state, a.unit, dict(zip(weights, got)))
-    return lc.record(state, Event("backward", a.unit, a.node, a.mb, t0, now()))
+def _leaf(x, train: bool):
+    if x is None:
+        return None
+    return x.detach().requires_grad_(train and x.is_floating_point())
+
+
+def _backprop(rec: _Computed, grads_out: dict):
+    """Gradients of a node's inputs and weights from its outputs' gradients (and its objective)."""
+    outs, seeds = [], []
+    for name, grad in grads_out.items():
+        if grad is not None and rec.outputs.get(name) is not None:
+            outs.append(rec.outputs[name])
+            seeds.append(grad)
+    if rec.objective is not None:
+        outs.append(rec.objective)
+        seeds.append(None)
+    names = [n for n, x in rec.inputs.items() if x is not None and x.requires_grad]
+    targets = [rec.inputs[n] for n in names] + list(rec.weights.values())
+    if not outs or not targets:
+        return dict.fromkeys(names), {}
+    got = torch.autograd.grad(outs, targets, seeds, allow_unused=True)
+    return dict(zip(names, got)), dict(zip(rec.weights, got[len(names):]))
+
+
+class _Flow:
+    """What moves between nodes during one step.
+
+    ``values[(mb, node)]``: a node's forward outputs by name: tensors, Transfers in
+    flight, or (``combine``) a completion run when first needed. ``grads[(mb, node)]``:
+    gradients w.r.t. those outputs, possibly in flight. ``records``: autograd records
+    waiting for their backward. ``events``: exchanges that landed, for the trace.
+    """
+
+    def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int):
+        self.plan, self.mesh, self.total_targets = plan, mesh, total_targets
+        self.tokens_mb = tokens.chunk(plan.microbatches)
+        self.train = torch.is_grad_enabled()
+        self.ep_events: list = []
+        self.ep = ExpertParallel(mesh.ep, plan.model.experts // plan.ep, self.ep_events) if plan.ep > 1 else None
+        self.values: dict = {}
+        self.grads: dict = {}
+        self.records: dict = {}
+        self.routed: dict = {}
+        self.deferred: dict = {}
+        self.events: list = []
+        self.previous = {}
+        order = [n for n in node_names(plan.model) if kind_of(n) in ("embed", "attn", "head")]
+        for before, after in zip(order, order[1:]):
+            self.previous[after] = f"{member_of_node(before)}.combine" if before.startswith("layers.") else before
+
+    def send(self, transfer: Transfer, node: str, mb: int) -> Transfer:
+        """Tag an exchange just issued by ``node`` for the trace."""
+        transfer.node, transfer.mb = node, mb
+        return transfer
+
+    def resolve(self, value):
+        """A value or gradient, waiting for it if it is in flight."""
+        if isinstance(value, Transfer):
+            first = value.landed is None
+            out = value.wait()
+            if first:
+                self.events.append(value.event())
+            return out
+        if callable(value):
+            return value()
+        return value
+
+    def take(self, table: dict, mb: int, node: str, what: str) -> dict:
+        try:
+            return table.pop((mb, node))
+        except KeyError:
+            raise lc.LifecycleError(f"{what}: {node} (microbatch {mb}) has not produced it yet; "
+                                    "the program runs nodes out of order") from None
+
+    def save(self, mb: int, node: str, record: _Computed) -> None:
+        if self.train:
+            self.records[(mb, node)] = record
+
+    def grads_for(self, mb: int, node: str) -> dict:
+        return self.grads.setdefault((mb, node), {})
+
+
+def _forward(state, a: Action, flow: _Flow):
+    """Run one node's forward; returns ``(state, Attended | head result | None)``."""
+    plan, train, mb, node = flow.plan, flow.train, a.mb, a.node
+    kind = kind_of(node)
+    layer = int(node.split(".")[1]) if node.startswith("layers.") else -1
+    weights = {}
+    if a.unit is not None:
+        views = lc.require_gathered(state, a.unit, f"forward {node} (microbatch {mb})")
+        weights = {p: v.detach().requires_grad_(train) for p, v in views.items() if node_of_param(p) == node}
+    result = None
+    if kind == "embed":
+        h = embed_node(weights, flow.tokens_mb[mb])
+        flow.values[(mb, node)] = {"h": h}
+        flow.save(mb, node, _Computed({}, {"h": h}, weights))
+    elif kind == "head":
+        prev = flow.previous[node]
+        h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
+        objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps)
+        flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
+        result = (objective.detach(), ce_sum)
+    elif kind == "attn":
+        prev = flow.previous[node]
+        h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
+        result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep)
+        flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
+        flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
+        if train:
+            flow.routed[(mb, member_of_node(node))] = result.routed
+    elif kind == "dispatch":
+        attn = flow.values[(mb, f"layers.{layer}.attn")]
+        rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
+        if routed.exchange is not None:
+            cap = routed.dispatch.capacity
+            rows = flow.send(to_experts(rows, routed.exchange, flow.ep, cap), node, mb)
+            probs = None if probs is None else flow.send(to_experts(probs, routed.exchange, flow.ep, cap), node, mb)
+        flow.values[(mb, node)] = {"rows": rows, "row_probs": probs}
+    elif kind == "experts":
+        sent = flow.take(flow.values, mb, f"layers.{layer}.dispatch", f"forward {node}")
+        routed = flow.values[(mb, f"layers.{layer}.attn")]["routed"]
+        rows = _leaf(flow.resolve(sent["rows"]), train)
+        probs = _leaf(flow.resolve(sent["row_probs"]), train)
+        deferred = DeferredWgrad() if train and plan.delay_wgrad else None
+        y = experts_node(weights, rows, probs, routed, plan, layer, deferred)
+        flow.values[(mb, node)] = {"y": y}
+        flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
+        if deferred is not None:
+            flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
+    elif kind == "combine":
+        y = flow.take(flow.values, mb, f"layers.{layer}.experts", f"forward {node}")["y"]
+        attn = flow.values.pop((mb, f"layers.{layer}.attn"))
+        routed = attn["routed"]
+        if routed.exchange is not None:
+            y = flow.send(from_experts(y, routed.exchange, flow.ep, routed.dispatch.capacity), node, mb)
+        flow.values[(mb, node)] = {"h": lambda: _complete_combine(flow, mb, node, y, attn)}
+    else:
+        raise ValueError(f"unknown node {node!r}")
+    return state, result
+
+
+def _complete_combine(flow: _Flow, mb: int, node: str, y, attn: dict) -> torch.Tensor:
+    """The combine's landing: wait for the rows, unpermute, add the residual."""
+    inputs = {"y": _leaf(flow.resolve(y), flow.train)}
+    inputs.update({name: _leaf(attn[name], flow.train) for name in ("h", "probs_TK", "shared")})
+    routed = attn["routed"]
+    probs = inputs["probs_TK"] if routed.row_probs_R is None else None
+    h = combine_output(inputs["y"], inputs["h"], probs, inputs["shared"], routed)
+    flow.save(mb, node, _Computed(inputs, {"h": h}, {}))
+    return h
+
+
+def _backward(state, a: Action, flow: _Flow):
+    """Run one node's backward; gradients for its inputs go to their producers (the
+    all-to-all nodes send theirs back across ranks, in flight until needed)."""
+    mb, node = a.mb, a.node
+    kind = kind_of(node)
+    layer = member_of_node(node)
+    if a.unit is not None:
+        lc.require_gathered(state, a.unit, f"backward {node} (microbatch {mb})")
+    if kind == "dispatch":
+        got = flow.take(flow.grads, mb, node, f"backward {node}")
+        routed = flow.routed[(mb, layer)]
+        if routed.exchange is not None:
+            got = {name: None if g is None else flow.send(
+                       from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
+                   for name, g in got.items()}
+        flow.grads_for(mb, f"{layer}.attn").update(got)
+        return state
+    rec = flow.take(flow.records, mb, node, f"backward {node}")
+    grads_out = {name: flow.resolve(g) for name, g in flow.grads.pop((mb, node), {}).items()}
+    got, weight_grads = _backprop(rec, grads_out)
+    if weight_grads:
+        state = lc.accumulate_grads(state, a.unit, weight_grads)
+    if kind in ("head", "attn"):
+        flow.grads_for(mb, flow.previous[node])["h"] = got["h"]
+        if kind == "attn":
+            del flow.routed[(mb, layer)]
+    elif kind == "combine":
+        routed = flow.routed[(mb, layer)]
+        g_y = got.pop("y")
+        if routed.exchange is not None and g_y is not None:
+            g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),
+                            node, mb)
+        flow.grads_for(mb, f"{layer}.experts")["y"] = g_y
+        flow.grads_for(mb, f"{layer}.attn").update(got)
+    elif kind == "experts":
+        flow.grads_for(mb, f"{layer}.dispatch").update(got)
+        if (mb, node) in flow.deferred and flow.deferred[(mb, node)][0].pending:
+            state = lc.defer_wgrad(state, a.unit, mb)
+    return state
+
+
+def _wgrad(state, a: Action, flow: _Flow):
+    """The delayed weight-gradient GEMMs of an ``experts`` node."""
+    lc.require_gathered(state, a.unit, f"wgrad {a.node} (microbatch {a.mb})")
+    deferred, paths = flow.take(flow.deferred, a.mb, a.node, f"wgrad {a.node}")
+    state = lc.wgrad_done(state, a.unit, a.mb)
+    return lc.accumulate_grads(state, a.unit, {paths[id(w)]: g for w, g in deferred.run()})
 
 
 def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
@@ -116,13 +290,12 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     if slots is None:
         slots = check_program(plan, program)
     state = lc.start(plan, spec, mesh, lc.build_shards(params_named, spec, plan, mesh), max_live_units(plan), slots)
-    order = members(plan.model)
-    acts = _Activations(order)
-    tokens_mb = tokens.chunk(plan.microbatches)
+    flow = _Flow(plan, mesh, tokens, total_targets)
     ce_sum = torch.zeros((), device=tokens.device)
     objective = torch.zeros((), device=tokens.device)
     stats: dict = {}
     for a in program:
+        t0 = now()
         if a.op == "gather":
             state = lc.gather(state, a.unit)
         elif a.op == "wait":
@@ -131,16 +304,24 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
             state = lc.release(state, a.unit)
         elif a.op == "reduce":
             state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
-        elif a.op == "forward":
-            state, res = _forward(state, a, acts, tokens_mb[a.mb], plan, total_targets, mesh)
-            if res.ce_sum is not None:
-                ce_sum += res.ce_sum
-            if res.objective is not None:
-                objective += res.objective.detach()
-            if res.stats is not None:
-                stats.setdefault(a.mb, {})[a.node] = res.stats
-        elif a.op == "backward":
-            state = _backward(state, a, acts)
+        elif a.op in ("forward", "backward", "wgrad"):
+            if a.op == "forward":
+                state, res = _forward(state, a, flow)
+                if isinstance(res, Attended):
+                    stats.setdefault(a.mb, []).append(res.stats)
+                    if res.objective is not None:
+                        objective += res.objective.detach()
+                elif res is not None:
+                    objective += res[0]
+                    ce_sum += res[1]
+            elif a.op == "backward":
+                state = _backward(state, a, flow)
+            else:
+                state = _wgrad(state, a, flow)
+            split = [dataclasses.replace(e, node=a.node, mb=a.mb) for e in flow.ep_events]
+            state = lc.record(state, *split, *flow.events, Event(a.op, a.unit, a.node, a.mb, t0, now()))
+            flow.ep_events.clear()
+            flow.events.clear()
         else:
             raise ValueError(f"unknown program op {a.op!r}")
     trained = any(a.op == "backward" for a in program)
@@ -150,5 +331,5 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
         for key, layout in u.groups.items():
             grads.update(local_leaves(state.units[u.name].grad_shard[key], layout,
                                       shard_rank(plan, mesh.world.rank, key[0]), spec.sharded(key[0])))
-    per_mb = [stack_stats([stats[mb][n] for n in order if n in stats[mb]]) for mb in sorted(stats)]
+    per_mb = [stack_stats(stats[mb]) for mb in sorted(stats)]
     return Executed(ce_sum, objective, grads, per_mb, state)

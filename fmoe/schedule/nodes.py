@@ -1,8 +1,18 @@
-"""Compute nodes: the pieces of the model a schedule runs one at a time.
+"""Compute and communication nodes: the pieces of a step a schedule orders.
 
-A node is a pure function of its weights and its input: ``embed`` (token ids ->
-hidden states), ``layers.<i>`` (one transformer block) and ``head`` (final norm,
-logits, summed cross-entropy). Each returns the tensors its backward starts from.
+``embed`` (token ids -> hidden states), then per layer ``i``:
+
+- ``layers.i.attn``: norm, attention, residual, the MoE's norm, router, permute and
+  the exchange plan (dispatch preprocessing), and the shared expert;
+- ``layers.i.dispatch``: the all-to-all taking rows to their experts' ranks;
+- ``layers.i.experts``: the grouped expert MLPs;
+- ``layers.i.combine``: the all-to-all bringing the rows back, then unpermute and the
+  residual add (run when the next node first needs the result);
+
+and ``head`` (final norm, logits, summed cross-entropy). ``dispatch`` and
+``combine`` hold no weights and belong to no FSDP unit; the others belong to the
+unit of their member (``layers.i``, ``embed``, ``head``). The compute functions
+here are pure; the executor gives them detached inputs and differentiates them.
 """
 
 from __future__ import annotations
@@ -11,23 +21,46 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import Plan
+from ..config import ModelConfig, Plan
+from ..layers.experts import DeferredWgrad, dense_mlp
 from ..layers.expert_parallel import ExpertParallel
-from ..layers.model import block
-from ..layers.moe import MoEStats
+from ..layers.model import attention_half
+from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
 from ..layers.precision import upcast
-from ..shard.mesh import Mesh
+
+LAYER_NODES = ("attn", "dispatch", "experts", "combine")
+COMM_NODES = ("dispatch", "combine")
 
 
-class NodeResult(NamedTuple):
-    """``output`` feeds the next node; ``objective`` is this node's scalar share of the
-    loss being differentiated (None if it has none); ``stats`` per layer."""
+def node_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """Every node in forward order."""
+    layers = (f"layers.{i}.{kind}" for i in range(cfg.layers) for kind in LAYER_NODES)
+    return ("embed", *layers, "head")
 
-    output: torch.Tensor | None
-    objective: torch.Tensor | None
-    stats: MoEStats | None = None
-    ce_sum: torch.Tensor | None = None
+
+def member_of_node(node: str) -> str:
+    """``layers.3.experts`` -> ``layers.3``; ``embed`` and ``head`` are their own members."""
+    return node.rsplit(".", 1)[0] if node.startswith("layers.") else node
+
+
+def kind_of(node: str) -> str:
+    """``attn``, ``dispatch``, ``experts``, ``combine``, ``embed`` or ``head``."""
+    return node.rsplit(".", 1)[1] if node.startswith("layers.") else node
+
+
+def is_comm(node: str) -> bool:
+    return kind_of(node) in COMM_NODES
+
+
+def node_of_param(path: str) -> str:
+    """The node computing with a parameter: expert weights -> ``experts``, the rest of
+    a layer -> ``attn``; ``final_norm`` and ``head`` -> ``head``."""
+    parts = path.split(".")
+    if parts[0] == "layers":
+        kind = "experts" if parts[2:4] == ["moe", "experts"] else "attn"
+        return f"layers.{parts[1]}.{kind}"
+    return "head" if parts[0] in ("head", "final_norm") else parts[0]
 
 
 def nest(flat: dict, prefix: str) -> dict:
@@ -43,33 +76,55 @@ def nest(flat: dict, prefix: str) -> dict:
     return out
 
 
-def run_node(node: str, weights: dict, x: torch.Tensor, tokens_mb: torch.Tensor, plan: Plan,
-             total_targets: int, mesh: Mesh, events: list) -> NodeResult:
-    """Forward of one node.
+class Attended(NamedTuple):
+    """What ``attn`` hands on: differentiable ``outputs`` (``h``, ``probs_TK``, ``rows``,
+    ``row_probs``, ``shared``; absent ones None), the Routed plan, the router's share
+    of the objective and the layer's MoEStats."""
 
-    Arguments:
-        node: ``embed``, ``layers.<i>`` or ``head``.
-        weights: ``{path: tensor}`` of the node's parameters (compute dtype).
-        x: the previous node's output (ignored by ``embed``).
-        tokens_mb: this microbatch's ``[b, S+1]`` tokens.
-        plan: the Plan.
-        total_targets: targets in the whole global batch (the loss's denominator).
-        mesh: this rank's groups (router losses average over all ranks; experts
-            exchange tokens over ``mesh.ep``).
-        events: the layer's all-to-all exchanges and host syncs are appended here.
-    """
+    outputs: dict
+    routed: Routed
+    objective: torch.Tensor | None
+    stats: MoEStats
+
+
+def embed_node(weights: dict, tokens_mb: torch.Tensor) -> torch.Tensor:
+    return weights["embed"][tokens_mb[:, :-1]]
+
+
+def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world: int,
+              ep: ExpertParallel | None) -> Attended:
+    """Attention half of layer ``layer`` and the MoE up to the rows leaving for their experts."""
     cfg = plan.model
-    if node == "embed":
-        return NodeResult(weights["embed"][tokens_mb[:, :-1]], None)
-    if node == "head":
-        logits = rms_norm(x, weights["final_norm"], cfg.norm_eps) @ weights["head"]
-        ce_sum = torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), tokens_mb[:, 1:].flatten(),
-                                                   reduction="sum")
-        return NodeResult(None, ce_sum / total_targets, ce_sum=ce_sum.detach())
-    ep = ExpertParallel(mesh.ep, cfg.experts // plan.ep, events) if plan.ep > 1 else None
-    h, stats = block(nest(weights, node), x, cfg, plan.expert_backend, ep)
+    p = nest(weights, f"layers.{layer}")
+    h_BSD, x_TD = attention_half(p, h_BSD, cfg)
+    routed = moe_route(p["moe"], x_TD, cfg, ep)
+    shared = dense_mlp(p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
+    stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None
     if cfg.aux_loss_coef or cfg.z_loss_coef:
         router = cfg.aux_loss_coef * stats.aux_loss + cfg.z_loss_coef * stats.z_loss
-        objective = router / (plan.microbatches * mesh.world.size)
-    return NodeResult(h, objective, stats)
+        objective = router / (plan.microbatches * world)
+    outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
+               "row_probs": routed.row_probs_R, "shared": shared}
+    return Attended(outputs, routed, objective, stats)
+
+
+def experts_node(weights: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
+                 plan: Plan, layer: int, deferred: DeferredWgrad | None) -> torch.Tensor:
+    """The grouped expert MLPs of layer ``layer`` on the rows this rank computes."""
+    p = nest(weights, f"layers.{layer}")
+    return moe_experts(p["moe"], rows_RD, row_probs_R, routed, plan.model, plan.expert_backend, deferred)
+
+
+def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tensor | None,
+                   shared_TD: torch.Tensor | None, routed: Routed) -> torch.Tensor:
+    """The layer's output: ``h + unpermute(y) (+ shared)``, as ``block`` computes it."""
+    return h_BSD + moe_output(y_RD, routed.dispatch, probs_TK, shared_TD).view_as(h_BSD)
+
+
+def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float):
+    """``(objective, ce_sum)``: summed next-token cross-entropy over ``total_targets``."""
+    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ weights["head"]
+    ce_sum = torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), tokens_mb[:, 1:].flatten(),
+                                               reduction="sum")
+    return ce_sum / total_targets, ce_sum.detach()

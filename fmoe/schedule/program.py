@@ -11,12 +11,13 @@ from typing import NamedTuple
 
 from ..config import Plan
 from ..shard.spec import shard_spec
-from ..shard.units import members
+from .nodes import LAYER_NODES, is_comm, member_of_node, node_names
 
 
 class Action(NamedTuple):
     """``op`` is ``gather | wait | release | reduce`` (on ``unit``) or
-    ``forward | backward`` (of ``node`` for microbatch ``mb``)."""
+    ``forward | backward | wgrad`` (of ``node`` for microbatch ``mb``; ``unit`` is
+    the node's FSDP unit, None for the communication nodes)."""
 
     op: str
     unit: str | None = None
@@ -24,69 +25,162 @@ class Action(NamedTuple):
     mb: int = -1
 
 
-def node_uses(plan: Plan, train: bool = True) -> list[tuple[int, str, str, str]]:
-    """``(mb, "forward" | "backward", node, unit)`` in the standard schedule's order."""
+class Use(NamedTuple):
+    """One node run in a schedule's order: ``op`` is ``forward``, ``backward`` or ``wgrad``."""
+
+    mb: int
+    op: str
+    node: str
+    unit: str | None
+
+
+def _layer_forward(i: int) -> list:
+    return [("forward", f"layers.{i}.{kind}") for kind in LAYER_NODES]
+
+
+def _layer_backward(i: int, delay_wgrad: bool) -> list:
+    ops = [("backward", f"layers.{i}.combine"), ("backward", f"layers.{i}.experts"),
+           ("backward", f"layers.{i}.dispatch")]
+    if delay_wgrad:  # under the dispatch's backward all-to-all
+        ops.append(("wgrad", f"layers.{i}.experts"))
+    return ops + [("backward", f"layers.{i}.attn")]
+
+
+def _forward(cfg) -> list:
+    return [("forward", "embed")] + [op for i in range(cfg.layers) for op in _layer_forward(i)] + [("forward", "head")]
+
+
+def _backward(cfg, delay_wgrad: bool) -> list:
+    layers = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(i, delay_wgrad)]
+    return [("backward", "head")] + layers + [("backward", "embed")]
+
+
+def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool) -> list:
+    """Forward of one layer (microbatch f) woven into the backward of another (b):
+    each all-to-all is issued right before compute of the other microbatch."""
+    F = {kind: f"layers.{fwd_layer}.{kind}" for kind in LAYER_NODES}
+    B = {kind: f"layers.{bwd_layer}.{kind}" for kind in LAYER_NODES}
+    ops = [("b", "backward", B["combine"]),    # its all-to-all runs under ...
+           ("f", "forward", F["attn"]),        # ... attention of f
+           ("f", "forward", F["dispatch"]),    # runs under ...
+           ("b", "backward", B["experts"]),    # ... the experts' dgrad of b
+           ("b", "backward", B["dispatch"]),   # runs under ...
+           ("f", "forward", F["experts"])]     # ... the experts of f (and b's wgrad)
+    if delay_wgrad:
+        ops.append(("b", "wgrad", B["experts"]))
+    return ops + [("f", "forward", F["combine"]),   # runs under ...
+                  ("b", "backward", B["attn"])]     # ... attention's backward of b
+
+
+def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, str]]:
+    """``(mb, op, node)`` in the order the plan's schedule runs them.
+
+    ``standard``: each microbatch's forward, then its backward. ``1f1b_overlap``:
+    after microbatch 0's forward, the forward of microbatch ``f`` is interleaved with
+    the backward of ``f - 1`` layer by layer (forward layer j with backward layer
+    L-1-j), then the last backward runs alone. ``delay_wgrad`` adds a ``wgrad`` op
+    per layer after its dispatch's backward.
+    """
+    cfg, M, delay = plan.model, plan.microbatches, plan.delay_wgrad
+    if not train:
+        return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg)]
+    if plan.schedule == "standard" or M == 1:
+        return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg) + _backward(cfg, delay)]
+    ops = [(0, op, node) for op, node in _forward(cfg)]
+    for f in range(1, M):
+        b = f - 1
+        ops += [(f, "forward", "embed"), (b, "backward", "head")]
+        for j in range(cfg.layers):
+            ops += [(f if who == "f" else b, op, node)
+                    for who, op, node in _overlapped_layers(j, cfg.layers - 1 - j, delay)]
+        ops += [(f, "forward", "head"), (b, "backward", "embed")]
+    return ops + [(M - 1, op, node) for op, node in _backward(cfg, delay)]
+
+
+def node_uses(plan: Plan, train: bool = True) -> list[Use]:
+    """The schedule's ops with each node's FSDP unit (None for communication nodes)."""
     spec = shard_spec(plan)
-    nodes = members(plan.model)
-    phases = (("forward", nodes), ("backward", nodes[::-1])) if train else (("forward", nodes),)
-    uses = []
-    for mb in range(plan.microbatches):
-        for direction, order in phases:
-            uses += [(mb, direction, n, spec.unit_of_member(n).name) for n in order]
-    return uses
+    unit = {n: None if is_comm(n) else spec.unit_of_member(member_of_node(n)).name for n in node_names(plan.model)}
+    return [Use(mb, op, node, unit[node]) for mb, op, node in schedule_ops(plan, train)]
 
 
 def max_live_units(plan: Plan) -> int:
-    """ZeRO-3 holds the unit in use plus ``prefetch`` more; the others hold all for the step."""
+    """ZeRO-3 holds the units in use (one, or two while ``1f1b_overlap`` weaves two
+    microbatches) plus ``prefetch`` more; the others hold all units for the step."""
     if plan.sharding == "optim_grads_params":
-        return plan.prefetch + 1
+        woven = plan.schedule == "1f1b_overlap" and plan.microbatches > 1
+        return plan.prefetch + (2 if woven else 1)
     return len(shard_spec(plan).units)
 
 
-def _last_backward(uses) -> set:
-    """Positions after which a unit has no more backward node in that microbatch."""
-    last = {}
-    for i, (mb, direction, _, unit) in enumerate(uses):
-        if direction == "backward":
-            last[(mb, unit)] = i
-    return set(last.values())
+def _spans(uses: list[Use]) -> list[tuple[int, int, str]]:
+    """``(first, last, unit)`` index ranges a unit must stay gathered under ZeRO-3.
+
+    A span covers one (unit, microbatch, direction); spans of a unit that overlap or
+    follow each other with no other unit's compute in between are merged.
+    """
+    compute = [i for i, u in enumerate(uses) if u.unit is not None]
+    rank = {i: k for k, i in enumerate(compute)}
+    ranges: dict = {}
+    for i in compute:
+        u = uses[i]
+        key = (u.unit, u.mb, u.op == "forward")
+        ranges[key] = (ranges.get(key, (i, i))[0], i)
+    merged: list = []
+    for unit in dict.fromkeys(k[0] for k in ranges):
+        for first, last in sorted(r for k, r in ranges.items() if k[0] == unit):
+            if merged and merged[-1][2] == unit and rank[first] <= rank[merged[-1][1]] + 1:
+                merged[-1] = (merged[-1][0], max(last, merged[-1][1]), unit)
+            else:
+                merged.append((first, last, unit))
+    return sorted(merged)
 
 
 def build_program(plan: Plan, train: bool = True) -> list[Action]:
-    """The standard schedule: each microbatch forward then backward (forward only
-    with ``train=False``).
+    """The plan's schedule (see ``schedule_ops``) with every lifecycle transition.
 
-    ``optim_grads_params`` gathers a unit before it is used (``prefetch`` nodes ahead)
-    and releases it when the next node needs another unit; the other strategies
-    gather every unit once, keep it for the step and release it at the end.
-    Gradients are reduced after a unit's last backward node of a microbatch: every
-    microbatch under ZeRO-2/3, only the last under DDP and ZeRO-1.
+    ``optim_grads_params`` gathers a unit before its span of use (``prefetch`` spans
+    ahead) and releases it after; the other strategies gather every unit once, keep
+    it for the step and release it at the end. Gradients are reduced after a unit's
+    last backward (or delayed wgrad) of a microbatch: every microbatch under
+    ZeRO-2/3, only the last under DDP and ZeRO-1.
     """
     uses = node_uses(plan, train)
-    last_bwd = _last_backward(uses)
     per_mb = plan.sharding in ("optim_grads", "optim_grads_params")
     zero3 = plan.sharding == "optim_grads_params"
-    program, live, waited = [], set(), set()
-    if not zero3:
-        for unit in dict.fromkeys(u for *_, u in uses):
+    last_bwd = {}
+    for i, u in enumerate(uses):
+        if u.op != "forward" and u.unit is not None:
+            last_bwd[(u.mb, u.unit)] = i
+    reduce_at = {i: key for key, i in last_bwd.items() if per_mb or key[0] == plan.microbatches - 1}
+    spans = _spans(uses) if zero3 else []
+    program, live, waited = [], [], set()
+
+    def gather(unit):
+        if unit not in live:
             program.append(Action("gather", unit))
-            live.add(unit)
-    for i, (mb, direction, node, unit) in enumerate(uses):
-        if zero3:
-            for *_, ahead in uses[i:i + 1 + plan.prefetch]:
-                if ahead not in live:
-                    program.append(Action("gather", ahead))
-                    live.add(ahead)
-        if unit not in waited:
-            program.append(Action("wait", unit))
-            waited.add(unit)
-        program.append(Action(direction, unit, node, mb))
-        next_unit = uses[i + 1][3] if i + 1 < len(uses) else None
-        if zero3 and next_unit != unit:
-            program.append(Action("release", unit))
-            live.discard(unit)
-            waited.discard(unit)
-        if i in last_bwd and (per_mb or mb == plan.microbatches - 1):
+            live.append(unit)
+
+    if not zero3:
+        for u in uses:
+            if u.unit is not None:
+                gather(u.unit)
+    for i, u in enumerate(uses):
+        for k, (first, _, _) in enumerate(spans):
+            if first == i:
+                for *_, unit in spans[k:k + 1 + plan.prefetch]:
+                    gather(unit)
+        if u.unit is not None and u.unit not in waited:
+            program.append(Action("wait", u.unit))
+            waited.add(u.unit)
+        program.append(Action(u.op, u.unit, u.node, u.mb))
+        for _, last, unit in spans:
+            if last == i:
+                program.append(Action("release", unit))
+                live.remove(unit)
+                waited.discard(unit)
+        if i in reduce_at:
+            mb, unit = reduce_at[i]
             program.append(Action("reduce", unit, None, mb))
     for unit in live:
         program.append(Action("release", unit))

@@ -50,6 +50,7 @@ class UnitState:
         grad_full: ``{group: fp32 full-layout grads}`` accumulated since the last reduce.
         grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
         reduced: microbatches whose gradients were reduced.
+        wgrad_pending: microbatches whose delayed weight gradients have not run yet.
     """
 
     phase: Phase = Phase.SHARDED
@@ -58,6 +59,7 @@ class UnitState:
     grad_full: dict | None = None
     grad_shard: dict | None = None
     reduced: tuple = ()
+    wgrad_pending: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,20 @@ def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
     return _with(state, unit, grad_full=full)
 
 
+def defer_wgrad(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
+    """Note that microbatch ``mb`` of ``unit`` has weight gradients still to compute;
+    its reduction is refused until ``wgrad_done``."""
+    ustate = state.units[unit]
+    return _with(state, unit, wgrad_pending=ustate.wgrad_pending + (mb,))
+
+
+def wgrad_done(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
+    ustate = state.units[unit]
+    if mb not in ustate.wgrad_pending:
+        raise LifecycleError(f"wgrad {unit}: microbatch {mb} has no delayed weight gradients")
+    return _with(state, unit, wgrad_pending=tuple(m for m in ustate.wgrad_pending if m != mb))
+
+
 class Reduction(NamedTuple):
     """A gradient reduction in flight: ``results`` are valid once ``pendings`` landed."""
 
@@ -263,6 +279,9 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
         raise LifecycleError(f"reduce {unit}: microbatch {mb}'s gradients were already reduced")
     if not last and not reduces_every_microbatch(state.plan):
         raise LifecycleError(f"reduce {unit}: sharding={state.plan.sharding!r} reduces once, on the last microbatch")
+    if ustate.wgrad_pending:
+        raise LifecycleError(f"reduce {unit}: the delayed wgrad of microbatch {ustate.wgrad_pending[0]} "
+                             "has not run; it must come before the reduction")
     if ustate.grad_full is None:
         raise LifecycleError(f"reduce {unit}: no gradients were accumulated since the last reduction")
     while len(state.pending) >= MAX_PENDING_REDUCTIONS:
@@ -309,6 +328,8 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
         if tuple(sorted(u.reduced)) != expected:
             raise LifecycleError(f"unit {name}: gradients reduced for microbatches {sorted(u.reduced)}, "
                                  f"expected {list(expected)} under sharding={state.plan.sharding!r}")
+        if u.wgrad_pending:
+            raise LifecycleError(f"unit {name}: delayed wgrad of microbatches {list(u.wgrad_pending)} never ran")
         if u.grad_full is not None:
             raise LifecycleError(f"unit {name}: gradients accumulated after its last reduction were never reduced")
     return state

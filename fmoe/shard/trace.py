@@ -18,15 +18,18 @@ class Event:
 
     Attributes:
         kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``release``,
-            ``forward`` or ``backward``.
+            ``all_to_all``, ``a2a_splits`` (the dropless split read), ``forward``,
+            ``backward`` or ``wgrad``.
         unit: the FSDP unit (None for compute-only or metric events).
-        node: the compute node (``embed``, ``layers.3``, ``head``) for compute events.
+        node: the node (``embed``, ``layers.3.attn``, ``layers.3.dispatch``, ``head``...);
+            for an all-to-all, the node that issued it.
         mb: microbatch index, or -1.
         start, end: host ``time.perf_counter()`` seconds; a collective spans issue to
             wait. On CUDA these are the times work was issued and waited for on the
             host, not kernel times (use the torch profiler for those).
         nbytes: bytes sent or received by a collective.
-        purpose: ``params``, ``grads`` or ``metrics`` for collectives.
+        purpose: ``params``, ``grads`` or ``metrics`` for collectives; ``dispatch``,
+            ``combine``, ``dispatch_grad`` or ``combine_grad`` for all-to-alls.
     """
 
     kind: str

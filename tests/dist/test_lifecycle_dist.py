@@ -43,8 +43,8 @@ def test_prefetch_issues_the_next_gather_under_compute():
     for res in variants():
         with_prefetch, without = res["dynamic"]["trace"], res["no_prefetch"]["trace"]
         # start of an all_gather event = when it was issued
-        assert gather_issue(with_prefetch, "layers.1")[0][4] < forward_event(with_prefetch, "layers.0")[5]
-        assert gather_issue(without, "layers.1")[0][4] > forward_event(without, "layers.0")[5]
+        assert gather_issue(with_prefetch, "layers.1")[0][4] < forward_event(with_prefetch, "layers.0.attn")[5]
+        assert gather_issue(without, "layers.1")[0][4] > forward_event(without, "layers.0.attn")[5]
 
 
 def test_bfloat16_zero3_tracks_single_process_bfloat16():
@@ -62,4 +62,4 @@ def test_bfloat16_zero3_tracks_single_process_bfloat16():
 
 def test_released_weights_are_never_read():
     for message in run_ranks(2, released_weights):
-        assert "backward layers.1 (microbatch 0) needs unit layers.1, which is sharded" in message
+        assert "backward layers.1.experts (microbatch 0) needs unit layers.1, which is sharded" in message

@@ -12,6 +12,7 @@ import fmoe
 from .harness import run_ranks
 from .workloads import (
     CFG,
+    SCHEDULE_CASES,
     STRATEGIES,
     VARIANTS,
     checkpoint_reader,
@@ -19,6 +20,7 @@ from .workloads import (
     ep_configs,
     fsdp_configs,
     global_batch,
+    schedule_configs,
     train,
     zero3_variants,
 )
@@ -84,3 +86,16 @@ def test_nccl_checkpoint_reshards_and_resumes(tmp_path_factory, target):
             assert torch.equal(a, b)
     for resumed, uninterrupted in zip(nccl(checkpoint_reader, path, 2, 1, "optim_grads_params"), writers):
         assert torch.equal(resumed["after"], uninterrupted["after"])
+
+
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_nccl_1f1b_overlap_is_bitwise_the_standard_schedule(case):
+    # Deterministic kernels and a fixed NCCL algorithm: reordering the nodes of two
+    # microbatches (and running wgrad later) must not change a bit on GPU either.
+    for res in nccl(schedule_configs, 1, 2, tuple(SCHEDULE_CASES)):
+        for key in ("losses",):
+            assert torch.equal(res[(case, "1f1b_overlap")][key], res[(case, "standard")][key])
+        for key in ("grads", "params"):
+            for a, b in zip(optree.tree_leaves(res[(case, "1f1b_overlap")][key]),
+                            optree.tree_leaves(res[(case, "standard")][key])):
+                assert torch.equal(a, b), key

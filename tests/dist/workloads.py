@@ -49,7 +49,8 @@ def collective_counts(trace) -> dict:
 
 
 def train(plan: fmoe.Plan, tokens: torch.Tensor, steps: int = STEPS) -> dict:
-    """``steps`` of step + AdamW on this rank's rows; what the tests compare."""
+    """``steps`` of step + AdamW on this rank's rows; what the tests compare (with the
+    first step's trace)."""
     params = fmoe.init(plan, seed=0)
     opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
     state = opt.init(params)
@@ -60,11 +61,12 @@ def train(plan: fmoe.Plan, tokens: torch.Tensor, steps: int = STEPS) -> dict:
         counts.append(collective_counts(out.metrics["trace"]))
         if i == 0:
             first_grads = fmoe.gather_full(out.grads, plan)
+            first_trace = out.metrics["trace"]
         params, state = opt.update(out.grads, state, params)
         params = fmoe.update_expert_bias(params, out.metrics["expert_counts"], plan.model.expert_bias_rate)
     cpu = lambda tree: optree.tree_map(lambda t: t.cpu(), tree)  # noqa: E731
     return {"losses": torch.stack(losses).cpu(), "grads": cpu(first_grads),
-            "params": cpu(fmoe.gather_full(params, plan)), "counts": counts}
+            "params": cpu(fmoe.gather_full(params, plan)), "counts": counts, "trace": first_trace}
 
 
 def tree_bytes(tree) -> int:
@@ -135,7 +137,7 @@ def released_weights(rank, world):
 
     plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params")
     program = build_program(plan)
-    bwd = next(i for i, a in enumerate(program) if a.op == "backward" and a.node == "layers.1")
+    bwd = next(i for i, a in enumerate(program) if a.op == "backward" and a.node == "layers.1.experts")
     regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.1" and a.op in ("gather", "wait")][-2:]
     wrong = [a for i, a in enumerate(program) if i not in regather]
     tokens = rank_rows(global_batch(), rank, world)
@@ -144,6 +146,30 @@ def released_weights(rank, world):
     except LifecycleError as err:
         return str(err)
     return "no error"
+
+
+SCHEDULE_CASES = {
+    "zero2": dict(sharding="optim_grads"),
+    "zero2_delay": dict(sharding="optim_grads", delay_wgrad=True),
+    "zero3": dict(sharding="optim_grads_params"),
+    "zero3_delay": dict(sharding="optim_grads_params", delay_wgrad=True),
+    "zero3_delay_capacity": dict(sharding="optim_grads_params", delay_wgrad=True, capacity_factor=2.0),
+    "zero3_delay_prob_in_activation": dict(sharding="optim_grads_params", delay_wgrad=True,
+                                           prob_placement="activation"),
+}
+
+
+def schedule_configs(rank, world, dp, ep, cases=tuple(SCHEDULE_CASES), device="cpu"):
+    """``{(case, schedule): train(...)}`` for both executors, 4 microbatches at dp x ep."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for case in cases:
+        kw = dict(SCHEDULE_CASES[case])
+        model = CFG.replace(**{k: kw.pop(k) for k in ("capacity_factor", "prob_placement") if k in kw})
+        for schedule in ("standard", "1f1b_overlap"):
+            plan = fmoe.Plan(model=model, dp=dp, ep=ep, schedule=schedule, microbatches=4, device=device, **kw)
+            out[(case, schedule)] = train(plan, tokens)
+    return out
 
 
 def ep_configs(rank, world, dp, ep, device="cpu"):
