@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fmoe
 from ep_args import ep_layer_parser
+from kernel_time import exposure
 
 VARIANTS = [("standard", False), ("standard", True), ("1f1b_overlap", False), ("1f1b_overlap", True)]
 
@@ -37,42 +38,6 @@ def parse():
     ap.add_argument("--sharding", default="no_shard")
     ap.add_argument("--capacity", type=float, default=0.0, help="also run static capacity with this factor")
     return ap.parse_args()
-
-
-def _union(intervals):
-    merged = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return merged
-
-
-def _overlap(interval, union) -> float:
-    s, e = interval
-    return sum(max(0.0, min(e, b) - max(s, a)) for a, b in union)
-
-
-def exposure(prof) -> tuple[float, float, float, float]:
-    """``(a2a_ms, exposed_ms, compute_ms, busy_ms)``: all-to-all kernel time, the part
-    of it during which no compute kernel ran on any stream, summed compute-kernel time
-    and the time any kernel ran."""
-    a2a, compute, other = [], [], []
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        name = e.name.lower()
-        span = (e.time_range.start, e.time_range.end)
-        if "nccl" in name:
-            (a2a if "sendrecv" in name or "alltoall" in name else other).append(span)
-        elif "memset" not in name:
-            compute.append(span)
-    union = _union(compute)
-    total = sum(e - s for s, e in a2a)
-    hidden = sum(_overlap(span, union) for span in a2a)
-    busy = sum(e - s for s, e in _union(a2a + compute + other))
-    return total / 1e3, (total - hidden) / 1e3, sum(e - s for s, e in compute) / 1e3, busy / 1e3
 
 
 def measure(plan, params, batch, steps):
@@ -92,8 +57,9 @@ def measure(plan, params, batch, steps):
         out = fmoe.step(params, batch, plan)
         torch.cuda.synchronize()
         profiled_ms = (time.perf_counter() - t0) * 1e3
-    a2a_ms, exposed_ms, compute_ms, busy_ms = exposure(prof)
-    return statistics.median(times), a2a_ms, exposed_ms, compute_ms, profiled_ms - busy_ms, out.loss.item()
+    ms = exposure(prof, lambda name: "sendrecv" in name or "alltoall" in name)
+    return (statistics.median(times), ms["comm"], ms["exposed"], ms["compute"], profiled_ms - ms["busy"],
+            out.loss.item())
 
 
 def main():

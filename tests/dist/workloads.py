@@ -172,6 +172,20 @@ def schedule_configs(rank, world, dp, ep, cases=tuple(SCHEDULE_CASES), device="c
     return out
 
 
+SCALE_MESHES = [(4, 1), (2, 2), (1, 4), (8, 1), (2, 4), (4, 2)]
+
+
+def scale_plan(dp=1, ep=1, device="cpu") -> fmoe.Plan:
+    """ZeRO-3, 1F1B overlap, delayed wgrad, 2 microbatches: the large-mesh configuration."""
+    return fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding="optim_grads_params", schedule="1f1b_overlap",
+                     delay_wgrad=True, microbatches=2, device=device)
+
+
+def scale_config(rank, world, dp, ep, device="cpu"):
+    """Two training steps of ``scale_plan`` at dp x ep on this rank's rows."""
+    return train(scale_plan(dp, ep, device), rank_rows(global_batch(), rank, world), steps=2)
+
+
 def ep_configs(rank, world, dp, ep, device="cpu"):
     """Every strategy at dp x ep, 2 microbatches, on this rank's rows."""
     tokens = rank_rows(global_batch(), rank, world)
