@@ -165,20 +165,22 @@ def build_program(plan: Plan, train: bool = True) -> list[Action]:
         for u in uses:
             if u.unit is not None:
                 gather(u.unit)
+    starting = {first: k for k, (first, _, _) in enumerate(spans)}
+    ending: dict = {}
+    for _, last, unit in spans:
+        ending.setdefault(last, []).append(unit)
     for i, u in enumerate(uses):
-        for k, (first, _, _) in enumerate(spans):
-            if first == i:
-                for *_, unit in spans[k:k + 1 + plan.prefetch]:
-                    gather(unit)
+        if i in starting:
+            for *_, unit in spans[starting[i]:starting[i] + 1 + plan.prefetch]:
+                gather(unit)
         if u.unit is not None and u.unit not in waited:
             program.append(Action("wait", u.unit))
             waited.add(u.unit)
         program.append(Action(u.op, u.unit, u.node, u.mb))
-        for _, last, unit in spans:
-            if last == i:
-                program.append(Action("release", unit))
-                live.remove(unit)
-                waited.discard(unit)
+        for unit in ending.get(i, ()):
+            program.append(Action("release", unit))
+            live.remove(unit)
+            waited.discard(unit)
         if i in reduce_at:
             mb, unit = reduce_at[i]
             program.append(Action("reduce", unit, None, mb))

@@ -47,7 +47,9 @@ class UnitState:
         phase: SHARDED, GATHERING or GATHERED.
         buffers: ``{(domain, dtype): flat full buffer}`` once the unit was first gathered.
         in_flight: the pending gathers and when they were issued.
+        views: ``{path: full-shape view}`` of the gathered buffers while GATHERED.
         grad_full: ``{group: fp32 full-layout grads}`` accumulated since the last reduce.
+        grad_views: ``{path: full-shape view}`` of ``grad_full``.
         grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
         reduced: microbatches whose gradients were reduced.
         wgrad_pending: microbatches whose delayed weight gradients have not run yet.
@@ -56,7 +58,9 @@ class UnitState:
     phase: Phase = Phase.SHARDED
     buffers: dict | None = None
     in_flight: tuple = ()
+    views: dict | None = None
     grad_full: dict | None = None
+    grad_views: dict | None = None
     grad_shard: dict | None = None
     reduced: tuple = ()
     wgrad_pending: tuple = ()
@@ -191,7 +195,10 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
     if pendings:
         nbytes = sum(b.numel() * b.element_size() for k, b in ustate.buffers.items() if _shared(state, k))
         event = Event("all_gather", unit, None, -1, issued, now(), nbytes, "params")
-    return _with(state, unit, event, phase=Phase.GATHERED, in_flight=())
+    views = {}
+    for g, layout in _unit_spec(state, unit).groups.items():
+        views.update(full_views(ustate.buffers[g], layout))
+    return _with(state, unit, event, phase=Phase.GATHERED, in_flight=(), views=views)
 
 
 def release(state: Lifecycle, unit: str) -> Lifecycle:
@@ -204,7 +211,7 @@ def release(state: Lifecycle, unit: str) -> Lifecycle:
         for key, buf in ustate.buffers.items():
             if _shared(state, key):
                 buf.untyped_storage().resize_(0)
-    return _with(state, unit, Event("release", unit, None, -1, t, now()), phase=Phase.SHARDED)
+    return _with(state, unit, Event("release", unit, None, -1, t, now()), phase=Phase.SHARDED, views=None)
 
 
 def require_gathered(state: Lifecycle, unit: str, what: str) -> dict:
@@ -212,25 +219,23 @@ def require_gathered(state: Lifecycle, unit: str, what: str) -> dict:
     ustate = state.units[unit]
     if ustate.phase != Phase.GATHERED:
         raise LifecycleError(f"{what} needs unit {unit}, which is {ustate.phase.value}, not gathered")
-    views = {}
-    for g, layout in _unit_spec(state, unit).groups.items():
-        views.update(full_views(ustate.buffers[g], layout))
-    return views
+    return ustate.views
 
 
 def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
     """Add ``{path: grad}`` (any dtype, full shapes) into ``unit``'s fp32 full-layout grads."""
     spec, ustate = _unit_spec(state, unit), state.units[unit]
-    full = ustate.grad_full
+    full, views = ustate.grad_full, ustate.grad_views
     if full is None:
         full = {g: torch.zeros(layout.full_size, dtype=torch.float32, device=state.plan.device)
                 for g, layout in spec.groups.items()}
-    for g, layout in spec.groups.items():
-        views = full_views(full[g], layout)
-        for path, grad in grads.items():
-            if path in views and grad is not None:
-                views[path].add_(grad)
-    return _with(state, unit, grad_full=full)
+        views = {}
+        for g, layout in spec.groups.items():
+            views.update(full_views(full[g], layout))
+    for path, grad in grads.items():
+        if grad is not None:
+            views[path].add_(grad)
+    return _with(state, unit, grad_full=full, grad_views=views)
 
 
 def defer_wgrad(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
@@ -302,7 +307,7 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
             kinds.add("all_reduce" if group.size > 1 else "")
     kind = "reduce_scatter" if "reduce_scatter" in kinds else ("all_reduce" if "all_reduce" in kinds else "")
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    state = _with(state, unit, grad_full=None, reduced=ustate.reduced + (mb,))
+    state = _with(state, unit, grad_full=None, grad_views=None, reduced=ustate.reduced + (mb,))
     reduction = Reduction(unit, results, tuple(works), issued, kind, nbytes)
     return dataclasses.replace(state, pending=state.pending + (reduction,))
 
