@@ -1,9 +1,14 @@
-"""``FMoEModule``: the whole fmoe model as an ``nn.Module``, for code that wants one.
+"""fmoe as ``nn.Module``s, for code that wants them.
+
+- ``FMoEModule``: the whole language model.
+- ``MoELayer``: one MoE layer (router, experts, optional shared expert), a drop-in
+  replacement for a dense MLP in an existing model: ``[..., D] -> [..., D]``.
 
 The canonical parameter pytree is held as ``nn.Parameter``s in nested modules whose
 names follow the layout, so ``state_dict()`` keys are the canonical paths
-(``layers.0.moe.experts.fc1``). ``forward`` calls fmoe's pure functions under plain
-autograd: no hooks, and ``torch.optim`` works as usual.
+(``layers.0.moe.experts.fc1``; a ``MoELayer``'s are those under ``layers.<i>.moe``).
+``forward`` calls fmoe's pure functions under plain autograd: no hooks, and
+``torch.optim`` and ``torch.func.functional_call`` work as usual.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import torch
 from torch import nn
 
 import fmoe
+from fmoe.layers import cast_for_compute, moe
+from fmoe.params import flat_shapes, named_leaves
 from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
 
 
@@ -69,3 +76,50 @@ class FMoEModule(nn.Module):
         params = self.params()
         return sum(microbatch_objective(params, mb, self.plan, num_targets(tokens))[0]
                    for mb in tokens.chunk(self.plan.microbatches))
+
+
+class MoELayer(nn.Module):
+    """One routed MoE layer as a module: ``y = moe(x)``, no norm and no residual (the
+    model around it keeps its own, as it did for the dense MLP this replaces).
+
+    Arguments:
+        cfg: the ModelConfig (``dim``, experts, router, activation, shared expert...).
+        seed: init seed; the weights are those of layer 0 of ``fmoe.init`` with ``seed``.
+        params: start from this ``moe`` subtree (``router``, ``expert_bias``,
+            ``experts``, optional ``shared``; a ``norm`` entry is ignored) instead.
+        backend: expert matmul backend (``torch`` or ``loop``).
+
+    ``forward(x)`` takes ``[..., D]`` in any float dtype and returns ``[..., D]`` in
+    that dtype (router, expert bias and expert biases stay fp32); with
+    ``return_stats=True`` it returns ``(y, MoEStats)``, whose ``aux_loss`` and
+    ``z_loss`` the caller adds to its loss with its own coefficients.
+    """
+
+    def __init__(self, cfg: fmoe.ModelConfig, seed: int = 0, params: dict | None = None,
+                 backend: str = "torch"):
+        super().__init__()
+        if params is None:
+            params = fmoe.init(fmoe.Plan(model=cfg.replace(layers=1)), seed)["layers"][0]["moe"]
+        tree = {k: v for k, v in params.items() if k != "norm"}
+        prefix = "layers.0.moe."
+        want = {p[len(prefix):]: shape for p, shape in flat_shapes(cfg).items()
+                if p.startswith(prefix) and p != prefix + "norm"}
+        got = {path: tuple(t.shape) for path, t in named_leaves(tree).items()}
+        if got != want:
+            wrong = sorted(set(got.items()) ^ set(want.items()))
+            raise ValueError(f"MoELayer params do not match the ModelConfig's MoE layer; differing (path, shape): "
+                             f"{wrong[:6]}")
+        self.cfg, self.backend = cfg, backend
+        _attach(self, tree)
+
+    def params(self) -> dict:
+        """The layer's ``moe`` subtree (without ``norm``) over the module's own Parameters."""
+        return _tree_of(self)
+
+    def forward(self, x: torch.Tensor, return_stats: bool = False):
+        if x.shape[-1] != self.cfg.dim:
+            raise ValueError(f"MoELayer input has last dimension {x.shape[-1]}; ModelConfig.dim={self.cfg.dim}")
+        params = cast_for_compute(self.params(), x.dtype)
+        y_TD, stats = moe(params, x.reshape(-1, x.shape[-1]), self.cfg, self.backend)
+        y = y_TD.view_as(x)
+        return (y, stats) if return_stats else y
