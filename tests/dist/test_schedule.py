@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from .harness import run_ranks
-from .workloads import CFG, SCHEDULE_CASES, schedule_configs
+from .workloads import CFG, SCHEDULE_CASES, eval_and_step_losses, schedule_configs
 
 COMPUTE = ("forward", "backward", "wgrad")
 
@@ -87,3 +87,8 @@ def test_every_exchange_is_issued_before_the_compute_it_overlaps(case):
         for a2a in overlapped:
             under = [c for c in computes if c.mb != a2a.mb and a2a.start <= c.start and c.end <= a2a.end]
             assert under, f"{a2a.purpose} of {a2a.node} mb{a2a.mb} has no compute of another microbatch under it"
+
+
+def test_eval_loss_runs_the_forward_only_program_across_expert_ranks():
+    for evaluated, trained in run_ranks(2, eval_and_step_losses, 1, 2):
+        torch.testing.assert_close(evaluated, trained, rtol=1e-6, atol=0)

@@ -186,6 +186,15 @@ def scale_config(rank, world, dp, ep, device="cpu"):
     return train(scale_plan(dp, ep, device), rank_rows(global_batch(), rank, world), steps=2)
 
 
+def eval_and_step_losses(rank, world, dp, ep):
+    """``(eval_loss, step loss)`` under 1F1B + delayed wgrad at dp x ep (forward-only program vs training)."""
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding="optim_grads_params", schedule="1f1b_overlap",
+                     delay_wgrad=True, microbatches=2)
+    params = fmoe.init(plan, seed=0)
+    batch = {"tokens": rank_rows(global_batch(), rank, world)}
+    return fmoe.eval_loss(params, batch, plan), fmoe.step(params, batch, plan).loss
+
+
 def ep_configs(rank, world, dp, ep, device="cpu"):
     """Every strategy at dp x ep, 2 microbatches, on this rank's rows."""
     tokens = rank_rows(global_batch(), rank, world)
