@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/fsdp_train.py                # CPU, gloo
     torchrun --nproc-per-node 2 examples/fsdp_train.py --device cuda  # GPUs, NCCL
+    torchrun --nproc-per-node 2 examples/fsdp_train.py --ep 2 --schedule 1f1b_overlap --delay-wgrad
 
 Each rank holds 1/world of every parameter, gradient and AdamW moment; fmoe.step
 gathers each layer's weights just before it runs and frees them after, as the
@@ -21,6 +22,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=50)
 ap.add_argument("--sharding", default="optim_grads_params")
 ap.add_argument("--device", default="cpu")
+ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (dp = world / ep)")
+ap.add_argument("--schedule", default="standard", help="standard | 1f1b_overlap")
+ap.add_argument("--delay-wgrad", action="store_true", help="run the experts' weight gradients later")
 ap.add_argument("--trace", default="", help="write rank 0's last step as a Chrome trace here")
 args = ap.parse_args()
 
@@ -30,7 +34,8 @@ dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 
 cfg = fmoe.ModelConfig(vocab=256, dim=128, layers=2, heads=4, experts=8, topk=2, ffn=256)
-plan = fmoe.Plan(model=cfg, dp=world, sharding=args.sharding, microbatches=2, device=args.device)
+plan = fmoe.Plan(model=cfg, dp=world // args.ep, ep=args.ep, sharding=args.sharding, schedule=args.schedule,
+                 delay_wgrad=args.delay_wgrad, microbatches=2, device=args.device)
 params = fmoe.init(plan, seed=0)                     # this rank's shards
 opt = fmoe.adamw(lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, plan=plan)
 state = opt.init(params)

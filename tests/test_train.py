@@ -50,9 +50,11 @@ def test_example_layer_test_passes():
     assert "layer tests passed" in proc.stdout
 
 
-def test_example_fsdp_train_runs_on_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--ep", "2", "--schedule", "1f1b_overlap", "--delay-wgrad"]],
+                         ids=["dp2", "ep2_1f1b_delay_wgrad"])
+def test_example_fsdp_train_runs_on_two_gloo_ranks(tmp_path, extra):
     proc = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/fsdp_train.py",
-                       "--steps", "3", "--trace", str(tmp_path / "t.json"))
+                       "--steps", "3", "--trace", str(tmp_path / "t.json"), *extra)
     assert proc.returncode == 0, proc.stderr
     assert "full embed: (256, 128) this rank's rows: (128, 128)" in proc.stdout
     assert (tmp_path / "t.json").exists()
