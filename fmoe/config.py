@@ -17,7 +17,7 @@ PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("standard", "1f1b_overlap")
 DTYPES = ("float32", "bfloat16")
-EXPERT_BACKENDS = ("torch", "loop")
+EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 
 
@@ -172,7 +172,9 @@ class Plan:
         delay_wgrad: the experts' backward computes input gradients only; their
             weight-gradient GEMMs run later, under the dispatch's backward all-to-all.
         expert_backend: ``torch`` (``torch._grouped_mm`` where shapes allow, an exact
-            per-expert loop otherwise) or ``loop`` (always the loop).
+            per-expert loop otherwise), ``loop`` (always the loop) or ``te``
+            (TransformerEngine's grouped GEMMs and scaled GLU kernels on CUDA; provided
+            by ``interop.te``, which must be imported first).
         device: where params live and compute runs (``cpu``, ``cuda``, ``cuda:1``...).
         units: FSDP units as groups of members (``embed``, ``layers.<i>``, ``head``),
             e.g. ``(("embed", "head"), ("layers.0", "layers.1"))``; None: one unit per

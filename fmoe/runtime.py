@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Plan
+from .layers.experts import registered_backend
 
 
 def world_size() -> int:
@@ -25,3 +26,12 @@ def check_runtime(plan: Plan) -> None:
     device = torch.device(plan.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")
+    if plan.expert_backend not in ("torch", "loop"):
+        backend = registered_backend(plan.expert_backend)
+        if backend is None:
+            raise ValueError(
+                f"Plan.expert_backend={plan.expert_backend!r} is provided by interop.{plan.expert_backend}, "
+                f"which is not loaded: `import interop.{plan.expert_backend}` before the first step "
+                f"(or use 'torch' or 'loop')"
+            )
+        backend.check(plan)

@@ -11,9 +11,10 @@ from .config import Plan
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .params import named_leaves
 from .runtime import check_runtime
-from .schedule import build_program, check_program, execute
+from .schedule import Kernels, build_program, check_program, execute
+from .schedule.nodes import EAGER
 from .shard.comm import Group
-from .shard.mesh import mesh_for
+from .shard.mesh import Mesh, mesh_for
 from .shard.spec import local_shapes
 
 
@@ -114,7 +115,34 @@ def _sum_over_ranks(group: Group, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
+class Prepared(NamedTuple):
+    """A validated step, ready to run: everything ``step`` settles before its compute.
+
+    Attributes:
+        tokens: this rank's ``[B, S+1]`` batch on the plan's device.
+        program: the schedule's program; ``slots``: its double-buffer slots.
+        mesh: the plan's Mesh; ``total``: the global target count (summed over ranks).
+    """
+
+    tokens: torch.Tensor
+    program: list
+    slots: dict | None
+    mesh: Mesh
+    total: int
+
+
+def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
+    """``step``'s validation (ValueErrors before any collective), its program, and the
+    global target count (one small all-reduce and host read)."""
+    tokens = check_inputs(params, batch, plan)
+    program = build_program(plan, train=train)
+    slots = check_program(plan, program)  # the last check; collectives start below
+    mesh = mesh_for(plan)
+    total = int(_sum_over_ranks(mesh.world, torch.tensor(num_targets(tokens), device=tokens.device)))
+    return Prepared(tokens, program, slots, mesh, total)
+
+
+def step(params: dict, batch: dict, plan: Plan, kernels: Kernels = EAGER) -> StepOutput:
     """Loss, gradients and metrics of one batch under ``plan``.
 
     Each rank passes its own slice of the global batch. The slice is split into
@@ -128,18 +156,23 @@ def step(params: dict, batch: dict, plan: Plan) -> StepOutput:
         params: this rank's fp32 parameter pytree (from ``fmoe.init``).
         batch: ``{"tokens": LongTensor[B, S+1]}``, this rank's rows.
         plan: the Plan.
+        kernels: the functions inside the layer nodes (``interop.cuda_graph`` passes
+            CUDA-graphed ones); the pure eager functions by default.
 
     Returns:
         A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
         holds the step's Events. Nothing in ``params`` is modified.
     """
-    tokens = check_inputs(params, batch, plan)
-    program = build_program(plan)
-    slots = check_program(plan, program)  # the last check; collectives start below
-    mesh = mesh_for(plan)
+    return run_step(params, prepare_step(params, batch, plan), plan, kernels)
+
+
+def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels = EAGER) -> StepOutput:
+    """The compute of ``step`` for a Prepared batch: no host read of a device value
+    under a static-shape plan (capacity routing or no expert parallelism), so it can
+    be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""
+    tokens, mesh, total = prepared.tokens, prepared.mesh, prepared.total
     group = mesh.world
-    total = int(_sum_over_ranks(group, torch.tensor(num_targets(tokens), device=tokens.device)))
-    run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
+    run = execute(prepared.program, named_leaves(params), tokens, plan, mesh, total, prepared.slots, kernels)
 
     M, world = plan.microbatches, group.size
     floats = torch.stack([run.ce_sum, run.objective,
@@ -179,10 +212,6 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
-    tokens = check_inputs(params, batch, plan)
-    program = build_program(plan, train=False)
-    slots = check_program(plan, program)
-    mesh = mesh_for(plan)
-    total = int(_sum_over_ranks(mesh.world, torch.tensor(num_targets(tokens), device=tokens.device)))
+    tokens, program, slots, mesh, total = prepare_step(params, batch, plan, train=False)
     run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
     return _sum_over_ranks(mesh.world, run.ce_sum.clone()) / total

@@ -1,10 +1,13 @@
 """Adapters from fmoe's pure core to the rest of the PyTorch world.
 
 ``FMoEModule`` wraps the whole model and ``MoELayer`` one MoE layer as
-``nn.Module``s (plain autograd, canonical ``state_dict``). The core never imports
-from here.
+``nn.Module``s (plain autograd, canonical ``state_dict``); ``capture_step`` and
+``capture_scopes`` replay a step or its layer scopes from CUDA graphs. ``interop.te``
+(imported on its own: it loads TransformerEngine) registers the ``te`` expert
+backend. The core never imports from here.
 """
 
+from .cuda_graph import GraphedStep, capture_scopes, capture_step, check_capturable
 from .module import FMoEModule, MoELayer
 
-__all__ = ["FMoEModule", "MoELayer"]
+__all__ = ["FMoEModule", "GraphedStep", "MoELayer", "capture_scopes", "capture_step", "check_capturable"]

@@ -47,12 +47,13 @@ class Segments(NamedTuple):
     rows_E: torch.Tensor
     offsets_E: torch.Tensor
     row_expert_R: torch.Tensor
+    capacity: int | None = None  # rows of every segment, when a static capacity fixes them
 
 
-def _segments(rows_E: torch.Tensor, total: int) -> Segments:
+def _segments(rows_E: torch.Tensor, total: int, capacity: int | None = None) -> Segments:
     experts = torch.arange(rows_E.shape[0], device=rows_E.device)
     return Segments(rows_E, torch.cumsum(rows_E, 0).to(torch.int32),
-                    torch.repeat_interleave(experts, rows_E, output_size=total))
+                    torch.repeat_interleave(experts, rows_E, output_size=total), capacity)
 
 
 class Exchange(NamedTuple):
@@ -73,7 +74,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     device = rows_E.device
     if capacity is not None:
         rows = torch.full((El,), P * capacity, dtype=torch.long, device=device)
-        return Exchange(None, None, None, None, _segments(rows, El * P * capacity))
+        return Exchange(None, None, None, None, _segments(rows, El * P * capacity, P * capacity))
     send_counts = rows_E.view(P, El)
     recv_counts = torch.empty_like(send_counts)
     t0 = now()

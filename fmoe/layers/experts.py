@@ -1,5 +1,7 @@
 """Grouped expert MLPs over permuted rows, and the activations they use."""
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,39 @@ class DeferredWgrad:
             done = [(w, compute()) for w, compute in self.pending]
         self.pending = []
         return done
+
+
+class ExpertBackend(NamedTuple):
+    """An expert MLP implementation selected by ``Plan.expert_backend``.
+
+    Attributes:
+        mlp: ``mlp(p, x_RD, segs, cfg, row_probs_R, deferred) -> y_RD`` with
+            ``expert_mlp``'s meaning and contract.
+        check: ``check(plan)`` raises ValueError if the backend cannot run ``plan`` here
+            (called by ``fmoe.step`` before any compute).
+    """
+
+    mlp: Callable
+    check: Callable
+
+
+_BACKENDS: dict[str, ExpertBackend] = {}
+
+
+def register_expert_backend(name: str, backend: ExpertBackend) -> None:
+    """Make ``Plan(expert_backend=name)`` run ``backend`` (``interop.te`` registers ``te``)."""
+    _BACKENDS[name] = backend
+
+
+def registered_backend(name: str) -> ExpertBackend | None:
+    """The backend registered under ``name``; None for the built-in ``torch`` and ``loop``."""
+    return _BACKENDS.get(name)
+
+
+def static_rows(segs) -> list | None:
+    """Rows per expert segment when they are fixed by a static capacity (no host read)."""
+    capacity = getattr(segs, "capacity", None)
+    return None if capacity is None else [capacity] * segs.rows_E.shape[0]
 
 
 def _per_expert(x_RD, w_EDN, rows, transpose_w=False):
@@ -160,13 +195,15 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
         segs: their expert segments (see ``grouped_matmul``).
         cfg: the ModelConfig.
         row_probs_R: when given, each row's activation is scaled by it before fc2.
-        backend: see ``grouped_matmul``.
+        backend: see ``grouped_matmul``, or a name given to ``register_expert_backend``.
         deferred: collects the fc1/fc2 weight-gradient GEMMs instead of running them
             in backward (delayed wgrad); the bias gradients are not deferred.
 
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
+    if backend in _BACKENDS:
+        return _BACKENDS[backend].mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)

@@ -57,11 +57,13 @@ def _crosses_ranks(ep: ExpertParallel | None) -> bool:
     return ep is not None and ep.group.size > 1
 
 
-def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None) -> Routed:
-    """Route and permute ``x_TD``; with expert parallelism also plan the exchange (for
-    dropless routing, a small all-to-all of counts and one host read of split sizes)."""
+def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None,
+              router=route) -> Routed:
+    """Route (with ``router``, ``route``'s signature) and permute ``x_TD``; with expert
+    parallelism also plan the exchange (for dropless routing, a small all-to-all of
+    counts and one host read of split sizes)."""
     T, K = x_TD.shape[0], cfg.topk
-    r = route(p, x_TD, cfg)
+    r = router(p, x_TD, cfg)
     capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
         if cfg.capacity_factor else None
     d = make_dispatch(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
@@ -72,10 +74,11 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
 
 
 def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
-                cfg: ModelConfig, backend: str = "torch", deferred: DeferredWgrad | None = None) -> torch.Tensor:
-    """The routed experts on the rows this rank computes (see ``expert_mlp``)."""
+                cfg: ModelConfig, backend: str = "torch", deferred: DeferredWgrad | None = None,
+                mlp=expert_mlp) -> torch.Tensor:
+    """The routed experts on the rows this rank computes (``mlp``: ``expert_mlp``'s signature)."""
     probs = None if row_probs_R is None else row_probs_R[:, 0]
-    return expert_mlp(p["experts"], rows_RD, routed.segments, cfg, probs, backend, deferred)
+    return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, backend, deferred)
 
 
 def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,

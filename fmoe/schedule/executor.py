@@ -29,7 +29,7 @@ from ..shard import lifecycle as lc
 from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
-from .nodes import (Attended, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
+from .nodes import (EAGER, Attended, Kernels, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
                     member_of_node, node_names, node_of_param)
 from .program import Action, double_buffer_slots, max_live_units
 
@@ -111,8 +111,8 @@ class _Flow:
     waiting for their backward. ``events``: exchanges that landed, for the trace.
     """
 
-    def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int):
-        self.plan, self.mesh, self.total_targets = plan, mesh, total_targets
+    def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int, kernels: Kernels):
+        self.plan, self.mesh, self.total_targets, self.kernels = plan, mesh, total_targets, kernels
         self.tokens_mb = tokens.chunk(plan.microbatches)
         self.train = torch.is_grad_enabled()
         self.ep_events: list = []
@@ -183,7 +183,7 @@ def _forward(state, a: Action, flow: _Flow):
     elif kind == "attn":
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
-        result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep)
+        result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
         flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
         flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
         if train:
@@ -202,7 +202,7 @@ def _forward(state, a: Action, flow: _Flow):
         rows = _leaf(flow.resolve(sent["rows"]), train)
         probs = _leaf(flow.resolve(sent["row_probs"]), train)
         deferred = DeferredWgrad() if train and plan.delay_wgrad else None
-        y = experts_node(weights, rows, probs, routed, plan, layer, deferred)
+        y = experts_node(weights, rows, probs, routed, plan, layer, deferred, mb, flow.kernels)
         flow.values[(mb, node)] = {"y": y}
         flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
         if deferred is not None:
@@ -280,17 +280,17 @@ def _wgrad(state, a: Action, flow: _Flow):
 
 
 def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
-            total_targets: int, slots: dict | None = None) -> Executed:
+            total_targets: int, slots: dict | None = None, kernels: Kernels = EAGER) -> Executed:
     """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
 
     ``slots`` come from ``check_program`` (double buffering), which ``step`` calls
-    before its first collective.
+    before its first collective; ``kernels`` are the functions the layer nodes call.
     """
     spec = shard_spec(plan)
     if slots is None:
         slots = check_program(plan, program)
     state = lc.start(plan, spec, mesh, lc.build_shards(params_named, spec, plan, mesh), max_live_units(plan), slots)
-    flow = _Flow(plan, mesh, tokens, total_targets)
+    flow = _Flow(plan, mesh, tokens, total_targets, kernels)
     ce_sum = torch.zeros((), device=tokens.device)
     objective = torch.zeros((), device=tokens.device)
     stats: dict = {}

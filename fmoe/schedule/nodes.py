@@ -17,17 +17,19 @@ here are pure; the executor gives them detached inputs and differentiates them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..config import ModelConfig, Plan
-from ..layers.experts import DeferredWgrad, dense_mlp
+from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import attention_half
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
 from ..layers.precision import upcast
+from ..layers.router import route
 
 LAYER_NODES = ("attn", "dispatch", "experts", "combine")
 COMM_NODES = ("dispatch", "combine")
@@ -76,6 +78,32 @@ def nest(flat: dict, prefix: str) -> dict:
     return out
 
 
+def _at_any_site(fn: Callable) -> Callable:
+    return lambda site, *args: fn(*args)
+
+
+class Kernels(NamedTuple):
+    """The pure functions inside the layer nodes, each one a scope that
+    ``interop.cuda_graph`` can replace by a CUDA-graphed version of itself.
+
+    Each is called as ``fn(site, *args)``, ``site = (layer, microbatch)``, so a
+    replacement can keep one graph per site; the defaults ignore the site.
+
+    Attributes:
+        attn: ``(site, p_layer, h_BSD, cfg) -> (h_BSD, x_TD)``, as ``attention_half``.
+        router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
+        experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, backend, deferred) -> y_RD``,
+            as ``expert_mlp``.
+    """
+
+    attn: Callable = _at_any_site(attention_half)
+    router: Callable = _at_any_site(route)
+    experts: Callable = _at_any_site(expert_mlp)
+
+
+EAGER = Kernels()
+
+
 class Attended(NamedTuple):
     """What ``attn`` hands on: differentiable ``outputs`` (``h``, ``probs_TK``, ``rows``,
     ``row_probs``, ``shared``; absent ones None), the Routed plan, the router's share
@@ -92,12 +120,12 @@ def embed_node(weights: dict, tokens_mb: torch.Tensor) -> torch.Tensor:
 
 
 def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world: int,
-              ep: ExpertParallel | None) -> Attended:
+              ep: ExpertParallel | None, mb: int = 0, kernels: Kernels = EAGER) -> Attended:
     """Attention half of layer ``layer`` and the MoE up to the rows leaving for their experts."""
     cfg = plan.model
     p = nest(weights, f"layers.{layer}")
-    h_BSD, x_TD = attention_half(p, h_BSD, cfg)
-    routed = moe_route(p["moe"], x_TD, cfg, ep)
+    h_BSD, x_TD = kernels.attn((layer, mb), p, h_BSD, cfg)
+    routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, (layer, mb)))
     shared = dense_mlp(p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
     stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None
@@ -110,10 +138,12 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
 
 
 def experts_node(weights: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
-                 plan: Plan, layer: int, deferred: DeferredWgrad | None) -> torch.Tensor:
+                 plan: Plan, layer: int, deferred: DeferredWgrad | None, mb: int = 0,
+                 kernels: Kernels = EAGER) -> torch.Tensor:
     """The grouped expert MLPs of layer ``layer`` on the rows this rank computes."""
     p = nest(weights, f"layers.{layer}")
-    return moe_experts(p["moe"], rows_RD, row_probs_R, routed, plan.model, plan.expert_backend, deferred)
+    return moe_experts(p["moe"], rows_RD, row_probs_R, routed, plan.model, plan.expert_backend, deferred,
+                       functools.partial(kernels.experts, (layer, mb)))
 
 
 def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tensor | None,

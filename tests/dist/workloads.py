@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import importlib
 import warnings
 
 import optree
@@ -279,3 +281,62 @@ def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu"):
     full = {"params": fmoe.gather_full(ck.params, plan), "mu": fmoe.gather_full(adam_moments(ck.opt_state).mu, plan)}
     _, _, after = _steps(plan, ck.params, opt, ck.opt_state, tokens, 2)
     return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after}) | {"step": ck.step}
+
+
+TE_SEED = dict(dp=1, ep=2, sharding="optim_grads_params", schedule="1f1b_overlap", microbatches=4, delay_wgrad=True)
+
+
+def te_seed_scenario(rank, world, device="cuda"):
+    """The case that broke a hook-driven stack: TE experts + ZeRO-3 + delayed wgrad at
+    dp1 x ep2 over 4 microbatches; ``train`` results for the TE backend in bf16 and
+    the torch backend in bf16 and fp32 (the reference)."""
+    importlib.import_module("interop.te")  # registers expert_backend "te"
+
+    tokens = rank_rows(global_batch(), rank, world)
+    runs = {"te": ("te", "bfloat16"), "torch": ("torch", "bfloat16"), "fp32": ("torch", "float32")}
+    return {name: train(fmoe.Plan(model=CFG, expert_backend=backend, dtype=dtype, device=device, **TE_SEED), tokens)
+            for name, (backend, dtype) in runs.items()}
+
+
+GRAPH_MODES = {"eager": None, "attn": ("attn",), "attn+router": ("attn", "router"),
+               "attn+router+experts": ("attn", "router", "experts"), "step": "step"}
+
+
+def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODES), steps: int = 5) -> dict:
+    """``{mode: losses over steps}`` of step + AdamW + expert-bias update, eager or with
+    CUDA graphs (``GRAPH_MODES``); every mode starts from the same params."""
+    from interop.cuda_graph import capture_scopes, capture_step
+
+    batch = {"tokens": tokens}
+    out = {}
+    for mode in modes:
+        scopes = GRAPH_MODES[mode]
+        params = fmoe.init(plan, seed=0)
+        opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+        state = opt.init(params)
+        if scopes == "step":
+            run = capture_step(params, batch, plan)
+        else:
+            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.nodes.EAGER
+            run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
+        losses = []
+        for _ in range(steps):
+            res = run(params, batch)
+            losses.append(res.loss.clone())
+            params, state = opt.update(res.grads, state, params)
+            params = fmoe.update_expert_bias(params, res.metrics["expert_counts"], plan.model.expert_bias_rate)
+        out[mode] = torch.stack(losses).cpu()
+    return out
+
+
+GRAPH_MESHES = {"dp2-zero3": dict(dp=2, sharding="optim_grads_params"),
+                "ep2-capacity": dict(ep=2, sharding="optim_grads_params", capacity_factor=1.5)}
+
+
+def graph_configs(rank, world, mesh, device="cuda"):
+    """``graphed_losses`` at a two-rank mesh of ``GRAPH_MESHES``, 2 microbatches."""
+    kw = dict(GRAPH_MESHES[mesh])
+    model = CFG.replace(dim=64, ffn=32, shared_ffn=16, capacity_factor=kw.pop("capacity_factor", 0.0))
+    plan = fmoe.Plan(model=model, microbatches=2, dtype="bfloat16", device=device, **kw)
+    return graphed_losses(plan, rank_rows(global_batch(), rank, world).to(device),
+                          modes=("eager", "attn", "attn+router", "step"))

@@ -1,0 +1,265 @@
+"""CUDA-graph capture of node scopes and of a whole ``fmoe.step``.
+
+Two ways to replay a step's kernels instead of launching them one by one:
+
+- ``capture_step(params, batch, plan)`` captures ``fmoe.step`` whole (every node,
+  gather, all-to-all and reduce of every microbatch) into one graph over static
+  parameter and token buffers. Calling the result copies the new params and batch
+  into those buffers and replays: a step after an optimizer update sees the new
+  weights.
+- ``capture_scopes(params, batch, plan, scopes)`` graphs the functions inside the
+  layer nodes (``attn``: attention half; ``router``: scores and top-k; ``experts``:
+  the grouped expert MLP) one graph pair (forward, backward) per layer and
+  microbatch, through ``torch.cuda.make_graphed_callables``, and returns the
+  ``fmoe.schedule.Kernels`` to pass as ``fmoe.step(..., kernels=...)``. Everything
+  else (gathers, exchanges, the lifecycle) stays eager, so every schedule and
+  sharding works around them.
+
+A graph replays fixed kernels on fixed addresses, so nothing in a captured region may
+read a device value on the host or change shape between steps. ``check_capturable``
+refuses such plans (dropless expert parallelism, padded dropless routing, host-split
+expert backends) with the plan setting that makes them capturable, before any CUDA
+work.
+"""
+
+from __future__ import annotations
+
+import optree
+import torch
+
+from fmoe.config import Plan
+from fmoe.layers.experts import expert_mlp
+from fmoe.layers.model import attention_half
+from fmoe.layers.router import route
+from fmoe.schedule import Kernels
+from fmoe.schedule.nodes import EAGER
+from fmoe.step import StepOutput, check_batch, check_params, prepare_step, run_step
+
+SCOPES = ("attn", "router", "experts")
+
+
+def _expert_host_reads(plan: Plan) -> list[str]:
+    """Why the expert MLP would read a device value on the host or change shape."""
+    cfg, reasons = plan.model, []
+    dropless = not cfg.capacity_factor
+    if dropless and plan.ep > 1:
+        reasons.append(f"dropless routing over Plan.ep={plan.ep} reads the all-to-all split sizes on the host "
+                       "and gives the experts a different row count every step (set ModelConfig.capacity_factor "
+                       "> 0 for a static capacity)")
+    if dropless and cfg.pad_multiple:
+        reasons.append(f"padded dropless routing (ModelConfig.pad_multiple={cfg.pad_multiple}) reads the "
+                       "permuted row count on the host (set pad_multiple=0 or capacity_factor > 0)")
+    if plan.expert_backend == "loop":
+        reasons.append("Plan.expert_backend='loop' reads each expert's row count on the host (use 'torch')")
+    if plan.expert_backend == "te" and dropless:
+        reasons.append("Plan.expert_backend='te' hands dropless row counts to TE's grouped GEMM on the host "
+                       "(set ModelConfig.capacity_factor > 0, or use expert_backend 'torch')")
+    if plan.expert_backend == "torch" and plan.dtype == "float32":
+        reasons.append("torch._grouped_mm has no float32 CUDA kernel: its fallback copies between host and "
+                       "device (use Plan.dtype='bfloat16')")
+    per_16_bytes = 16 // torch.empty((), dtype=plan.compute_dtype).element_size()
+    if plan.expert_backend == "torch" and any(n % per_16_bytes for n in (cfg.dim, cfg.ffn, cfg.fc1_width(cfg.ffn))):
+        reasons.append(f"ModelConfig.dim={cfg.dim} / ffn={cfg.ffn} are not multiples of 16 bytes in "
+                       f"{plan.dtype}, so the torch backend falls back to a per-expert loop that reads row "
+                       "counts on the host (use multiples of 8 for bfloat16, 4 for float32)")
+    return reasons
+
+
+def check_capturable(plan: Plan, scopes) -> None:
+    """Raise ValueError unless every scope in ``scopes`` (``attn``, ``router``,
+    ``experts`` or ``step``, the whole step) can be captured under ``plan``.
+
+    Checks only the plan: it runs on any machine, before any CUDA work.
+    """
+    unknown = [s for s in scopes if s not in (*SCOPES, "step")]
+    if unknown or not scopes:
+        raise ValueError(f"scopes={list(scopes)!r} is invalid: allowed scopes are "
+                         f"{', '.join(map(repr, (*SCOPES, 'step')))} (at least one)")
+    reasons = []
+    if "step" in scopes:
+        reasons = _expert_host_reads(plan)
+    elif "experts" in scopes:
+        reasons = _expert_host_reads(plan)
+        if plan.delay_wgrad:
+            reasons.append("Plan.delay_wgrad=True defers the experts' weight GEMMs out of their backward, "
+                           "which a graphed 'experts' scope runs whole (set delay_wgrad=False or leave "
+                           "'experts' out)")
+    if reasons:
+        where = "a whole step" if "step" in scopes else "scope 'experts'"
+        raise ValueError(f"cannot capture {where} in a CUDA graph: " + "; ".join(reasons))
+    if torch.device(plan.device).type != "cuda":
+        raise ValueError(f"CUDA graphs need Plan.device='cuda' (or 'cuda:N'), got {plan.device!r}")
+
+
+class GraphedStep:
+    """``fmoe.step`` for one batch shape, replayed from a CUDA graph (see ``capture_step``).
+
+    Calling it returns a StepOutput whose tensors live in the graph's memory: the
+    next call overwrites them, so use or clone them first (``opt.update`` does).
+    ``metrics["trace"]`` is the captured step's trace.
+    """
+
+    def __init__(self, plan: Plan, graph, static_params, static_tokens, out: StepOutput):
+        self.plan, self.graph, self.out = plan, graph, out
+        self.static_params, self.static_tokens = static_params, static_tokens
+
+    def __call__(self, params: dict, batch: dict) -> StepOutput:
+        """Copy ``params`` and ``batch`` into the graph's buffers and replay it.
+
+        ``params`` and ``batch`` are checked as ``fmoe.step`` checks them (the token
+        range check reads the batch's min and max on the host) and must have the
+        captured shapes.
+        """
+        check_params(params, self.plan)
+        tokens = check_batch(batch, self.plan)
+        if tokens.shape != self.static_tokens.shape:
+            raise ValueError(f"batch['tokens'] has shape {list(tokens.shape)}; this graph was captured for "
+                             f"{list(self.static_tokens.shape)} (capture another for a new shape)")
+        with torch.no_grad():
+            for new, static in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
+                if new is not static:
+                    static.copy_(new)
+            self.static_tokens.copy_(tokens)
+        self.graph.replay()
+        return self.out
+
+
+def _warm_up(run, iters: int) -> None:
+    # Lazy initialisation (cuBLAS handles, NCCL communicators, allocator pools) must
+    # happen outside the capture, on a side stream as capture itself uses.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2) -> GraphedStep:
+    """Capture ``fmoe.step(params, batch, plan)`` as one CUDA graph.
+
+    Arguments:
+        params, batch, plan: as for ``fmoe.step``; every rank captures together
+            (the collectives are part of the graph). Their shapes are fixed from now on.
+        warmup: eager steps run on a side stream before the capture.
+
+    Returns:
+        A GraphedStep: ``graphed(params, batch)`` replays the step on new values.
+
+    Raises:
+        ValueError: the plan reads device values on the host during a step (see
+            ``check_capturable``) or the inputs are invalid for ``fmoe.step``.
+    """
+    check_capturable(plan, ("step",))
+    prepared = prepare_step(params, batch, plan)
+    static_params = optree.tree_map(lambda t: t.detach().clone(), params)
+    prepared = prepared._replace(tokens=prepared.tokens.clone())
+    _warm_up(lambda: run_step(static_params, prepared, plan), warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = run_step(static_params, prepared, plan)
+    return GraphedStep(plan, graph, static_params, prepared.tokens, out)
+
+
+# Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
+
+def _attn_flat(p_layer: dict):
+    sub = {"attn": p_layer["attn"], "moe": {"norm": p_layer["moe"]["norm"]}}
+    leaves, treedef = optree.tree_flatten(sub)
+    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg))
+
+
+def _router_flat(p_moe: dict):
+    return [p_moe["router"], p_moe["expert_bias"]], \
+        lambda cfg: (lambda x, router, bias: route({"router": router, "expert_bias": bias}, x, cfg))
+
+
+class _ScopeGraphs:
+    """Per scope and site ``(layer, microbatch)``: the arguments seen in a recording
+    step, then the graphed callable made from them."""
+
+    def __init__(self, plan: Plan, scopes):
+        self.plan, self.scopes = plan, tuple(scopes)
+        self.samples: dict = {}
+        self.graphed: dict = {}
+
+    def _call(self, scope, site, make, tensors):
+        key = (scope, site)
+        if key in self.graphed:
+            return self.graphed[key](*tensors)
+        fn = make(self.plan.model)
+        if key not in self.samples:  # recording: remember fresh copies, compute eagerly
+            self.samples[key] = (fn, [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors])
+        return fn(*tensors)
+
+    def capture(self) -> None:
+        for key, (fn, sample) in self.samples.items():
+            self.graphed[key] = torch.cuda.make_graphed_callables(fn, tuple(sample), allow_unused_input=True)
+        self.samples.clear()
+
+    def kernels(self) -> Kernels:
+        chosen = {}
+        if "attn" in self.scopes:
+            def attn(site, p, h, cfg):
+                leaves, make = _attn_flat(p)
+                return self._call("attn", site, make, [h, *leaves])
+            chosen["attn"] = attn
+        if "router" in self.scopes:
+            def router(site, p, x, cfg):
+                leaves, make = _router_flat(p)
+                return self._call("router", site, make, [x, *leaves])
+            chosen["router"] = router
+        if "experts" in self.scopes:
+            chosen["experts"] = self._experts
+        return EAGER._replace(**chosen)
+
+    def _experts(self, site, p, rows, segs, cfg, probs, backend, deferred):
+        # The segments' tensors change every step: they are graph inputs like the rows.
+        names = list(p)
+        seg_fields = [(i, v) for i, v in enumerate(segs) if isinstance(v, torch.Tensor)]
+        has_probs = probs is not None
+
+        def make(cfg):
+            def fn(rows, *rest):
+                rest = list(rest)
+                pr = rest.pop(0) if has_probs else None
+                weights = {n: rest.pop(0) for n in names}
+                fields = list(segs)
+                for i, _ in seg_fields:
+                    fields[i] = rest.pop(0)
+                return expert_mlp(weights, rows, type(segs)(*fields), cfg, pr, backend, None)
+            return fn
+        tensors = [rows, *([probs] if has_probs else []), *(p[n] for n in names), *(v for _, v in seg_fields)]
+        return self._call("experts", site, make, tensors)
+
+
+def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> Kernels:
+    """Graph the functions of ``scopes`` inside every layer node, per layer and microbatch.
+
+    Runs one eager ``fmoe.step`` that records each scope's arguments, then captures
+    one forward and one backward graph per (scope, layer, microbatch) with
+    ``torch.cuda.make_graphed_callables`` (which warms up on a side stream first).
+    Each graph has its own memory pool, so any schedule may interleave them.
+
+    Arguments:
+        params, batch, plan: as for ``fmoe.step``; fixes the shapes.
+        scopes: any of ``attn``, ``router``, ``experts``.
+
+    Returns:
+        Kernels for ``fmoe.step(params, batch, plan, kernels=...)``. A graphed scope
+        copies its inputs into the graph's buffers unless they are already there.
+
+    Raises:
+        ValueError: a scope cannot be captured under ``plan`` (``check_capturable``).
+    """
+    check_capturable(plan, tuple(scopes))
+    graphs = _ScopeGraphs(plan, scopes)
+    kernels = graphs.kernels()
+    run_step(params, prepare_step(params, batch, plan), plan, kernels)
+    torch.cuda.synchronize()
+    graphs.capture()
+    return kernels
+
+
+__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable"]

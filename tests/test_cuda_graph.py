@@ -1,0 +1,90 @@
+"""CUDA graphs: refusals (plan-only checks, so they run on CPU too) and, on a GPU,
+graphed steps that are bitwise the eager ones."""
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from interop.cuda_graph import capture_scopes, capture_step, check_capturable
+
+from .dist.workloads import CFG, global_batch, graphed_losses
+
+MODEL = fmoe.ModelConfig(vocab=64, dim=64, layers=2, heads=2, experts=4, topk=2, ffn=32)
+BF16 = dict(dtype="bfloat16", device="cuda")
+
+
+@pytest.mark.parametrize("plan,scopes,match", [
+    (fmoe.Plan(model=MODEL, ep=2, **BF16), ("step",),
+     r"whole step.*dropless routing over Plan.ep=2 reads the all-to-all split sizes.*capacity_factor > 0"),
+    (fmoe.Plan(model=MODEL, ep=2, **BF16), ("experts",), r"scope 'experts'.*Plan.ep=2"),
+    (fmoe.Plan(model=MODEL.replace(pad_multiple=16), **BF16), ("step",),
+     r"pad_multiple=16\) reads the permuted row count.*set pad_multiple=0"),
+    (fmoe.Plan(model=MODEL, expert_backend="loop", **BF16), ("step",),
+     r"expert_backend='loop' reads each expert's row count.*use 'torch'"),
+    (fmoe.Plan(model=MODEL, expert_backend="te", **BF16), ("step",),
+     r"'te' hands dropless row counts.*capacity_factor > 0"),
+    (fmoe.Plan(model=MODEL.replace(dim=36, heads=2, ffn=20), **BF16), ("experts",),
+     r"dim=36 / ffn=20 are not multiples of 16 bytes in bfloat16"),
+    (fmoe.Plan(model=MODEL, delay_wgrad=True, **BF16), ("attn", "experts"),
+     r"delay_wgrad=True defers the experts' weight GEMMs.*leave 'experts' out"),
+    (fmoe.Plan(model=MODEL, dtype="float32", device="cuda"), ("experts",),
+     r"torch._grouped_mm has no float32 CUDA kernel.*dtype='bfloat16'"),
+    (fmoe.Plan(model=MODEL), ("attn",), r"need Plan.device='cuda'.*got 'cpu'"),
+    (fmoe.Plan(model=MODEL, **BF16), ("attn", "mlp"), r"scopes=\['attn', 'mlp'\] is invalid.*'router'"),
+    (fmoe.Plan(model=MODEL, **BF16), (), r"at least one"),
+])
+def test_uncapturable_plans_are_refused_with_the_setting_that_fixes_them(plan, scopes, match):
+    with pytest.raises(ValueError, match=match):
+        check_capturable(plan, scopes)
+
+
+def test_capturable_plans_pass_the_check():
+    # Shapes and splits fixed on the device: nothing is read on the host.
+    check_capturable(fmoe.Plan(model=MODEL, **BF16), ("step",))
+    check_capturable(fmoe.Plan(model=MODEL.replace(capacity_factor=1.25), ep=2, **BF16), ("step",))
+    check_capturable(fmoe.Plan(model=MODEL, ep=2, delay_wgrad=True, **BF16), ("attn", "router"))
+    check_capturable(fmoe.Plan(model=MODEL.replace(capacity_factor=1.0), expert_backend="te", **BF16),
+                     ("experts",))
+
+
+def test_capture_refuses_before_any_work():
+    # ep=2 in a world of one would fail fmoe.step's own check; the capture check comes first.
+    plan = fmoe.Plan(model=MODEL, ep=2, **BF16)
+    params = fmoe.init(fmoe.Plan(model=MODEL), seed=0)
+    batch = {"tokens": global_batch(4, 8)}
+    with pytest.raises(ValueError, match="cannot capture a whole step"):
+        capture_step(params, batch, plan)
+    with pytest.raises(ValueError, match="cannot capture scope 'experts'"):
+        capture_scopes(params, batch, plan, ("attn", "experts"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
+def test_graphed_steps_are_bitwise_eager_on_one_gpu(schedule):
+    # Dropless routing on one rank reads nothing on the host: every scope and the whole
+    # step capture. Persistent gather buffers, ZeRO-3 bookkeeping, 2 microbatches.
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), sharding="optim_grads_params",
+                     schedule=schedule, microbatches=2, gather_buffers="persistent", **BF16)
+    res = graphed_losses(plan, global_batch().cuda())
+    for mode, losses in res.items():
+        assert torch.isfinite(losses).all()
+        assert torch.equal(losses, res["eager"]), (mode, losses, res["eager"])
+
+
+@pytest.mark.parametrize("capacity", [0.0, 1.5])
+def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
+    # Before capture, the scope kernels call the pure functions through the flat
+    # tensor lists the graphs are made from: a step through them is bitwise eager.
+    from interop.cuda_graph import _ScopeGraphs
+
+    plan = fmoe.Plan(model=CFG.replace(capacity_factor=capacity), microbatches=2)
+    params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch()}
+    graphs = _ScopeGraphs(plan, ("attn", "router", "experts"))
+    got = fmoe.step(params, batch, plan, graphs.kernels())
+    want = fmoe.step(params, batch, plan)
+    assert {scope for scope, _ in graphs.samples} == {"attn", "router", "experts"}
+    assert len(graphs.samples) == 3 * CFG.layers * plan.microbatches
+    assert torch.equal(got.loss, want.loss)
+    for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
+        assert torch.equal(a, b)
