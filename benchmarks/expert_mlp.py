@@ -1,10 +1,14 @@
 """Expert MLP throughput per backend: fc1 -> GLU x router prob -> fc2, forward + backward.
 
-    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20]
+    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20] [--permute]
 
-The shapes of ../shared/device/ceilings.md's anchors (equal splits, no permute, bf16):
-rows = tokens x topk. FLOPs are 3 x the forward's (dgrad + wgrad), active experts only.
-Backend ``te`` needs TransformerEngine (``interop.te``). Prints a table last.
+The shapes of ../shared/device/ceilings.md's anchors (bf16): rows = tokens x topk.
+Default: equal splits, no permute, the probability scales the GLU output (the
+anchors' setting). ``--permute``: tokens ``[T, D]`` with random top-k experts
+(uniform, so splits vary) go through ``make_dispatch`` + ``permute``, the experts,
+then ``unpermute`` weighted by the probabilities. FLOPs are 3 x the forward's GEMMs
+(dgrad + wgrad), active experts only. Backend ``te`` needs TransformerEngine
+(``interop.te``). Prints a table last.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import statistics
 import torch
 
 import fmoe
-from fmoe.layers.dispatch import make_dispatch
+from fmoe.layers.dispatch import make_dispatch, permute, unpermute
 from fmoe.layers.experts import expert_mlp
 
 SHAPES = [(65536, 2048, 1408, 16), (262144, 4096, 1536, 32)]  # rows, D, F, E
+TOPK = {16: 4, 32: 8}  # issue 9's shapes: T=16384 top-4, T=32768 top-8
 
 
 def _time_ms(fn, iters: int) -> float:
@@ -40,32 +45,46 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", nargs="+", default=["torch", "te"])
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--permute", action="store_true")
     args = ap.parse_args()
     if "te" in args.backends:
         importlib.import_module("interop.te")
     results = []
     for rows, D, F, E in SHAPES:
-        cfg = fmoe.ModelConfig(dim=D, ffn=F, experts=E, topk=1, heads=16)
+        K = TOPK[E]
+        tokens = rows // K if args.permute else rows
+        cfg = fmoe.ModelConfig(dim=D, ffn=F, experts=E, topk=K if args.permute else 1, heads=16)
         g = torch.Generator(device="cuda").manual_seed(0)
-        experts = torch.arange(rows, device="cuda") % E  # equal splits
-        d = make_dispatch(experts[:, None], E)
-        x = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        probs = torch.rand(rows, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        if args.permute:  # top-k of random scores: every expert about rows / E, not exactly
+            experts = torch.rand(tokens, E, device="cuda", generator=g).topk(K, dim=1).indices
+        else:
+            experts = (torch.arange(rows, device="cuda") % E)[:, None]  # equal splits
+        x = torch.randn(tokens, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        probs = torch.rand(tokens, K if args.permute else 1, device="cuda", generator=g).to(torch.bfloat16)
+        probs = (probs if args.permute else probs[:, 0]).requires_grad_()
         p = {"fc1": (torch.randn(E, D, 2 * F, device="cuda", generator=g) / D ** 0.5).to(torch.bfloat16),
              "fc2": (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).to(torch.bfloat16)}
         p = {k: v.requires_grad_() for k, v in p.items()}
         grad_y = torch.randn(rows, D, device="cuda", dtype=torch.bfloat16, generator=g)
         flops = 3 * (2 * rows * D * 2 * F + 2 * rows * F * D)
+        grad_y = grad_y[:tokens]
+        fixed = None if args.permute else make_dispatch(experts, E)
         for backend in args.backends:
             def fwd_bwd():
-                y = expert_mlp(p, x, d, cfg, probs, backend)
+                if args.permute:  # the routing decision's permutation is part of the work
+                    d = make_dispatch(experts, E)
+                    y = unpermute(expert_mlp(p, permute(x, d), d, cfg, None, backend), d, probs)
+                else:
+                    y = expert_mlp(p, x, fixed, cfg, probs, backend)
                 torch.autograd.grad(y, [x, probs, p["fc1"], p["fc2"]], grad_y)
             ms = _time_ms(fwd_bwd, args.iters)
             results.append((rows, D, F, E, backend, ms, flops / ms / 1e9))
             del fwd_bwd
         torch.cuda.empty_cache()
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert MLP fwd+bwd, bf16, swiglu x prob, "
-          f"equal splits, no permute; median of {args.iters}")
+    what = "permute + experts + unpermute x prob, random top-k" if args.permute else \
+        "swiglu x prob, equal splits, no permute"
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert MLP fwd+bwd, bf16, {what}; "
+          f"median of {args.iters}")
     print(f"{'rows':>7s} {'D':>5s} {'F':>5s} {'E':>3s} {'backend':>8s} {'ms':>8s} {'TFLOP/s':>8s}")
     for rows, D, F, E, backend, ms, tflops in results:
         print(f"{rows:7d} {D:5d} {F:5d} {E:3d} {backend:>8s} {ms:8.2f} {tflops:8.1f}")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import fmoe
 from fmoe.params import _full_leaves, _treedef
-from fmoe.schedule import build_program
+from fmoe.schedule import build_program, max_live_units
 from fmoe.shard.spec import shard_leaf, shard_spec
 from fmoe.shard.trace import count
 
@@ -54,6 +54,22 @@ def active_flops_per_token(cfg: fmoe.ModelConfig, seq: int) -> float:
     return 6 * (cfg.layers * per_layer + cfg.vocab * D) + attention
 
 
+def memory_formula(plan) -> float:
+    """Bytes per rank of params, grads and AdamW moments (fp32; divided over the ranks
+    where the strategy shards them) plus the gathered compute-dtype weights: every
+    unit for DDP/ZeRO-1/ZeRO-2, the live units for ZeRO-3. Activations, per-step
+    flat copies and gradient accumulation buffers are what the measured peak adds."""
+    spec = shard_spec(plan)
+    full = [sum(layout.full_size for layout in u.groups.values()) for u in spec.units]
+    n, world = sum(full), plan.world
+    per = {"no_shard": (4, 4, 8), "optim": (4 / world, 4, 8 / world),
+           "optim_grads": (4 / world, 4 / world, 8 / world),
+           "optim_grads_params": (4 / world, 4 / world, 8 / world)}[plan.sharding]
+    itemsize = torch.empty((), dtype=plan.compute_dtype).element_size()
+    gathered = max_live_units(plan) * max(full) if plan.sharding == "optim_grads_params" else n
+    return n * sum(per) + itemsize * gathered
+
+
 def shard_of(full_leaves, plan, rank):
     leaves = [shard_leaf(t, path, plan, rank).to("cuda") for path, t in full_leaves]
     return optree.tree_unflatten(_treedef(plan.model), leaves)
@@ -80,6 +96,7 @@ def run_case(name, plan, full_leaves, tokens, args, rank):
     row = {
         "case": name, "sharding": plan.sharding, "prefetch": plan.prefetch,
         "step_s": statistics.median(times), "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "formula_gib": memory_formula(plan) / 2**30,
         "resting_gib": resting / 2**30, "loss": float(out.loss),
         "all_gathers": count(trace, "all_gather", "params"),
         "reduce_scatters": count(trace, "reduce_scatter", "grads"),
@@ -144,15 +161,15 @@ def main():
     if rank == 0:
         print(f"\nmodel: {total_params / 1e9:.2f}B params, {world} GPUs, {tokens_per_step} tokens/step, "
               f"bf16 compute, microbatches {args.microbatches}")
-        print(f"{'case':34s} {'step ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s} {'rest GiB':>9s} "
-              f"{'AG':>4s} {'RS':>4s} {'AR':>4s}")
+        print(f"{'case':34s} {'step ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'peak GiB':>9s} {'formula':>8s} "
+              f"{'rest GiB':>9s} {'AG':>4s} {'RS':>4s} {'AR':>4s}")
         for r in rows:
             mfu = flops / r["step_s"] / world / 789e12
             r["tokens_per_s"] = tokens_per_step / r["step_s"]
             r["mfu"] = mfu
             print(f"{r['case']:34s} {r['step_s'] * 1e3:8.1f} {r['tokens_per_s']:9.0f} {mfu:6.1%} "
-                  f"{r['peak_gib']:9.2f} {r['resting_gib']:9.2f} {r['all_gathers']:4d} {r['reduce_scatters']:4d} "
-                  f"{r['all_reduces']:4d}")
+                  f"{r['peak_gib']:9.2f} {r['formula_gib']:8.2f} {r['resting_gib']:9.2f} {r['all_gathers']:4d} "
+                  f"{r['reduce_scatters']:4d} {r['all_reduces']:4d}")
         z3, z3_off = rows[3]["step_s"], rows[4]["step_s"]
         hidden = (z3_off - z3) / comm if comm > 0 else float("nan")
         print(f"\nZeRO-3 gathers + reduce-scatters alone: {comm * 1e3:.1f} ms/step; prefetch on {z3 * 1e3:.1f} ms, "

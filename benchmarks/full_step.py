@@ -1,0 +1,161 @@
+"""A full training step on one GPU: tokens/s, MFU and where the time goes.
+
+    python benchmarks/full_step.py                      # the ~1B MoE LM, several modes + profile
+    python benchmarks/full_step.py --sweep-experts 8 16 32 64 128 --dim 1024 --ffn 704 --layers 4
+
+Model (default): D=2048, 6 layers, 16 heads, 16 experts of F=1408, top-2, vocab
+32000 (1.06B total, 0.29B active parameters); 8 x 2048 tokens per step, bf16, one
+GPU, no sharding. A step is ``fmoe.step`` + ``fmoe.adamw``'s update; MFU counts the
+active parameters' FLOPs plus attention against 789 TFLOP/s.
+
+Modes: eager with the torch expert backend, eager with ``te`` (when TransformerEngine
+imports), and the whole step captured as a CUDA graph (``interop.cuda_graph``). One
+more eager step runs under the profiler: kernel time by kind (matmul, attention,
+other) and GPU idle time, and the top kernels.
+
+``--sweep-experts``: the eager torch step for each expert count at fixed top-k and F
+(fixed active FLOPs; total parameters grow with E).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import importlib.util
+import math
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fmoe
+from fsdp_step import active_flops_per_token
+from interop.cuda_graph import capture_step
+from kernel_time import union
+
+PEAK_TFLOPS = 789.0
+
+
+def parse():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--topk", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=1408)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--sweep-experts", type=int, nargs="*", default=None)
+    return ap.parse_args()
+
+
+def model(args, experts: int) -> fmoe.ModelConfig:
+    return fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
+                            experts=experts, topk=args.topk, ffn=args.ffn)
+
+
+def timed_steps(run, params, opt, args) -> float:
+    """Median seconds of ``run(params)`` + the optimizer update."""
+    state = opt.init(params)
+    times = []
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = run(params)
+        params, state = opt.update(out.grads, state, params)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+KINDS = (("matmul", ("gemm", "cutlass", "nvjet", "xmma", "grouped_mm", "sm90")),
+         ("attention", ("flash", "fmha", "attention", "sdpa")))
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in lowered for k in keys)), "other")
+
+
+def profile_step(run, params, opt):
+    """Kernel milliseconds by kind, GPU idle ms, wall ms, top kernels of one step + update."""
+    state = opt.init(params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        out = run(params)
+        opt.update(out.grads, state, params)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    spans, by_kind, by_name = [], collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        spans.append((e.time_range.start, e.time_range.end))
+        by_kind[kind_of(e.name)] += ms
+        by_name[e.name[:70]] += ms
+    busy = sum(e - s for s, e in union(spans)) / 1e3
+    return by_kind, busy, wall, by_name.most_common(12)
+
+
+def main():
+    args = parse()
+    torch.cuda.set_device(0)
+    tokens = args.batch * args.seq
+    rows = []
+    te = importlib.util.find_spec("transformer_engine") is not None
+    if te:
+        importlib.import_module("interop.te")
+    configs = args.sweep_experts or [args.experts]
+    for experts in configs:
+        cfg = model(args, experts)
+        flops_per_token = active_flops_per_token(cfg, args.seq)
+        plan = fmoe.Plan(model=cfg, microbatches=args.microbatches, dtype="bfloat16", device="cuda")
+        params = fmoe.init(plan, seed=0)
+        opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)
+        batch = {"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
+                                         generator=torch.Generator().manual_seed(0)).cuda()}
+        modes = {"eager torch": lambda p: fmoe.step(p, batch, plan)}
+        if not args.sweep_experts:
+            if te:
+                te_plan = plan.replace(expert_backend="te")
+                modes["eager te"] = lambda p: fmoe.step(p, batch, te_plan)
+            graphed = capture_step(params, batch, plan)
+            modes["whole-step graph torch"] = lambda p: graphed(p, batch)
+        for name, run in modes.items():
+            torch.cuda.reset_peak_memory_stats()
+            step_s = timed_steps(run, params, opt, args)
+            rows.append((experts, name, step_s, tokens / step_s, flops_per_token * tokens / step_s / PEAK_TFLOPS / 1e12,
+                         torch.cuda.max_memory_allocated() / 2**30))
+            print(f"  done E={experts} {name}: {step_s * 1e3:.1f} ms", flush=True)
+        if not args.sweep_experts:
+            by_kind, busy, wall, top = profile_step(modes["eager torch"], params, opt)
+        del params, opt, modes
+        torch.cuda.empty_cache()
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; D={args.dim}, {args.layers} layers, "
+          f"top-{args.topk} of E, F={args.ffn}, vocab {args.vocab}; {tokens} tokens/step in {args.microbatches} "
+          f"microbatch(es), bf16, 1 GPU; median of {args.steps} steps (step + AdamW)")
+    print(f"{'E':>4s} {'params':>7s} {'mode':24s} {'step ms':>8s} {'tokens/s':>9s} {'MFU':>6s} {'peak GiB':>9s}")
+    for experts, name, step_s, tps, mfu, peak in rows:
+        total = sum(math.prod(s) for s in fmoe.params.flat_shapes(model(args, experts)).values())
+        print(f"{experts:4d} {total / 1e9:6.2f}B {name:24s} {step_s * 1e3:8.1f} {tps:9.0f} {mfu:6.1%} {peak:9.2f}")
+    if not args.sweep_experts:
+        print(f"\nprofile of one eager torch step + update: wall {wall:.1f} ms, GPU busy {busy:.1f} ms, "
+              f"idle {wall - busy:.1f} ms; kernel ms by kind: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in by_kind.most_common()))
+        print("top kernels (ms):")
+        for name, ms in top:
+            print(f"  {ms:8.2f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
