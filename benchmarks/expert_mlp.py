@@ -14,6 +14,7 @@ then ``unpermute`` weighted by the probabilities. FLOPs are 3 x the forward's GE
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import statistics
 
@@ -41,11 +42,27 @@ def _time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def _print_top_kernels(fn, title: str, top: int = 12) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name = collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            by_name[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3
+    print(f"top kernels, {title} (ms; all kernels {sum(by_name.values()):.2f}):")
+    for name, ms in by_name.most_common(top):
+        print(f"  {ms:8.2f}  {name}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", nargs="+", default=["torch", "te"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--permute", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="top kernels of one torch-backend call per shape")
     args = ap.parse_args()
     if "te" in args.backends:
         importlib.import_module("interop.te")
@@ -79,6 +96,8 @@ def main():
                 torch.autograd.grad(y, [x, probs, p["fc1"], p["fc2"]], grad_y)
             ms = _time_ms(fwd_bwd, args.iters)
             results.append((rows, D, F, E, backend, ms, flops / ms / 1e9))
+            if args.profile and backend == "torch":
+                _print_top_kernels(fwd_bwd, f"rows={rows} D={D} F={F} E={E} torch")
             del fwd_bwd
         torch.cuda.empty_cache()
     what = "permute + experts + unpermute x prob, random top-k" if args.permute else \

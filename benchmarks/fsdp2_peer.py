@@ -8,7 +8,8 @@ attention, router, permute, grouped GEMMs and, under expert parallelism, the sam
 all-to-alls), each layer and the root wrapped in ``fully_shard`` with
 ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``, trained with ``torch.optim.AdamW``
 (foreach) and one ``backward()`` per microbatch. fmoe runs ``fmoe.step`` +
-``fmoe.adamw`` under the matching plan. Neither clips gradients.
+``fmoe.adamw`` (the optax-style chain, and ``fused=True``) under the matching plan.
+Neither clips gradients.
 
 Meshes: dp=2 ZeRO-3 (FSDP2 shards everything; fmoe ``optim_grads_params``) and
 dp=1 x ep=2 (each rank owns half the experts, left out of FSDP2 with
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import fmoe
 from fmoe.layers import block
@@ -130,7 +132,10 @@ def timed(step, args, device):
 
 def run_peer(full, cfg, ep_size, tokens, total, args, rank, dtype):
     model = build_peer(full, cfg, ep_size, rank, args.device, dtype)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    # foreach kernels take either FSDP2's DTensors or the plain expert tensors, not both.
+    groups = [[p for p in trained if isinstance(p, DTensor)], [p for p in trained if not isinstance(p, DTensor)]]
+    opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-4, weight_decay=0.1, foreach=True)
 
     def step():
         loss = 0.0
@@ -147,10 +152,10 @@ def run_peer(full, cfg, ep_size, tokens, total, args, rank, dtype):
     return step_s, loss
 
 
-def run_fmoe(full, plan, tokens, args, rank):
+def run_fmoe(full, plan, tokens, args, rank, fused: bool):
     params = shard_of(list(named_leaves(full).items()), plan, rank) if args.device == "cuda" else \
         fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)
+    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=fused)
     state = {"params": params, "opt": opt.init(params)}
 
     def step():
@@ -176,14 +181,14 @@ def main():
     total = args.batch * args.seq * world
     rows = []
     for mesh, dp, ep in (("dp2 ZeRO-3", world, 1), ("dp1 x ep2", 1, world)):
-        for system in ("fmoe", "FSDP2 peer"):
+        for system in ("fmoe", "fmoe, fused AdamW", "FSDP2 peer"):
             if args.device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            if system == "fmoe":
+            if system.startswith("fmoe"):
                 plan = fmoe.Plan(model=cfg, dp=dp, ep=ep, sharding="optim_grads_params",
                                  microbatches=args.microbatches, dtype="bfloat16", device=args.device)
-                step_s, loss = run_fmoe(full, plan, tokens, args, rank)
+                step_s, loss = run_fmoe(full, plan, tokens, args, rank, fused="fused" in system)
             else:
                 step_s, loss = run_peer(full, cfg, ep, tokens, total, args, rank, dtype)
             peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
@@ -195,12 +200,12 @@ def main():
         print(f"\nD={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, vocab {cfg.vocab}; "
               f"{world} ranks x {args.batch} x {args.seq} tokens, {args.microbatches} microbatches, bf16; "
               f"median of {args.steps} steps (step + AdamW)")
-        print(f"{'mesh':12s} {'system':11s} {'step ms':>8s} {'tokens/s':>9s} {'MFU':>6s} {'peak GiB':>9s} "
+        print(f"{'mesh':12s} {'system':18s} {'step ms':>8s} {'tokens/s':>9s} {'MFU':>6s} {'peak GiB':>9s} "
               f"{'vs peer':>8s} {'last loss':>9s}")
         for mesh, system, step_s, tps, peak, loss in rows:
-            peer = next(r for r in rows if r[0] == mesh and r[1] != "fmoe")
+            peer = next(r for r in rows if r[0] == mesh and r[1] == "FSDP2 peer")
             mfu = flops / step_s / world / (PEAK_TFLOPS * 1e12)
-            print(f"{mesh:12s} {system:11s} {step_s * 1e3:8.1f} {tps:9.0f} {mfu:6.1%} {peak:9.2f} "
+            print(f"{mesh:12s} {system:18s} {step_s * 1e3:8.1f} {tps:9.0f} {mfu:6.1%} {peak:9.2f} "
                   f"{peer[2] / step_s:7.2f}x {loss:9.4f}")
     dist.destroy_process_group()
 

@@ -8,10 +8,11 @@ Model (default): D=2048, 6 layers, 16 heads, 16 experts of F=1408, top-2, vocab
 GPU, no sharding. A step is ``fmoe.step`` + ``fmoe.adamw``'s update; MFU counts the
 active parameters' FLOPs plus attention against 789 TFLOP/s.
 
-Modes: eager with the torch expert backend, eager with ``te`` (when TransformerEngine
-imports), and the whole step captured as a CUDA graph (``interop.cuda_graph``). One
-more eager step runs under the profiler: kernel time by kind (matmul, attention,
-other) and GPU idle time, and the top kernels.
+Modes: eager with the torch expert backend and the optax-style AdamW chain; the same
+with ``adamw(fused=True)``; with ``te`` experts (when TransformerEngine imports); and
+the whole step captured as a CUDA graph (``interop.cuda_graph``). One more step of
+the eager modes runs under the profiler: kernel time by kind (matmul, attention,
+other), GPU idle time, and the top kernels.
 
 ``--sweep-experts``: the eager torch step for each expert count at fixed top-k and F
 (fixed active FLOPs; total parameters grow with E).
@@ -61,19 +62,22 @@ def model(args, experts: int) -> fmoe.ModelConfig:
                             experts=experts, topk=args.topk, ffn=args.ffn)
 
 
-def timed_steps(run, params, opt, args) -> float:
-    """Median seconds of ``run(params)`` + the optimizer update."""
+def timed_steps(run, params, opt, args) -> tuple[float, float]:
+    """Median seconds of ``run(params)`` + the optimizer update, and of ``run`` alone."""
     state = opt.init(params)
-    times = []
+    times, alone = [], []
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = run(params)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
         params, state = opt.update(out.grads, state, params)
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            alone.append(t1 - t0)
+    return statistics.median(times), statistics.median(alone)
 
 
 KINDS = (("matmul", ("gemm", "cutlass", "nvjet", "xmma", "grouped_mm", "sm90")),
@@ -121,35 +125,41 @@ def main():
         flops_per_token = active_flops_per_token(cfg, args.seq)
         plan = fmoe.Plan(model=cfg, microbatches=args.microbatches, dtype="bfloat16", device="cuda")
         params = fmoe.init(plan, seed=0)
-        opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)
+        chain = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)
+        fused = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True)
         batch = {"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
                                          generator=torch.Generator().manual_seed(0)).cuda()}
-        modes = {"eager torch": lambda p: fmoe.step(p, batch, plan)}
+        eager = lambda p: fmoe.step(p, batch, plan)  # noqa: E731
+        modes = {"eager torch, fused AdamW": (eager, fused)}
         if not args.sweep_experts:
+            modes = {"eager torch, AdamW chain": (eager, chain), **modes}
             if te:
                 te_plan = plan.replace(expert_backend="te")
-                modes["eager te"] = lambda p: fmoe.step(p, batch, te_plan)
+                modes["eager te, fused AdamW"] = (lambda p: fmoe.step(p, batch, te_plan), fused)
             graphed = capture_step(params, batch, plan)
-            modes["whole-step graph torch"] = lambda p: graphed(p, batch)
-        for name, run in modes.items():
+            modes["whole-step graph, fused"] = (lambda p: graphed(p, batch), fused)
+        for name, (run, opt) in modes.items():
             torch.cuda.reset_peak_memory_stats()
-            step_s = timed_steps(run, params, opt, args)
-            rows.append((experts, name, step_s, tokens / step_s, flops_per_token * tokens / step_s / PEAK_TFLOPS / 1e12,
-                         torch.cuda.max_memory_allocated() / 2**30))
+            step_s, alone_s = timed_steps(run, params, opt, args)
+            rows.append((experts, name, step_s, alone_s, tokens / step_s,
+                         flops_per_token * tokens / step_s / PEAK_TFLOPS / 1e12, torch.cuda.max_memory_allocated() / 2**30))
             print(f"  done E={experts} {name}: {step_s * 1e3:.1f} ms", flush=True)
         if not args.sweep_experts:
-            by_kind, busy, wall, top = profile_step(modes["eager torch"], params, opt)
-        del params, opt, modes
+            profiles = {name: profile_step(run, params, opt) for name, (run, opt) in modes.items()
+                        if name.startswith("eager") and "chain" not in name}
+        del params, modes, chain, fused
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; D={args.dim}, {args.layers} layers, "
           f"top-{args.topk} of E, F={args.ffn}, vocab {args.vocab}; {tokens} tokens/step in {args.microbatches} "
           f"microbatch(es), bf16, 1 GPU; median of {args.steps} steps (step + AdamW)")
-    print(f"{'E':>4s} {'params':>7s} {'mode':24s} {'step ms':>8s} {'tokens/s':>9s} {'MFU':>6s} {'peak GiB':>9s}")
-    for experts, name, step_s, tps, mfu, peak in rows:
+    print(f"{'E':>4s} {'params':>7s} {'mode':24s} {'step ms':>8s} {'no-opt ms':>9s} {'tokens/s':>9s} {'MFU':>6s} "
+          f"{'peak GiB':>9s}")
+    for experts, name, step_s, alone_s, tps, mfu, peak in rows:
         total = sum(math.prod(s) for s in fmoe.params.flat_shapes(model(args, experts)).values())
-        print(f"{experts:4d} {total / 1e9:6.2f}B {name:24s} {step_s * 1e3:8.1f} {tps:9.0f} {mfu:6.1%} {peak:9.2f}")
-    if not args.sweep_experts:
-        print(f"\nprofile of one eager torch step + update: wall {wall:.1f} ms, GPU busy {busy:.1f} ms, "
+        print(f"{experts:4d} {total / 1e9:6.2f}B {name:24s} {step_s * 1e3:8.1f} {alone_s * 1e3:9.1f} {tps:9.0f} "
+              f"{mfu:6.1%} {peak:9.2f}")
+    for mode, (by_kind, busy, wall, top) in ({} if args.sweep_experts else profiles).items():
+        print(f"\nprofile of one step + update, {mode}: wall {wall:.1f} ms, GPU busy {busy:.1f} ms, "
               f"idle {wall - busy:.1f} ms; kernel ms by kind: "
               + ", ".join(f"{k} {v:.1f}" for k, v in by_kind.most_common()))
         print("top kernels (ms):")

@@ -185,8 +185,52 @@ def optimizer(transform: Transform) -> Optimizer:
     return Optimizer(transform.init, update)
 
 
+def _fused_adamw(transform: Transform, b1, b2, eps, weight_decay, lr, max_grad_norm, plan) -> Optimizer:
+    """``adamw(fused=True)``: the chain's state and meaning, one fused kernel per group."""
+    clipping = bool(max_grad_norm)
+
+    def update(grads, state, params):
+        adam, schedule = state[int(clipping)], state[int(clipping) + 2]
+        count = adam.count + 1
+        rate = lr(schedule.count) if callable(lr) else lr
+        grad_scale = None
+        if clipping:  # the kernel divides gradients by grad_scale
+            grad_scale = ((global_norm(grads, plan) + 1e-6) / max_grad_norm).clamp(min=1.0).float()
+        paths, p_leaves, treedef = optree.tree_flatten_with_path(params)
+        g_leaves, m_leaves, v_leaves = (treedef.flatten_up_to(t) for t in (grads, adam.mu, adam.nu))
+        # Pure: the kernel updates copies. Frozen leaves get their moments updated (as
+        # the chain does) with a zero rate, and keep their params.
+        new_p, new_m, new_v = list(p_leaves), list(m_leaves), list(v_leaves)
+        step = count.to(device=p_leaves[0].device, dtype=torch.float32)
+        groups = {(True, True): [], (True, False): [], (False, False): []}  # (trainable, decays)
+        for i, (path, p) in enumerate(zip(paths, p_leaves)):
+            groups[(True, _decays(path, p)) if _trainable(path) else (False, False)].append(i)
+        for (trainable, decay), idx in groups.items():
+            if not idx:
+                continue
+            params_copy = [p_leaves[i].clone() for i in idx]
+            for out, src in ((new_m, m_leaves), (new_v, v_leaves)):
+                for i in idx:
+                    out[i] = src[i].clone()
+            torch._fused_adamw_(params_copy, [g_leaves[i].float() for i in idx],
+                                [new_m[i] for i in idx], [new_v[i] for i in idx], [], [step] * len(idx),
+                                lr=float(rate) if trainable else 0.0, beta1=b1, beta2=b2,
+                                weight_decay=weight_decay if decay else 0.0, eps=eps, amsgrad=False,
+                                maximize=False, grad_scale=grad_scale)
+            if trainable:
+                for i, p in zip(idx, params_copy):
+                    new_p[i] = p
+        new_state = list(state)
+        new_state[int(clipping)] = ScaleByAdamState(count, treedef.unflatten(new_m), treedef.unflatten(new_v))
+        new_state[int(clipping) + 2] = ScheduleState(schedule.count + 1)
+        return treedef.unflatten(new_p), tuple(new_state)
+
+    return Optimizer(transform.init, update)
+
+
 def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
-          weight_decay: float = 0.0, max_grad_norm: float | None = None, plan=None) -> Optimizer:
+          weight_decay: float = 0.0, max_grad_norm: float | None = None, plan=None,
+          fused: bool = False) -> Optimizer:
     """AdamW (decoupled weight decay on matrices), optional global-norm clipping.
 
     Every operation is per element, so it updates whatever each rank holds (full
@@ -199,6 +243,10 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             norms or biases.
         max_grad_norm: clip gradients to this global norm first (None: no clipping).
         plan: the Plan params are sharded by; needed with clipping on several ranks.
+        fused: run each update as torch's fused AdamW kernel on copies of the params
+            and moments (one pass over memory instead of one per elementwise op; the
+            same state, the same update up to rounding). False: the optax-style chain
+            of elementwise transforms, bitwise the same for any sharding of the leaves.
 
     Returns:
         An Optimizer. ``expert_bias`` leaves are never changed by it.
@@ -213,6 +261,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
     parts = [clip_by_global_norm(max_grad_norm, plan)] if max_grad_norm else []
     parts += [scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
               scale_by_learning_rate(lr), freeze()]
+    if fused:
+        return _fused_adamw(chain(*parts), b1, b2, eps, weight_decay, lr, max_grad_norm, plan)
     return optimizer(chain(*parts))
 
 

@@ -13,11 +13,12 @@ def tree(seed):
                                                                      "norm": torch.randn(5, generator=g)}}]}
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_adamw_matches_torch_adamw(clip):
+def test_adamw_matches_torch_adamw(clip, fused):
     params = tree(0)
     lr, wd = 1e-2, 0.1
-    opt = fmoe.adamw(lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd, max_grad_norm=clip)
+    opt = fmoe.adamw(lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd, max_grad_norm=clip, fused=fused)
     state = opt.init(params)
     w, norm = params["w"].clone().requires_grad_(True), params["layers"][0]["moe"]["norm"].clone().requires_grad_(True)
     # Decay on matrices only, as fmoe.adamw does; the expert bias is not an optimizer leaf.
@@ -51,10 +52,28 @@ def test_clip_by_global_norm_matches_torch():
         assert torch.equal(a, b)
 
 
-def test_adamw_is_pure():
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fused_adamw_keeps_the_chain_state_and_update(clip):
+    # Same state layout (checkpoints and the chain are interchangeable) and the same
+    # update up to fp32 rounding (the kernel orders the arithmetic differently).
+    chain, fused = (fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=clip, fused=f) for f in (False, True))
+    params_c = params_f = tree(4)
+    state_c, state_f = chain.init(params_c), fused.init(params_f)
+    assert optree.tree_structure(state_c) == optree.tree_structure(state_f)
+    for seed in range(4):
+        grads = optree.tree_map(lambda t: torch.randn_like(t) * 3, tree(10 + seed))
+        params_c, state_c = chain.update(grads, state_c, params_c)
+        params_f, state_f = fused.update(grads, state_f, params_f)
+    assert optree.tree_structure(state_c) == optree.tree_structure(state_f)
+    for a, b in zip(optree.tree_leaves((params_c, state_c)), optree.tree_leaves((params_f, state_f))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
+def test_adamw_is_pure(fused):
     params = tree(2)
     before = optree.tree_map(torch.clone, params)
-    opt = fmoe.adamw(lr=0.1, weight_decay=0.1)
+    opt = fmoe.adamw(lr=0.1, weight_decay=0.1, fused=fused)
     state = opt.init(params)
     grads = tree(3)
     new, state2 = opt.update(grads, state, params)
