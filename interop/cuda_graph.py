@@ -215,6 +215,9 @@ class _ScopeGraphs:
         return EAGER._replace(**chosen)
 
     def _experts(self, site, p, rows, segs, cfg, probs, backend, deferred):
+        if deferred is not None:
+            raise ValueError("a graphed 'experts' scope computes its weight gradients in its backward graph; "
+                             "run it under a plan with delay_wgrad=False (the plan it was captured for)")
         # The segments' tensors change every step: they are graph inputs like the rows.
         names = list(p)
         seg_fields = [(i, v) for i, v in enumerate(segs) if isinstance(v, torch.Tensor)]
