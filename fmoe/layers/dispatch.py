@@ -157,8 +157,40 @@ def unpermute(y_RD: torch.Tensor, d: Dispatch, w_TK: torch.Tensor | None = None)
     Returns:
         ``[T, D]`` in ``y_RD``'s dtype.
     """
-    T, K = d.pos_TK.shape
-    y_TKD = _rows_at(y_RD, d.pos_TK.reshape(-1), d.capacity is not None).view(T, K, -1)
-    if w_TK is None:
-        return upcast(y_TKD).sum(1).to(y_RD.dtype)
-    return torch.einsum("tkd,tk->td", upcast(y_TKD), w_TK.to(upcast(y_TKD).dtype)).to(y_RD.dtype)
+    return _Unpermute.apply(y_RD, w_TK, d.pos_TK, d.row_source_R, d.capacity is not None)
+
+
+class _Unpermute(torch.autograd.Function):
+    # Forward: each token's K rows, gathered and multiply-added into a fp32 sum one k
+    # at a time (no fp32 copy of the rows, no batched GEMM). Backward: every row holds
+    # at most one assignment, so the rows' gradient is a gather by row_source, not the
+    # index_add autograd would run for the forward gather.
+    @staticmethod
+    def forward(ctx, y_RD, w_TK, pos_TK, row_source_R, dropping):
+        T, K = pos_TK.shape
+        y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), dropping).view(T, K, -1)
+        acc = upcast(y_TKD[:, 0])
+        acc = acc.clone() if w_TK is None else acc * w_TK[:, :1].to(acc.dtype)
+        for k in range(1, K):
+            if w_TK is None:
+                acc.add_(y_TKD[:, k])
+            else:
+                acc.addcmul_(y_TKD[:, k], w_TK[:, k:k + 1].to(acc.dtype))
+        keep_rows = w_TK is not None and ctx.needs_input_grad[1]  # only the weights' gradient reads them
+        ctx.save_for_backward(y_RD if keep_rows else None, w_TK, pos_TK, row_source_R)
+        ctx.dropping, ctx.dtype = dropping, y_RD.dtype
+        return acc.to(y_RD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_RD, w_TK, pos_TK, row_source_R = ctx.saved_tensors
+        T, K = pos_TK.shape
+        g_up = upcast(grad_TD)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            per_k = g_up[:, None, :].expand(T, K, -1) if w_TK is None else g_up[:, None, :] * w_TK[:, :, None].to(g_up)
+            grad_y = _gather_rows_with_zero_pad(per_k.to(ctx.dtype).reshape(T * K, -1), row_source_R)
+        if w_TK is not None and ctx.needs_input_grad[1]:
+            y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, -1)
+            grad_w = torch.einsum("td,tkd->tk", g_up, upcast(y_TKD)).to(w_TK.dtype)
+        return grad_y, grad_w, None, None, None
