@@ -20,7 +20,6 @@ table last; ``--device cpu`` runs a small smoke version on gloo.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -40,26 +39,14 @@ from fmoe.layers.norm import rms_norm
 from fmoe.layers.precision import upcast
 from fmoe.params import init_full, named_leaves
 from fmoe.shard.comm import Group
-from fsdp_step import active_flops_per_token, shard_of
+from fsdp_step import active_flops_per_token, lm_config, lm_parser, shard_of
 from interop.module import _child, _tree_of
 
 PEAK_TFLOPS = 789.0
 
 
 def parse():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=2)
-    ap.add_argument("--ffn", type=int, default=1408)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap = lm_parser()
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a gloo smoke run")
     return ap.parse_args()
 
@@ -172,8 +159,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    cfg = fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
-                           experts=args.experts, topk=args.topk, ffn=args.ffn)
+    cfg = lm_config(args)
     dtype = torch.bfloat16
     full = init_full(cfg, seed=0)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),

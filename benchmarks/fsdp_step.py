@@ -28,7 +28,9 @@ from fmoe.shard.spec import shard_leaf, shard_spec
 from fmoe.shard.trace import count
 
 
-def parse():
+def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:
+    """Flags of the ~1B MoE LM the step benchmarks share (D=2048, 6 layers, 16 heads,
+    16 experts of F=1408, top-2, vocab 32000) and of its batch (8 x 2048 per GPU)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
@@ -39,9 +41,19 @@ def parse():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=microbatches)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    return ap
+
+
+def lm_config(args) -> fmoe.ModelConfig:
+    return fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
+                            experts=args.experts, topk=args.topk, ffn=args.ffn)
+
+
+def parse():
+    ap = lm_parser()
     ap.add_argument("--out", default="fsdp_step.json")
     return ap.parse_args()
 
@@ -141,8 +153,7 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    cfg = fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
-                           experts=args.experts, topk=args.topk, ffn=args.ffn)
+    cfg = lm_config(args)
     full_leaves = list(_full_leaves(cfg, seed=0))
     total_params = sum(t.numel() for _, t in full_leaves)
     g = torch.Generator().manual_seed(rank)

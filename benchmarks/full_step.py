@@ -20,7 +20,6 @@ other), GPU idle time, and the top kernels.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib
 import importlib.util
@@ -32,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fmoe
-from fsdp_step import active_flops_per_token
+from fsdp_step import active_flops_per_token, lm_config, lm_parser
 from interop.cuda_graph import capture_step
 from kernel_time import union
 
@@ -40,26 +39,13 @@ PEAK_TFLOPS = 789.0
 
 
 def parse():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=2)
-    ap.add_argument("--ffn", type=int, default=1408)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap = lm_parser(microbatches=1)
     ap.add_argument("--sweep-experts", type=int, nargs="*", default=None)
     return ap.parse_args()
 
 
 def model(args, experts: int) -> fmoe.ModelConfig:
-    return fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
-                            experts=experts, topk=args.topk, ffn=args.ffn)
+    return lm_config(args).replace(experts=experts)
 
 
 def timed_steps(run, params, opt, args) -> tuple[float, float]:
