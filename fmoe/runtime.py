@@ -31,7 +31,7 @@ def check_runtime(plan: Plan) -> None:
         if backend is None:
             raise ValueError(
                 f"Plan.expert_backend={plan.expert_backend!r} is provided by interop.{plan.expert_backend}, "
-                f"which is not loaded: `import interop.{plan.expert_backend}` before the first step "
-                f"(or use 'torch' or 'loop')"
+                f"which is not loaded: import the module interop.{plan.expert_backend} before the first "
+                f"step (or use 'torch' or 'loop')"
             )
         backend.check(plan)

@@ -22,7 +22,7 @@ needs_te = pytest.mark.skipif(te.IMPORT_ERROR is not None, reason="needs Transfo
 def test_plan_names_te_and_step_refuses_it_without_the_module(monkeypatch):
     plan = fmoe.Plan(model=fmoe.ModelConfig(), expert_backend="te")
     monkeypatch.delitem(_BACKENDS, "te")
-    with pytest.raises(ValueError, match=r"expert_backend='te' is provided by interop.te.*import interop.te"):
+    with pytest.raises(ValueError, match=r"expert_backend='te' is provided by interop.te.*import the module interop.te before the first step"):
         fmoe.step(fmoe.init(plan.replace(expert_backend="torch")), {"tokens": torch.zeros(2, 5, dtype=torch.long)},
                   plan)
 
