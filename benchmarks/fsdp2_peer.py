@@ -39,7 +39,7 @@ from fmoe.layers.norm import rms_norm
 from fmoe.layers.precision import upcast
 from fmoe.params import init_full, named_leaves
 from fmoe.shard.comm import Group
-from fsdp_step import active_flops_per_token, lm_config, lm_parser, shard_of
+from fsdp_step import lm_config, lm_parser, shard_of
 from interop.module import _child, _tree_of
 
 PEAK_TFLOPS = 789.0
@@ -181,7 +181,7 @@ def main():
             rows.append((mesh, system, step_s, total / step_s, peak, float(loss)))
             if rank == 0:
                 print(f"  done {mesh} {system}: {step_s * 1e3:.1f} ms", flush=True)
-    flops = active_flops_per_token(cfg, args.seq) * total
+    flops = fmoe.train_flops_per_token(cfg, args.seq) * total
     if rank == 0:
         print(f"\nD={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, vocab {cfg.vocab}; "
               f"{world} ranks x {args.batch} x {args.seq} tokens, {args.microbatches} microbatches, bf16; "

@@ -58,14 +58,6 @@ def parse():
     return ap.parse_args()
 
 
-def active_flops_per_token(cfg: fmoe.ModelConfig, seq: int) -> float:
-    """Training FLOPs per token of the active parameters (6 x params) plus attention."""
-    D, F = cfg.dim, cfg.ffn
-    per_layer = 4 * D * D + D * cfg.experts + cfg.topk * 3 * D * F
-    attention = 6 * cfg.layers * seq * D  # causal QK^T and AV, forward + backward
-    return 6 * (cfg.layers * per_layer + cfg.vocab * D) + attention
-
-
 def memory_formula(plan) -> float:
     """Bytes per rank of params, grads and AdamW moments (fp32; divided over the ranks
     where the strategy shards them) plus the gathered compute-dtype weights: every
@@ -168,7 +160,7 @@ def main():
             print(f"  done {name}: {rows[-1]['step_s'] * 1e3:.0f} ms", flush=True)
     comm = comm_only(cases[3][1])
     tokens_per_step = args.batch * args.seq * world
-    flops = active_flops_per_token(cfg, args.seq) * tokens_per_step
+    flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens_per_step
     if rank == 0:
         print(f"\nmodel: {total_params / 1e9:.2f}B params, {world} GPUs, {tokens_per_step} tokens/step, "
               f"bf16 compute, microbatches {args.microbatches}")

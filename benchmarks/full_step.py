@@ -31,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fmoe
-from fsdp_step import active_flops_per_token, lm_config, lm_parser
+from fsdp_step import lm_config, lm_parser
 from interop.cuda_graph import capture_step
 from kernel_time import union
 
@@ -108,7 +108,7 @@ def main():
     configs = args.sweep_experts or [args.experts]
     for experts in configs:
         cfg = model(args, experts)
-        flops_per_token = active_flops_per_token(cfg, args.seq)
+        flops_per_token = fmoe.train_flops_per_token(cfg, args.seq)
         plan = fmoe.Plan(model=cfg, microbatches=args.microbatches, dtype="bfloat16", device="cuda")
         params = fmoe.init(plan, seed=0)
         chain = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)

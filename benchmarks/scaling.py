@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import fmoe
-from fsdp_step import active_flops_per_token
 from kernel_time import exposure
 
 PEAK_TFLOPS = 789.0  # dense bf16 GEMM ceiling of one H200 (ceilings.md)
@@ -83,7 +82,7 @@ def main():
         per_gpu = args.batch * args.seq / step_s
         rows.append({"gpus": world, "dp": dp, "ep": ep, "step_ms": step_s * 1e3, "tokens_s": per_gpu * world,
                      "tokens_s_gpu": per_gpu,
-                     "mfu": per_gpu * active_flops_per_token(cfg, args.seq) / (PEAK_TFLOPS * 1e12),
+                     "mfu": per_gpu * fmoe.train_flops_per_token(cfg, args.seq) / (PEAK_TFLOPS * 1e12),
                      "comm_ms": ms["comm"], "exposed_share": ms["exposed"] / profiled, "peak_gib": peak})
         if rank == 0:
             print(f"done dp={dp} ep={ep}: {step_s * 1e3:.1f} ms", flush=True)

@@ -19,6 +19,7 @@ SCHEDULES = ("standard", "1f1b_overlap")
 DTYPES = ("float32", "bfloat16")
 EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
+QK_NORMS = ("none", "head", "full")
 
 
 def _fail(owner: str, field: str, value, allowed: str):
@@ -77,6 +78,17 @@ class ModelConfig:
         expert_bias_rate: step of the aux-loss-free expert-bias update (see
             ``fmoe.update_expert_bias``).
         rope_theta, norm_eps, init_std: RoPE base, RMSNorm epsilon, init scale.
+        kv_heads: key/value heads; 0 means ``heads`` (multi-head attention), fewer is
+            grouped-query attention (``heads`` divisible by ``kv_heads``).
+        head_size: features per attention head; 0 means ``dim / heads``. Any other even
+            value decouples the attention width ``heads * head_size`` from ``dim``.
+        qk_norm: RMSNorm on queries and keys before RoPE: ``none``, ``head`` (one
+            ``[head_size]`` weight shared by every head, as Qwen3) or ``full`` (over the
+            whole projection, ``[heads * head_size]`` / ``[kv_heads * head_size]``, as OLMoE).
+        qkv_bias: a bias on the q/k/v projection (as Qwen2).
+        tie_embeddings: the head reuses ``embed`` (logits ``= h @ embed.T``; no ``head`` leaf).
+        shared_gate: scale the shared expert's output by ``sigmoid(x @ gate)`` per token
+            (as Qwen2-MoE); needs ``shared_ffn > 0``.
     """
 
     vocab: int = 256
@@ -103,6 +115,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    kv_heads: int = 0
+    head_size: int = 0
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    shared_gate: bool = False
 
     def __post_init__(self):
         own = "ModelConfig"
@@ -110,6 +128,11 @@ class ModelConfig:
             _check_int(own, name, getattr(self, name), 1)
         _check_int(own, "shared_ffn", self.shared_ffn, 0)
         _check_int(own, "glu_interleave", self.glu_interleave, 0)
+        _check_int(own, "kv_heads", self.kv_heads, 0)
+        _check_int(own, "head_size", self.head_size, 0)
+        _check_choice(own, "qk_norm", self.qk_norm, QK_NORMS)
+        for name in ("qkv_bias", "tie_embeddings", "shared_gate"):
+            _check_bool(own, name, getattr(self, name))
         _check_choice(own, "activation", self.activation, ACTIVATIONS)
         _check_choice(own, "score_func", self.score_func, SCORE_FUNCS)
         _check_choice(own, "prob_placement", self.prob_placement, PROB_PLACEMENTS)
@@ -124,10 +147,15 @@ class ModelConfig:
             _fail(own, "glu_offset", self.glu_offset, "must be a number")
         if self.topk > self.experts:
             _fail(own, "topk", self.topk, f"must be <= experts ({self.experts})")
-        if self.dim % self.heads:
-            _fail(own, "dim", self.dim, f"must be divisible by heads ({self.heads})")
-        if (self.dim // self.heads) % 2:
-            _fail(own, "heads", self.heads, f"dim/heads must be even for RoPE (got {self.dim // self.heads})")
+        if self.head_size == 0 and self.dim % self.heads:
+            _fail(own, "dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
+        if self.head_dim % 2:
+            what = "head_size" if self.head_size else "heads"
+            _fail(own, what, getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
+        if self.kv_heads and self.heads % self.kv_heads:
+            _fail(own, "kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
+        if self.shared_gate and not self.shared_ffn:
+            _fail(own, "shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
         if self.glu_interleave:
             if not self.is_glu:
                 _fail(own, "glu_interleave", self.glu_interleave,
@@ -144,7 +172,22 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        """Features per attention head: ``head_size``, or ``dim / heads`` when it is 0."""
+        return self.head_size or self.dim // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Columns of the query projection: ``heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of the key (and of the value) projection: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
 
     def fc1_width(self, hidden: int) -> int:
         """Columns of an fc1 whose activation yields ``hidden`` features."""

@@ -3,14 +3,17 @@
 Layout (``y = x @ W`` everywhere, fp32)::
 
     embed [V, D]
-    layers[i].attn.{norm [D], qkv [D, 3D], out [D, D]}
+    layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], q_norm, k_norm)
     layers[i].moe.{norm [D], router [D, E], expert_bias [E]}
     layers[i].moe.experts.{fc1 [E, D, 2F], fc2 [E, F, D]}  (+ fc1_bias [E, 2F], fc2_bias [E, D])
     layers[i].moe.shared.{fc1 [D, 2Fs], fc2 [Fs, D]}       (when shared_ffn > 0)
     final_norm [D]
-    head [D, V]
+    head [D, V]                                             (absent with tie_embeddings)
 
-``qkv`` columns are ``[q | k | v]``, each head-major (``h * head_dim + j``). GLU fc1
+``Q = heads * head_dim`` and ``K = kv_heads * head_dim`` (``Q = K = D`` by default).
+``qkv`` columns are ``[q | k | v]``, each head-major (``h * head_dim + j``); ``q_norm``
+/ ``k_norm`` are ``[head_dim]`` (``qk_norm="head"``) or ``[Q]`` / ``[K]`` (``"full"``).
+``moe.shared.gate [D, 1]`` exists with ``shared_gate``. GLU fc1
 columns are ``[gate | up]``, or blocks of ``glu_interleave`` columns alternating
 gate/up; with ``relu2`` (non-GLU) fc1 is ``[.., F]`` instead of ``[.., 2F]``.
 """
@@ -49,15 +52,32 @@ def param_specs(cfg: ModelConfig) -> dict:
         if cfg.shared_ffn:
             Fs = cfg.shared_ffn
             moe["shared"] = {"fc1": ((D, cfg.fc1_width(Fs)), "normal"), "fc2": ((Fs, D), "normal_out")}
-        attn = {"norm": ((D,), "ones"), "qkv": ((D, 3 * D), "normal"), "out": ((D, D), "normal_out")}
-        return {"attn": attn, "moe": moe}
+            if cfg.shared_gate:
+                moe["shared"]["gate"] = ((D, 1), "normal")
+        return {"attn": attention_specs(cfg), "moe": moe}
 
-    return {
+    specs = {
         "embed": ((V, D), "normal"),
         "layers": [layer() for _ in range(cfg.layers)],
         "final_norm": ((D,), "ones"),
-        "head": ((D, V), "normal"),
     }
+    if not cfg.tie_embeddings:
+        specs["head"] = ((D, V), "normal")
+    return specs
+
+
+def attention_specs(cfg: ModelConfig) -> dict:
+    """One layer's ``attn`` subtree as ``(shape, init)`` leaves."""
+    Q, K = cfg.q_width, cfg.kv_width
+    attn = {"norm": ((cfg.dim,), "ones"), "qkv": ((cfg.dim, Q + 2 * K), "normal"),
+            "out": ((Q, cfg.dim), "normal_out")}
+    if cfg.qkv_bias:
+        attn["qkv_bias"] = ((Q + 2 * K,), "zeros")
+    if cfg.qk_norm != "none":
+        per_head = cfg.qk_norm == "head"
+        attn["q_norm"] = ((cfg.head_dim if per_head else Q,), "ones")
+        attn["k_norm"] = ((cfg.head_dim if per_head else K,), "ones")
+    return attn
 
 
 def _is_spec(x) -> bool:
@@ -148,3 +168,22 @@ def glu_from_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:
     """Inverse of ``glu_to_interleaved``: alternating blocks -> ``[gate | up]``."""
     pairs = w.unflatten(-1, (w.shape[-1] // (2 * block), 2, block))
     return torch.cat([pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)], dim=-1)
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Matmul weights one token computes with: every dense matrix, ``topk / experts`` of
+    the routed experts' and the head (the embedding lookup, norms and biases are not
+    matmuls and are not counted)."""
+    total = 0
+    for path, shape in flat_shapes(cfg).items():
+        if len(shape) < 2 or (path == "embed" and not cfg.tie_embeddings):
+            continue
+        n = math.prod(shape)
+        total += n * cfg.topk // cfg.experts if ".moe.experts." in path else n
+    return total
+
+
+def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token: ``6 x`` the active parameters (forward + backward
+    matmuls) plus causal attention's ``QK^T`` and ``AV`` (``6 * layers * seq * q_width``)."""
+    return 6.0 * active_param_count(cfg) + 6.0 * cfg.layers * seq * cfg.q_width

@@ -18,7 +18,7 @@ def random_params(cfg, seed=0, dtype=torch.float64, scale=0.3):
     def draw(path, shape):
         t = torch.randn(shape, generator=g, dtype=torch.float64)
         name = path[-1]
-        if name in ("norm", "final_norm"):
+        if name in ("norm", "final_norm", "q_norm", "k_norm"):
             return (1 + 0.2 * t).to(dtype)
         if name == "expert_bias":
             return (0.05 * t).to(dtype)
@@ -51,21 +51,30 @@ def rope(x_SHd, theta):
 
 
 def attention(p, x_BSD, cfg):
+    """Per sequence, head and position; query head h reads key/value head h // (H / KV)."""
     B, S, D = x_BSD.shape
-    H, d = cfg.heads, cfg.head_dim
+    H, KV, d = cfg.heads, cfg.kv_heads or cfg.heads, cfg.head_dim
+    eps = cfg.norm_eps
     outs = []
     for b in range(B):
         qkv = x_BSD[b] @ p["qkv"]
-        q = rope(qkv[:, :D].reshape(S, H, d), cfg.rope_theta)
-        k = rope(qkv[:, D:2 * D].reshape(S, H, d), cfg.rope_theta)
-        v = qkv[:, 2 * D:].reshape(S, H, d)
+        if "qkv_bias" in p:
+            qkv = qkv + p["qkv_bias"]
+        q, k, v = qkv[:, :H * d], qkv[:, H * d:(H + KV) * d], qkv[:, (H + KV) * d:]
+        if cfg.qk_norm == "full":
+            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k, v = q.reshape(S, H, d), k.reshape(S, KV, d), v.reshape(S, KV, d)
+        if cfg.qk_norm == "head":
+            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
         o = torch.empty(S, H, d, dtype=x_BSD.dtype)
         for h in range(H):
+            kv = h // (H // KV)
             for s in range(S):
-                logits = (k[: s + 1, h] @ q[s, h]) / math.sqrt(d)
+                logits = (k[: s + 1, kv] @ q[s, h]) / math.sqrt(d)
                 w = torch.exp(logits - logits.max())
-                o[s, h] = (w / w.sum()) @ v[: s + 1, h]
-        outs.append(o.reshape(S, D) @ p["out"])
+                o[s, h] = (w / w.sum()) @ v[: s + 1, kv]
+        outs.append(o.reshape(S, H * d) @ p["out"])
     return torch.stack(outs)
 
 
@@ -141,7 +150,10 @@ def moe(p, x_TD, cfg, capacity=None):
                     out = out + ex["fc2_bias"][e]
                 y = y + prob * out
         if "shared" in p:
-            y = y + act(x_TD[t] @ p["shared"]["fc1"], cfg) @ p["shared"]["fc2"]
+            shared = act(x_TD[t] @ p["shared"]["fc1"], cfg) @ p["shared"]["fc2"]
+            if "gate" in p["shared"]:
+                shared = shared / (1 + torch.exp(-(x_TD[t] @ p["shared"]["gate"])))
+            y = y + shared
         ys.append(y)
     f = torch.tensor(counts, dtype=x_TD.dtype) / (T * cfg.topk)
     P = torch.stack(score_rows).mean(0)
@@ -164,7 +176,8 @@ def lm_loss_sum(params, tokens_BS1, cfg):
         h = h + y.reshape(B, S, -1)
         aux.append(a)
         z.append(zz)
-    logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ params["head"]
+    head = params["embed"].T if cfg.tie_embeddings else params["head"]
+    logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ head
     logp = logits - torch.logsumexp(logits, -1, keepdim=True)
     ce = -logp.gather(-1, targets[..., None]).sum()
     return ce, aux, z

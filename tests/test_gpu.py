@@ -19,17 +19,21 @@ def to(tree, device):
     return optree.tree_map(lambda t: t.to(device), tree)
 
 
-def test_cuda_fp32_step_matches_cpu():
+def assert_cuda_fp32_step_matches_cpu(cfg, seed):
     # Same arithmetic on another device: kernels block their reductions differently,
     # so agreement is to fp32 rounding (rtol 1e-4 on gradients), not bitwise.
-    params = ref.random_params(CFG, dtype=torch.float32)
-    batch = {"tokens": torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(0))}
-    cpu = fmoe.step(params, batch, fmoe.Plan(model=CFG, microbatches=2))
-    gpu = fmoe.step(to(params, "cuda"), batch, fmoe.Plan(model=CFG, microbatches=2, device="cuda"))
+    params = ref.random_params(cfg, seed=seed, dtype=torch.float32)
+    batch = {"tokens": torch.randint(0, cfg.vocab, (8, 33), generator=torch.Generator().manual_seed(seed))}
+    cpu = fmoe.step(params, batch, fmoe.Plan(model=cfg, microbatches=2))
+    gpu = fmoe.step(to(params, "cuda"), batch, fmoe.Plan(model=cfg, microbatches=2, device="cuda"))
     torch.testing.assert_close(gpu.loss.cpu(), cpu.loss, rtol=1e-5, atol=1e-5)
     for a, b in zip(optree.tree_leaves(gpu.grads), optree.tree_leaves(cpu.grads)):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
     assert torch.equal(gpu.metrics["expert_counts"].cpu(), cpu.metrics["expert_counts"])
+
+
+def test_cuda_fp32_step_matches_cpu():
+    assert_cuda_fp32_step_matches_cpu(CFG, seed=0)
 
 
 def moe_with_grads(p, x, cfg, backend, upstream):
@@ -71,3 +75,27 @@ def test_cuda_bf16_main_job_learns(tmp_path):
     summary = train.main(["--device", "cuda", "--dtype", "bfloat16", "--steps", "300", "--eval-every", "100",
                           "--out", str(tmp_path), "--no-progress"])
     assert summary["heldout_loss"] < 0.6 * summary["unigram"]
+
+
+FEATURES = fmoe.ModelConfig(vocab=64, dim=64, layers=2, heads=4, kv_heads=2, head_size=24, qk_norm="head",
+                            qkv_bias=True, tie_embeddings=True, experts=8, topk=2, ffn=32, shared_ffn=16,
+                            shared_gate=True)
+
+
+def test_cuda_model_features_step_matches_cpu():
+    # grouped-query attention (SDPA with enable_gqa on CUDA), q/k norms, qkv bias, tied
+    # embeddings and the gated shared expert
+    assert_cuda_fp32_step_matches_cpu(FEATURES, seed=3)
+
+
+def test_cuda_cached_generation_matches_full_forward():
+    from fmoe.generate import generate
+
+    params = to(ref.random_params(FEATURES, seed=4, dtype=torch.float32), "cuda")
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(4)).cuda()
+    got = generate(params, prompt, FEATURES, max_new_tokens=10)
+    ids = prompt
+    for _ in range(10):  # no cache: the whole sequence again for every token
+        logits, _ = layers.forward(params, ids, FEATURES)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert got.device.type == "cuda" and torch.equal(got, ids)

@@ -51,6 +51,38 @@ def test_attention_matches_loop():
                         [x, p["qkv"], p["out"]])
 
 
+ATTENTION_VARIANTS = {
+    "gqa": dict(heads=4, kv_heads=2),
+    "mqa_head_size": dict(heads=4, kv_heads=1, head_size=6),
+    "qk_norm_per_head": dict(heads=4, kv_heads=2, qk_norm="head"),
+    "qk_norm_full_bias": dict(heads=2, qk_norm="full", qkv_bias=True, head_size=10),
+}
+
+
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS, ids=list(ATTENTION_VARIANTS))
+def test_attention_variants_match_loop(variant):
+    cfg = fmoe.ModelConfig(dim=16, rope_theta=100.0, **ATTENTION_VARIANTS[variant])
+    p = ref.random_params(cfg, seed=3)["layers"][0]["attn"]
+    assert p["qkv"].shape == (16, cfg.q_width + 2 * cfg.kv_width) and p["out"].shape == (cfg.q_width, 16)
+    names = sorted(k for k in p if k != "norm")
+    x = torch.randn(2, 6, 16, dtype=F64)
+    assert_same_fwd_bwd(lambda x, *w: layers.attention(dict(zip(names, w)), x, cfg),
+                        lambda x, *w: ref.attention(dict(zip(names, w)), x, cfg),
+                        [x, *(p[n] for n in names)])
+
+
+def test_attention_with_a_cache_continues_the_sequence():
+    cfg = fmoe.ModelConfig(dim=16, heads=4, kv_heads=2, qk_norm="head")
+    p = ref.random_params(cfg, seed=5)["layers"][0]["attn"]
+    x = torch.randn(2, 7, 16, dtype=F64)
+    whole = layers.attention(p, x, cfg)
+    q, k, v = layers.project_qkv(p, x[:, :4], cfg)
+    first = layers.attend(q, k, v) @ p["out"]
+    q2, k2, v2 = layers.project_qkv(p, x[:, 4:], cfg, start=4)
+    rest = layers.attend(q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2), start=4) @ p["out"]
+    torch.testing.assert_close(torch.cat([first, rest], 1), whole)
+
+
 def test_attention_is_causal():
     cfg = fmoe.ModelConfig(dim=16, heads=2)
     p = ref.random_params(cfg)["layers"][0]["attn"]
@@ -259,8 +291,10 @@ def test_interleaved_weights_give_same_layer_output():
     torch.testing.assert_close(layers.moe(p, x, base)[0], layers.moe(p_int, x, base.replace(glu_interleave=3))[0])
 
 
-def test_model_loss_matches_reference():
-    cfg = fmoe.ModelConfig(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4)
+@pytest.mark.parametrize("extra", [{}, dict(kv_heads=1, head_size=4, qk_norm="full", qkv_bias=True,
+                                           tie_embeddings=True, shared_gate=True)], ids=["mha", "hf_features"])
+def test_model_loss_matches_reference(extra):
+    cfg = fmoe.ModelConfig(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4, **extra)
     params = ref.random_params(cfg)
     tokens = torch.randint(0, 11, (2, 6))
     leaves, treedef = optree.tree_flatten(params)

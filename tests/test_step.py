@@ -51,6 +51,23 @@ def test_step_grads_equal_autograd(coefs):
         assert out.metrics["objective"] > out.metrics["loss"]
 
 
+HF_FEATURES = dict(kv_heads=1, head_size=8, qk_norm="head", qkv_bias=True, tie_embeddings=True, shared_gate=True)
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_step_with_gqa_qk_norm_tied_embeddings_and_shared_gate_equals_autograd(mb):
+    cfg = CFG.replace(**HF_FEATURES)
+    plan = fmoe.Plan(model=cfg, microbatches=mb)
+    params, batch = fp32_params(cfg), random_batch()
+    assert "head" not in params and params["layers"][0]["moe"]["shared"]["gate"].shape == (32, 1)
+    out = fmoe.step(params, batch, plan)
+    loss, grads = autograd_reference(params, batch["tokens"], cfg)
+    tol = dict(rtol=0, atol=0) if mb == 1 else dict(rtol=1e-5, atol=1e-7)  # microbatches regroup the sums
+    torch.testing.assert_close(out.loss, loss, **tol)
+    assert_trees_close(out.grads, grads, **tol)
+    assert out.grads["embed"].abs().sum() > 0
+
+
 def test_step_leaves_params_untouched():
     plan = fmoe.Plan(model=CFG)
     params = fp32_params(CFG)

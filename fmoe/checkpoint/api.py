@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,10 +31,11 @@ from ..shard.spec import local_shapes
 from ..step import check_params
 from .boxes import local_boxes
 from .dcp_io import BoxedTensor, BoxLoadPlanner, BoxSavePlanner, JsonMetadataReader, metadata_from_json, metadata_to_json
-from .files import META_FILE, check_files, checksums, resolve, swap_into_place, write_atomically
+from .files import META_FILE, check_files, checksums, resolve, staged_directory, write_atomically
 
 FORMAT_VERSION = 2
-_STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState)}
+_STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState,
+                                               optim.ApplyIfFiniteState)}
 
 
 class Checkpoint(NamedTuple):
@@ -59,14 +58,16 @@ def _encode(tree, prefix: str, tensors: dict):
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         name = type(tree).__name__
         if name not in _STATE_TYPES:
-            raise ValueError(f"cannot save optimizer state of type {name}; known: {sorted(_STATE_TYPES)}")
+            raise ValueError(f"save: cannot save opt_state {prefix!r} of type {name}; "
+                             f"allowed NamedTuple states: {sorted(_STATE_TYPES)}")
         return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors) for f, v in zip(tree._fields, tree)]}
     if isinstance(tree, (list, tuple)):
         kind = "list" if isinstance(tree, list) else "tuple"
         return {kind: [_encode(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]}
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return {"value": tree}
-    raise ValueError(f"cannot save {prefix!r} of type {type(tree).__name__}")
+    raise ValueError(f"save: cannot save opt_state {prefix!r} of type {type(tree).__name__}; allowed: tensors, "
+                     f"dicts, lists, tuples, the states in {sorted(_STATE_TYPES)}, None, bool, int, float, str")
 
 
 def _decode(desc, tensors: dict):
@@ -87,22 +88,6 @@ def _param_of(key: str, shapes: dict) -> str | None:
     """The parameter an optimizer-state key mirrors (``opt_state.1.mu.embed`` -> ``embed``)."""
     parts = key.split(".")
     return next((".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in shapes), None)
-
-
-def _broadcast_text(text: str | None, world: Group, device) -> str | None:
-    """Rank 0's ``text`` (or None) on every rank, as tensors on the plan's device (NCCL
-    has no CPU tensors); no pickle involved."""
-    if world.size == 1:
-        return text
-    encoded = list((text or "").encode()) if world.rank == 0 else []
-    length = torch.tensor([len(encoded) if (text is not None or world.rank != 0) else -1], device=device)
-    dist.broadcast(length, src=0)
-    if int(length) < 0:
-        return None
-    data = torch.tensor(encoded, dtype=torch.uint8, device=device) if world.rank == 0 else \
-        torch.empty(int(length), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
-    return bytes(data.cpu().tolist()).decode()
 
 
 @contextlib.contextmanager
@@ -165,35 +150,39 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     if path.exists() and not (path / META_FILE).exists():
         raise ValueError(f"save: {path} exists and is not an fmoe checkpoint; refusing to replace it")
 
-    tmp = path.parent / _broadcast_text(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}", world, plan.device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    error = None
-    try:
+    with staged_directory(path, world, plan.device, "save") as (tmp, publish):
         with _quiet():
             dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
                      no_dist=world.size == 1)
-        if world.rank == 0:
-            try:
-                # DCP's metadata file was written by this save a moment ago (not every torch
-                # release returns it complete); loads never read it, they read the JSON.
-                meta["dcp"] = metadata_to_json(dcp.FileSystemReader(str(tmp)).read_metadata())
-                meta["checksums"] = checksums(tmp)
-                write_atomically(json.dumps(meta, indent=1), tmp / META_FILE)
-                swap_into_place(tmp, path)
-            except Exception as err:  # reported to every rank below
-                error = f"{type(err).__name__}: {err}"
-        error = _broadcast_text(error, world, plan.device)
-        if error:
-            raise OSError(f"save to {path} failed on rank 0: {error}")
-    finally:
-        if world.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        def finish():
+            # DCP's metadata file was written by this save a moment ago (not every torch
+            # release returns it complete); loads never read it, they read the JSON.
+            meta["dcp"] = metadata_to_json(dcp.FileSystemReader(str(tmp)).read_metadata())
+            meta["checksums"] = checksums(tmp)
+            write_atomically(json.dumps(meta, indent=1), tmp / META_FILE)
+
+        publish(finish)
     return path
 
 
+def _saved_config(saved: dict) -> dict:
+    """The saved model config with every field; a field added to ModelConfig after the
+    checkpoint was written reads as its default, which is what that checkpoint meant."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    return {k: saved.get(k, default) for k, default in defaults.items()}
+
+
 def _config_mismatch(saved: dict, cfg: ModelConfig) -> list[str]:
-    want = dataclasses.asdict(cfg)
-    return [f"{k}: checkpoint {saved.get(k)!r}, plan {want[k]!r}" for k in want if saved.get(k) != want[k]]
+    want, saved = dataclasses.asdict(cfg), _saved_config(saved)
+    return [f"{k}: checkpoint {saved[k]!r}, plan {want[k]!r}" for k in want if saved[k] != want[k]]
+
+
+def read_config(path) -> ModelConfig:
+    """The ModelConfig a checkpoint was saved with (reads only its ``fmoe.json``)."""
+    path, meta = read_meta(path)
+    return ModelConfig(**_saved_config(meta["model"]))
 
 
 def read_meta(path) -> tuple[Path, dict]:

@@ -114,7 +114,7 @@ def export_state_dict(path, full: dict, per_expert: bool = False, format: str = 
     if format == "torch":
         torch.save(flat, path)
     elif format == "safetensors":
-        _safetensors().save_file(flat, str(path))
+        safetensors_torch().save_file(flat, str(path))
     else:
         raise ValueError(f"export_state_dict format={format!r} is invalid: allowed 'torch', 'safetensors'")
     return path
@@ -125,15 +125,16 @@ def import_state_dict(path, cfg: ModelConfig) -> dict:
     full params pytree; torch files are loaded with ``weights_only=True``."""
     path = Path(path)
     if path.suffix == ".safetensors":
-        flat = _safetensors().load_file(str(path))
+        flat = safetensors_torch().load_file(str(path))
     else:
         flat = torch.load(path, weights_only=True, map_location="cpu")
     return from_per_expert(flat, cfg)
 
 
-def _safetensors():
+def safetensors_torch(extra: str = "safetensors"):
+    """The ``safetensors.torch`` module, or a ValueError naming the extra that installs it."""
     try:
         import safetensors.torch
     except ImportError:
-        raise ValueError("safetensors is not installed: pip install 'fmoe[safetensors]'") from None
+        raise ValueError(f"safetensors is not installed: pip install 'fmoe[{extra}]'") from None
     return safetensors.torch

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import uuid
 from pathlib import Path
+from typing import Callable, Iterator
+
+from ..shard.comm import Group, broadcast_text
 
 META_FILE = "fmoe.json"
 
@@ -45,7 +50,10 @@ def swap_into_place(tmp: Path, path: Path) -> None:
 
 
 def resolve(path: Path) -> Path:
-    """The checkpoint directory to read for ``path`` (recovering an interrupted swap)."""
+    """The checkpoint directory to read for ``path`` (recovering an interrupted swap,
+    of ``path`` or of the directory a link at ``path`` points to)."""
+    if path.is_symlink():
+        path = path.resolve()
     if (path / META_FILE).exists():
         return path
     olds = [p for p in path.parent.glob(f".{path.name}.old-*") if (p / META_FILE).exists()]
@@ -72,3 +80,34 @@ def check_files(directory: Path, storage: list, sums: dict | None) -> None:
             keys = sorted(set(holds.get(name, [])))
             raise ValueError(f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
                              f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
+
+
+@contextlib.contextmanager
+def staged_directory(path: Path, world: Group, device, what: str) -> Iterator[tuple[Path, Callable]]:
+    """A temporary sibling of ``path``, named alike on every rank, for a collective save
+    to fill; removed by rank 0 whatever happens.
+
+    Yields ``(tmp, publish)``. ``publish(finish)`` is collective: rank 0 calls
+    ``finish()`` (the last files, written into ``tmp``) and swaps ``tmp`` into place; a
+    failure there is raised as an OSError naming ``what`` on every rank, so no rank
+    goes on as if the save had happened.
+    """
+    tmp = path.parent / broadcast_text(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}", world, device)
+
+    def publish(finish: Callable[[], None]) -> None:
+        error = None
+        if world.rank == 0:
+            try:
+                finish()
+                swap_into_place(tmp, path)
+            except Exception as err:  # reported to every rank below
+                error = f"{type(err).__name__}: {err}"
+        error = broadcast_text(error, world, device)
+        if error:
+            raise OSError(f"{what} to {path} failed on rank 0: {error}")
+
+    try:
+        yield tmp, publish
+    finally:
+        if world.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,17 +1,23 @@
-"""Causal self-attention with rotary position embeddings, through SDPA."""
+"""Causal self-attention with rotary position embeddings, through SDPA.
+
+Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and an
+optional RMSNorm of queries and keys (per head, or over the whole projection).
+"""
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from ..config import ModelConfig
+from .norm import rms_norm
 from .precision import upcast
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, device=None):
-    """``cos, sin`` of shape ``[S, head_dim / 2]`` in fp64 for positions ``0..S-1``."""
+def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int = 0):
+    """``cos, sin`` of shape ``[S, head_dim / 2]`` in fp64 for positions ``start..start+S-1``."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    angles = torch.arange(seq, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    positions = torch.arange(start, start + seq, device=device, dtype=torch.float64)
+    angles = positions[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
@@ -23,20 +29,61 @@ def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor)
     return out.to(x_BHSd.dtype)
 
 
-def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Multi-head causal attention of already-normalised ``x``; no residual.
+def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0):
+    """Queries, keys and values of normalised ``x`` at positions ``start..start+S-1``.
 
     Arguments:
-        p: one layer's ``attn`` subtree (``qkv [D, 3D]``, ``out [D, D]``).
+        p: one layer's ``attn`` subtree.
         x_BSD: ``[B, S, D]`` normalised activations.
-        cfg: the ModelConfig (heads, rope_theta).
+        cfg: the ModelConfig.
+        start: position of the first row (a KV-cached decode continues a sequence).
+
+    Returns:
+        ``(q_BHSd, k_BKSd, v_BKSd)``: RoPE applied to q and k; ``K = num_kv_heads``.
+    """
+    qkv = x_BSD @ p["qkv"]
+    if "qkv_bias" in p:
+        qkv = qkv + p["qkv_bias"]
+    q, k, v = qkv.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q = rearrange(q, "b s (h d) -> b h s d", h=cfg.heads)
+    k, v = (rearrange(t, "b s (h d) -> b h s d", h=cfg.num_kv_heads) for t in (k, v))
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    cos, sin = rope_tables(x_BSD.shape[1], cfg.head_dim, cfg.rope_theta, x_BSD.device, start)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Causal SDPA of queries at positions ``start..`` over keys at positions ``0..L-1``.
+
+    Each group of ``H / K`` query heads shares one key/value head (grouped-query
+    attention when ``K < H``). Returns ``[B, S, H * d]``.
+    """
+    gqa = k_BKLd.shape[1] != q_BHSd.shape[1]
+    extra = {"enable_gqa": True} if gqa else {}
+    S, L = q_BHSd.shape[2], k_BKLd.shape[2]
+    if start == 0 and S == L:
+        o = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
+    else:  # queries continue a cached sequence: row s sees keys 0..start+s
+        q_pos = torch.arange(start, start + S, device=q_BHSd.device)
+        mask = torch.arange(L, device=q_BHSd.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, attn_mask=mask, **extra)
+    return rearrange(o, "b h s d -> b s (h d)")
+
+
+def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Causal self-attention of already-normalised ``x``; no residual.
+
+    Arguments:
+        p: one layer's ``attn`` subtree (``qkv [D, Q + 2K]``, ``out [Q, D]``, and
+            ``qkv_bias``, ``q_norm``, ``k_norm`` when the config has them).
+        x_BSD: ``[B, S, D]`` normalised activations.
+        cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, rope_theta).
 
     Returns:
         ``[B, S, D]``, ``attention(x) @ out``.
     """
-    qkv = x_BSD @ p["qkv"]
-    q, k, v = rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=cfg.heads)
-    cos, sin = rope_tables(x_BSD.shape[1], cfg.head_dim, cfg.rope_theta, x_BSD.device)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return rearrange(o, "b h s d -> b s (h d)") @ p["out"]
+    q, k, v = project_qkv(p, x_BSD, cfg)
+    return attend(q, k, v) @ p["out"]

@@ -217,5 +217,9 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
 
 
 def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The shared expert: ``act(x @ fc1) @ fc2`` with the routed experts' activation."""
-    return activation(x_TD @ p["fc1"], cfg) @ p["fc2"]
+    """The shared expert: ``act(x @ fc1) @ fc2`` with the routed experts' activation,
+    times ``sigmoid(x @ gate)`` per token when it has a ``gate`` (Qwen2-MoE)."""
+    y = activation(x_TD @ p["fc1"], cfg) @ p["fc2"]
+    if "gate" in p:
+        y = y * torch.sigmoid(x_TD @ p["gate"])
+    return y

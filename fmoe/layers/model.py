@@ -23,6 +23,11 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
     return optree.tree_map_with_path(cast, params)
 
 
+def head_weight(params: dict) -> torch.Tensor:
+    """The ``[D, V]`` output projection: ``head``, or ``embed.T`` when embeddings are tied."""
+    return params["head"] if "head" in params else params["embed"].t()
+
+
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig):
     """``h += attn(norm(h))``, then the MoE's input norm.
 
@@ -65,7 +70,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         h, s = block(p, h, cfg, backend)
         stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
-    return h @ params["head"], stats
+    return h @ head_weight(params), stats
 
 
 def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):

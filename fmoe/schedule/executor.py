@@ -30,7 +30,7 @@ from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
 from .nodes import (EAGER, Attended, Kernels, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
-                    member_of_node, node_names, node_of_param)
+                    member_of_node, node_names, uses_param)
 from .program import Action, double_buffer_slots, max_live_units
 
 
@@ -168,7 +168,8 @@ def _forward(state, a: Action, flow: _Flow):
     weights = {}
     if a.unit is not None:
         views = lc.require_gathered(state, a.unit, f"forward {node} (microbatch {mb})")
-        weights = {p: v.detach().requires_grad_(train) for p, v in views.items() if node_of_param(p) == node}
+        weights = {p: v.detach().requires_grad_(train) for p, v in views.items()
+                   if uses_param(node, p, plan.model)}
     result = None
     if kind == "embed":
         h = embed_node(weights, flow.tokens_mb[mb])

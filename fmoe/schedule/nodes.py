@@ -25,7 +25,7 @@ import torch
 from ..config import ModelConfig, Plan
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
 from ..layers.expert_parallel import ExpertParallel
-from ..layers.model import attention_half
+from ..layers.model import attention_half, head_weight
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
 from ..layers.precision import upcast
@@ -63,6 +63,12 @@ def node_of_param(path: str) -> str:
         kind = "experts" if parts[2:4] == ["moe", "experts"] else "attn"
         return f"layers.{parts[1]}.{kind}"
     return "head" if parts[0] in ("head", "final_norm") else parts[0]
+
+
+def uses_param(node: str, path: str, cfg: ModelConfig) -> bool:
+    """Whether ``node`` computes with parameter ``path``: its own node's parameters,
+    and, with tied embeddings, ``embed`` in the ``head`` node too."""
+    return node_of_param(path) == node or (cfg.tie_embeddings and node == "head" and path == "embed")
 
 
 def nest(flat: dict, prefix: str) -> dict:
@@ -154,7 +160,7 @@ def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tens
 
 def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float):
     """``(objective, ce_sum)``: summed next-token cross-entropy over ``total_targets``."""
-    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ weights["head"]
+    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ head_weight(weights)
     ce_sum = torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), tokens_mb[:, 1:].flatten(),
                                                reduction="sum")
     return ce_sum / total_targets, ce_sum.detach()

@@ -73,3 +73,19 @@ class Group:
         if self.size == 1:
             return Pending(done=True)
         return Pending(dist.all_reduce(t, group=self.group, async_op=True))
+
+
+def broadcast_text(text: str | None, world: Group, device) -> str | None:
+    """Rank 0's ``text`` (or None) on every rank of ``world``, sent as tensors on
+    ``device`` (NCCL has no CPU tensors); no pickle involved."""
+    if world.size == 1:
+        return text
+    encoded = list((text or "").encode()) if world.rank == 0 else []
+    length = torch.tensor([len(encoded) if (text is not None or world.rank != 0) else -1], device=device)
+    dist.broadcast(length, src=0, group=world.group)
+    if int(length) < 0:
+        return None
+    data = torch.tensor(encoded, dtype=torch.uint8, device=device) if world.rank == 0 else \
+        torch.empty(int(length), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0, group=world.group)
+    return bytes(data.cpu().tolist()).decode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import optree
 import torch
 
@@ -27,10 +29,26 @@ def gather_full(tree, plan: Plan):
     """
     if plan.world == 1:
         return tree
-    spec, mesh = shard_spec(plan), mesh_for(plan)
     named = named_leaves(tree)
-    first = next(iter(named.values()))
     full = {}
+    for views in iter_full(named, plan):
+        full.update(views)
+    return optree.tree_unflatten(optree.tree_structure(tree), [full[p] for p in named])
+
+
+def iter_full(named: dict, plan: Plan) -> Iterator[dict]:
+    """``gather_full`` one unit and buffer group at a time, so a caller that streams the
+    model out (``fmoe.hf.save``) holds one unit's full tensors at once. A collective.
+
+    Arguments:
+        named: this rank's ``{path: leaf}`` in the plan's layout (``fmoe.params.named_leaves``).
+        plan: the Plan.
+
+    Yields:
+        ``{path: full tensor}`` for each unit's ``(domain, dtype)`` group, in unit order.
+    """
+    spec, mesh = shard_spec(plan), mesh_for(plan)
+    first = next(iter(named.values()))
     for u in spec.units:
         for (domain, dtype), layout in u.groups.items():
             if spec.sharded(domain):
@@ -46,5 +64,4 @@ def gather_full(tree, plan: Plan):
                     every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))
                     mesh.ep.all_gather(every.view(-1), local.contiguous().view(-1)).wait()
                     views[path] = every
-            full.update(views)
-    return optree.tree_unflatten(optree.tree_structure(tree), [full[p] for p in named])
+            yield views

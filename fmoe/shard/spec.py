@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..config import Plan
 from ..layers.precision import FP32_LEAVES
 from ..params import flat_shapes
-from .layout import FlatLayout, make_layout
+from .layout import FlatLayout, make_layout, rows_cols
 from .units import member_of, unit_name
 
 DOMAINS = ("dense", "expert")
@@ -147,20 +148,50 @@ def full_views(full: torch.Tensor, layout: FlatLayout) -> dict:
     return {s.path: full[s.start:s.end].view(s.shape) for s in layout.slots}
 
 
-def shard_leaf(full_leaf: torch.Tensor, path: str, plan: Plan, world_rank: int) -> torch.Tensor:
-    """This rank's part of a full parameter: its experts (under EP), then its rows
-    (when the domain is sharded)."""
+class Piece(NamedTuple):
+    """What one rank holds of a full parameter.
+
+    Attributes:
+        experts: the global expert indices ``[first, last)`` it holds (expert leaves
+            under EP), or None for the whole leading axis.
+        first, last: its rows of that (expert-cut) leaf seen as ``[rows, cols]``.
+        sharded: whether it holds the rows as ``[last - first, cols]`` (a row shard)
+            rather than the expert-cut leaf in its full shape.
+    """
+
+    experts: tuple | None
+    first: int
+    last: int
+    sharded: bool
+
+
+def leaf_piece(path: str, shape: tuple, plan: Plan, world_rank: int) -> Piece:
+    """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
+    its experts (under EP), then its rows (when the domain is sharded)."""
     spec = shard_spec(plan)
     domain = domain_of(path)
+    experts = None
     if domain == "expert" and plan.ep > 1:
         first = ep_index(plan, world_rank) * spec.experts_per_rank
-        full_leaf = full_leaf[first:first + spec.experts_per_rank]
+        experts = (first, first + spec.experts_per_rank)
     if not spec.sharded(domain):
-        return full_leaf.clone() if domain == "expert" and plan.ep > 1 else full_leaf
+        rows, _ = rows_cols(local_full_shape(path, shape, plan))
+        return Piece(experts, 0, rows, False)
     layout = spec.layout_of(path, plan)
     index = next(i for i, s in enumerate(layout.slots) if s.path == path)
-    slot, first, last, _ = layout.local_slots(shard_rank(plan, world_rank, domain))[index]
-    return full_leaf.reshape(slot.rows, slot.cols)[first:last].clone()
+    _, first, last, _ = layout.local_slots(shard_rank(plan, world_rank, domain))[index]
+    return Piece(experts, first, last, True)
+
+
+def shard_leaf(full_leaf: torch.Tensor, path: str, plan: Plan, world_rank: int) -> torch.Tensor:
+    """This rank's part of a full parameter (see ``leaf_piece``)."""
+    piece = leaf_piece(path, tuple(full_leaf.shape), plan, world_rank)
+    if piece.experts is not None:
+        full_leaf = full_leaf[piece.experts[0]:piece.experts[1]]
+    if not piece.sharded:
+        return full_leaf.clone() if piece.experts is not None else full_leaf
+    rows, cols = rows_cols(tuple(full_leaf.shape))
+    return full_leaf.reshape(rows, cols)[piece.first:piece.last].clone()
 
 
 def local_shapes(plan: Plan, world_rank: int) -> dict:

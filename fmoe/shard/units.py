@@ -27,6 +27,10 @@ def member_of(path: str) -> str:
 
 
 def default_units(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """One unit per member; with tied embeddings ``embed`` and ``head`` share one,
+    since the head computes with ``embed``."""
+    if cfg.tie_embeddings:
+        return (("embed", "head"), *((m,) for m in members(cfg)[1:-1]))
     return tuple((m,) for m in members(cfg))
 
 
@@ -48,6 +52,9 @@ def check_units(units, cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
     if twice or missing or any(not u for u in units):
         raise ValueError(f"Plan.units must put every member in exactly one non-empty unit "
                          f"(repeated: {twice}, missing: {missing})")
+    if cfg.tie_embeddings and not any("embed" in u and "head" in u for u in units):
+        raise ValueError("Plan.units must put 'embed' and 'head' in one unit when model.tie_embeddings=True "
+                         "(the head computes with embed)")
     return units
 
 

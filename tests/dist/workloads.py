@@ -340,3 +340,34 @@ def graph_configs(rank, world, mesh, device="cuda"):
     plan = fmoe.Plan(model=model, microbatches=2, dtype="bfloat16", device=device, **kw)
     return graphed_losses(plan, rank_rows(global_batch(), rank, world).to(device),
                           modes=("eager", "attn", "attn+router", "step"))
+
+
+# Grouped-query attention with a head size of its own, per-head q/k norms, a qkv bias,
+# tied embeddings and a gated shared expert: the features the Hugging Face families need.
+HF_CFG = CFG.replace(heads=4, kv_heads=2, head_size=12, qk_norm="head", qkv_bias=True, tie_embeddings=True,
+                     shared_gate=True)
+HF_PLANS = {
+    "zero3_dp_1f1b": dict(sharding="optim_grads_params", schedule="1f1b_overlap"),
+    "zero3_ep_1f1b_delay": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True, ep=0),
+}
+
+
+def hf_feature_plans(rank, world):
+    """Each of HF_PLANS at ``world`` ranks (``ep=0``: all of them expert-parallel)."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for name, kw in HF_PLANS.items():
+        ep = world if kw.get("ep") == 0 else 1
+        plan = fmoe.Plan(model=HF_CFG, microbatches=2, **dict(kw, ep=ep, dp=world // ep))
+        out[name] = train(plan, tokens)
+    return out
+
+
+def hf_sharded_round_trip(rank, world, hf_dir, out_dir):
+    """Load a Hugging Face checkpoint straight into ZeRO-3 x EP shards, save it back
+    (collective), and return the gathered model and this rank's shapes."""
+    plan = fmoe.Plan(model=fmoe.hf.config(hf_dir), dp=world // 2, ep=2, sharding="optim_grads_params")
+    params = fmoe.hf.load(hf_dir, plan)
+    fmoe.hf.save(out_dir, params, plan)
+    shapes = {k: tuple(v.shape) for k, v in fmoe.params.named_leaves(params).items()}
+    return {"full": fmoe.gather_full(params, plan), "shapes": shapes}

@@ -1,4 +1,4 @@
-"""The main job's embedded corpus: Python's own documentation, as bytes.
+"""The embedded corpus: Python's own documentation, as bytes.
 
 ``pydoc_data.topics`` ships with CPython (the text behind ``help('topic')``: about
 0.45 MB of English prose and code from the language reference), so training needs
@@ -23,17 +23,6 @@ def train_heldout_split(data: bytes, heldout_fraction: float = 0.05):
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
     cut = int(len(ids) * (1 - heldout_fraction))
     return ids[:cut], ids[cut:]
-
-
-def unigram_cross_entropy(train: torch.Tensor, heldout: torch.Tensor, vocab: int = 256) -> float:
-    """Nats per byte of ``heldout`` under ``train``'s byte frequencies (add-one smoothed).
-
-    The baseline a language model must beat: it knows which bytes are common but
-    nothing about context.
-    """
-    counts = torch.bincount(train, minlength=vocab).double() + 1.0
-    logp = (counts / counts.sum()).log()
-    return float(-logp[heldout].mean())
 
 
 def random_windows(ids: torch.Tensor, batch: int, seq: int, generator: torch.Generator) -> dict:

@@ -1,0 +1,27 @@
+"""Training data: the embedded corpus, tokenized corpus directories, and batches.
+
+- ``embedded``: Python's bundled documentation as bytes (the zero-setup default) and
+  the tensor helpers the examples use (``corpus_bytes``, ``train_heldout_split``,
+  ``random_windows``, ``tiled_windows``).
+- ``tokens``: the on-disk format (``tokens.bin`` + ``meta.json`` [+ ``tokenizer.json``]),
+  ``open_corpus`` / ``embedded_corpus`` -> ``TokenCorpus``, ``check_vocab``, and
+  batches that depend on ``(seed, step)`` only (``sample_batch``, ``heldout_batches``).
+- ``prepare``: text files -> a corpus directory, the module behind
+  ``python -m fmoe.data prepare FILE_OR_DIR... --out DIR [--tokenizer tokenizer.json]``.
+"""
+
+from . import prepare
+from .embedded import corpus_bytes, random_windows, tiled_windows, train_heldout_split
+from .tokens import (
+    TokenCorpus,
+    check_vocab,
+    embedded_corpus,
+    heldout_batches,
+    open_corpus,
+    sample_batch,
+    unigram_cross_entropy,
+)
+
+__all__ = ["TokenCorpus", "check_vocab", "corpus_bytes", "embedded_corpus", "heldout_batches", "open_corpus",
+           "prepare", "random_windows", "sample_batch", "tiled_windows", "train_heldout_split",
+           "unigram_cross_entropy"]

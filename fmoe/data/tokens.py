@@ -1,0 +1,212 @@
+"""A tokenized corpus on disk, and the batches the main job draws from it.
+
+A corpus directory (written by ``python -m fmoe.data prepare``) holds
+
+- ``tokens.bin``: every token id as one flat little-endian array, ``uint16`` when the
+  vocabulary fits, else ``uint32`` (as nanoGPT and Megatron store theirs), read
+  through ``numpy.memmap`` and never loaded whole;
+- ``meta.json``: ``{"format": "fmoe-tokens", "version": 1, "dtype", "vocab", "tokens",
+  "max_id", "documents", "tokenizer", "eos_id", "sources"}``;
+- ``tokenizer.json`` when a Hugging Face tokenizer made the ids (byte-level otherwise).
+
+Batches are drawn at offsets from a generator seeded by ``(seed, step)`` alone, so any
+number of ranks sees the same global batch and a resumed run draws exactly what an
+uninterrupted one draws at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+FORMAT, VERSION = "fmoe-tokens", 1
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+EMBEDDED = "embedded:pydoc_data.topics"
+
+
+class TokenCorpus(NamedTuple):
+    """Token ids split into a training part and a held-out tail.
+
+    Attributes:
+        train, heldout: 1-D integer arrays (memory-mapped for corpus directories).
+        vocab: the tokenizer's vocabulary size (256 byte-level).
+        tokenizer: the ``tokenizer.json`` that made the ids, or None (UTF-8 bytes).
+        eos_id: the end-of-document id between documents, if any.
+        source: the corpus directory, or ``embedded:pydoc_data.topics``.
+    """
+
+    train: np.ndarray
+    heldout: np.ndarray
+    vocab: int
+    tokenizer: Path | None
+    eos_id: int | None
+    source: str
+
+
+def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction={heldout_fraction!r} is invalid: must be in (0, 1)")
+    cut = int(len(ids) * (1 - heldout_fraction))
+    if cut < 2 or len(ids) - cut < 2:
+        raise ValueError(f"{where}: {len(ids)} tokens are too few to hold out {heldout_fraction:.0%} of them")
+    return ids[:cut], ids[cut:]
+
+
+def embedded_corpus(heldout_fraction: float = 0.05) -> TokenCorpus:
+    """Python's bundled documentation as UTF-8 bytes (the zero-setup default)."""
+    from .embedded import corpus_bytes
+
+    ids = np.frombuffer(corpus_bytes(), dtype=np.uint8)
+    train, heldout = _split(ids, heldout_fraction, EMBEDDED)
+    return TokenCorpus(train, heldout, 256, None, None, EMBEDDED)
+
+
+def read_meta(directory: Path) -> dict:
+    """The validated ``meta.json`` of a corpus directory (ValueError naming the key)."""
+    path = directory / "meta.json"
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such corpus directory (write one with `python -m fmoe.data prepare`)")
+    if not path.is_file():
+        raise ValueError(f"{directory}: no meta.json; not a corpus written by `python -m fmoe.data prepare`")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: key 'format' must be {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{path}: key 'version'={meta.get('version')!r}; this fmoe reads {VERSION}")
+    if meta.get("dtype") not in DTYPES:
+        raise ValueError(f"{path}: key 'dtype'={meta.get('dtype')!r}; allowed: {', '.join(DTYPES)}")
+    for key in ("vocab", "tokens", "max_id"):
+        if isinstance(meta.get(key), bool) or not isinstance(meta.get(key), int) or meta[key] < 0:
+            raise ValueError(f"{path}: key {key!r}={meta.get(key)!r} must be an int >= 0")
+    if meta["max_id"] >= meta["vocab"]:
+        raise ValueError(f"{path}: key 'max_id'={meta['max_id']} must be < 'vocab'={meta['vocab']}")
+    eos = meta.get("eos_id")
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < meta["vocab"]):
+        raise ValueError(f"{path}: key 'eos_id'={eos!r} must be null or an id < 'vocab'={meta['vocab']}")
+    name = meta.get("tokenizer")
+    # a bare file name: the directory is self-contained, and meta.json cannot point outside it
+    if name is not None and (not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")):
+        raise ValueError(f"{path}: key 'tokenizer'={name!r} must be null or a file name inside the directory")
+    return meta
+
+
+def open_corpus(path, heldout_fraction: float = 0.05) -> TokenCorpus:
+    """A prepared corpus directory, memory-mapped (never read whole) and validated.
+
+    Arguments:
+        path: a directory written by ``python -m fmoe.data prepare``.
+        heldout_fraction: the tail of the tokens held out, in (0, 1).
+
+    Returns:
+        A ``TokenCorpus`` whose ``train``/``heldout`` are views of one ``numpy.memmap``.
+
+    Raises:
+        ValueError naming the file and key: missing directory or files, a ``meta.json``
+        of another format, version or dtype, a size that disagrees with ``tokens``,
+        ``max_id >= vocab``, or too few tokens to hold some out.
+    """
+    directory = Path(path)
+    meta = read_meta(directory)
+    data = directory / "tokens.bin"
+    dtype = np.dtype(DTYPES[meta["dtype"]])
+    if not data.is_file():
+        raise ValueError(f"{directory}: tokens.bin is missing")
+    if data.stat().st_size != meta["tokens"] * dtype.itemsize:
+        raise ValueError(f"{data}: {data.stat().st_size} bytes, but meta.json's 'tokens'={meta['tokens']} "
+                         f"of {meta['dtype']} need {meta['tokens'] * dtype.itemsize}")
+    ids = np.memmap(data, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)
+    train, heldout = _split(ids, heldout_fraction, str(directory))
+    tokenizer = directory / meta["tokenizer"] if meta.get("tokenizer") is not None else None
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ValueError(f"{directory}: meta.json's key 'tokenizer' names {meta['tokenizer']!r}, which is missing")
+    return TokenCorpus(train, heldout, meta["vocab"], tokenizer, meta.get("eos_id"), str(directory))
+
+
+def check_vocab(corpus: TokenCorpus, vocab: int) -> None:
+    """ValueError unless a model of ``vocab`` tokens can read every id of ``corpus``."""
+    if corpus.vocab > vocab:
+        raise ValueError(f"{corpus.source}: its tokenizer has {corpus.vocab} tokens, but the model's vocab is "
+                         f"{vocab} (use --vocab >= {corpus.vocab})")
+
+
+def _windows(ids: np.ndarray, starts: list[int], seq: int) -> torch.Tensor:
+    rows = np.stack([np.asarray(ids[s:s + seq + 1], dtype=np.int64) for s in starts]) if starts else \
+        np.zeros((0, seq + 1), dtype=np.int64)
+    return torch.from_numpy(rows)
+
+
+def _rank_rows(batch: int, rank: int, world: int) -> tuple[int, int]:
+    if world < 1 or not 0 <= rank < world or batch % world:
+        raise ValueError(f"a batch of {batch} rows does not split over {world} rank(s) (rank {rank})")
+    per = batch // world
+    return rank * per, (rank + 1) * per
+
+
+def sample_batch(ids, batch: int, seq: int, seed: int, step: int, rank: int = 0, world: int = 1) -> dict:
+    """This rank's rows of step ``step``'s global batch of random windows.
+
+    The offsets come from ``numpy.random.SeedSequence([seed, step])``: a specified hash,
+    so they depend on ``(seed, step)`` only (no generator state to save on resume) and
+    not on the numpy or torch version; distinct pairs never share a stream.
+
+    Arguments:
+        ids: 1-D token ids (array, memmap or tensor).
+        batch, seq: the global batch's rows and each row's tokens (``seq + 1`` with the target).
+        seed, step: non-negative ints; the offsets depend on these only.
+        rank, world: this rank takes rows ``rank * batch / world ... (rank + 1) * batch / world``.
+
+    Returns:
+        ``{"tokens": LongTensor[batch // world, seq + 1]}``, each row ``ids[s:s + seq + 1]``.
+    """
+    if len(ids) < seq + 1:
+        raise ValueError(f"the corpus has {len(ids)} tokens; a window needs seq + 1 = {seq + 1}")
+    if min(seed, step) < 0:
+        raise ValueError(f"seed={seed} and step={step} must be >= 0")
+    first, last = _rank_rows(batch, rank, world)
+    # every rank hashes the whole global batch (cheap) and keeps its rows; the modulo's
+    # bias is below n / 2**64
+    state_B = np.random.SeedSequence([seed, step]).generate_state(batch, np.uint64)
+    starts_B = state_B % np.uint64(len(ids) - seq)
+    return {"tokens": _windows(ids, starts_B[first:last].tolist(), seq)}
+
+
+def heldout_batches(ids, batch: int, seq: int, max_batches: int, rank: int = 0, world: int = 1) -> list[dict]:
+    """Non-overlapping windows covering ``ids`` in order (as ``tiled_windows``), at most
+    ``max_batches`` global batches.
+
+    Returns:
+        ``[{"tokens": LongTensor[batch // world, seq + 1]}, ...]``: this rank's rows of each.
+    """
+    n = min((len(ids) - 1) // seq, batch * max_batches)
+    n -= n % batch
+    if n == 0:
+        raise ValueError(f"the held-out split of {len(ids)} tokens is shorter than one batch of {batch} x {seq}")
+    first, last = _rank_rows(batch, rank, world)
+    return [{"tokens": _windows(ids, [(b * batch + r) * seq for r in range(first, last)], seq)}
+            for b in range(n // batch)]
+
+
+def unigram_cross_entropy(train, heldout, vocab: int = 256, max_tokens: int = 10_000_000) -> float:
+    """Nats per token of ``heldout`` under ``train``'s token frequencies (add-one smoothed).
+
+    The baseline a language model must beat: it knows which tokens are common but nothing
+    about context. A large corpus is counted on a bounded sample: the first
+    ``max_tokens`` of each split (all of both for the embedded corpus).
+
+    Arguments:
+        train, heldout: 1-D ids (tensors, numpy arrays or memmaps), each < ``vocab``.
+    """
+    def as_long(ids):
+        ids = ids[:max_tokens]
+        return ids.long() if isinstance(ids, torch.Tensor) else torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+    counts = torch.bincount(as_long(train), minlength=vocab).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    return float(-logp[as_long(heldout)].mean())

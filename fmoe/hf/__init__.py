@@ -1,0 +1,11 @@
+"""Hugging Face MoE checkpoints (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): config, load, save.
+
+    cfg = fmoe.hf.config(hf_dir)            # a ModelConfig
+    params = fmoe.hf.load(hf_dir, plan)     # this rank's part under plan
+    fmoe.hf.save(out_dir, params, plan)     # collective; config.json + safetensors
+"""
+
+from .api import config, load, save
+from .families import FAMILIES, family_of
+
+__all__ = ["FAMILIES", "config", "family_of", "load", "save"]

@@ -1,0 +1,206 @@
+"""``fmoe.hf.config`` / ``load`` / ``save``: Hugging Face MoE checkpoints, streamed.
+
+A Hugging Face directory holds ``config.json`` and safetensors files in the released
+per-expert layout (``...experts.{e}.w1.weight``, ``[out, in]``). ``load`` reads only
+the rows and experts this rank holds under the plan; ``save`` gathers one unit at a
+time and rank 0 writes it, so neither needs the whole model in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import optree
+import torch
+
+from ..checkpoint.convert import safetensors_torch
+from ..checkpoint.files import staged_directory, write_atomically
+from ..config import ModelConfig, Plan
+from ..params import _treedef, flat_shapes, named_leaves
+from ..runtime import check_runtime
+from ..shard.comm import Group
+from ..shard.gather import iter_full
+from ..shard.spec import leaf_piece, local_full_shape, shard_leaf
+from ..step import check_params
+from .families import TRAINING_FIELDS, family_of, to_hf_config, to_model_config
+from .weights import SafetensorsDir, file_keys, read_local_leaf, recipes, to_file_tensors
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _read_config_json(directory: Path) -> dict:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json (a Hugging Face model directory has one)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
+
+
+def config(directory) -> ModelConfig:
+    """The ModelConfig of a Hugging Face checkpoint directory (Mixtral, Qwen3-MoE,
+    OLMoE, Qwen2-MoE); ValueError naming the ``config.json`` key fmoe cannot represent."""
+    directory = Path(directory)
+    return to_model_config(_read_config_json(directory), str(directory / "config.json"))
+
+
+def _architecture_diff(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
+    ignore = set(TRAINING_FIELDS) | {"kv_heads", "head_size", "glu_limit", "glu_offset"}
+    a, b = dataclasses.asdict(mine), dataclasses.asdict(theirs)
+    diff = [f"{k}={a[k]!r} (the checkpoint's: {b[k]!r})" for k in a if k not in ignore and a[k] != b[k]]
+    for name in ("num_kv_heads", "head_dim"):
+        if getattr(mine, name) != getattr(theirs, name):
+            diff.append(f"{name}={getattr(mine, name)} (the checkpoint's: {getattr(theirs, name)})")
+    return diff
+
+
+def load(directory, plan: Plan) -> dict:
+    """This rank's params under ``plan`` from a Hugging Face checkpoint directory.
+
+    Every rank reads only the experts and rows it holds. ``plan.model`` must compute
+    what the checkpoint computes (build it from ``fmoe.hf.config(directory)``; the
+    training fields — GLU interleave, capacity, padding, loss coefficients, expert-bias
+    rate — may differ). ``expert_bias`` starts at zero.
+
+    Arguments:
+        directory: a directory with ``config.json`` and safetensors files.
+        plan: the Plan to lay the params out for.
+
+    Returns:
+        The params pytree, fp32 on ``plan.device``, as ``fmoe.init(plan)`` lays it out.
+    """
+    check_runtime(plan)
+    directory = Path(directory)
+    hf = _read_config_json(directory)
+    theirs = to_model_config(hf, str(directory / "config.json"))
+    diff = _architecture_diff(plan.model, theirs)
+    if diff:
+        raise ValueError(f"fmoe.hf.load: Plan.model differs from {directory / 'config.json'}: " + "; ".join(diff)
+                         + " (build the model config with fmoe.hf.config)")
+    cfg = plan.model
+    files = SafetensorsDir(directory)
+    by_path = recipes(cfg, hf["model_type"])
+    wanted = {k for r in by_path.values() for k in file_keys(r, cfg.experts)}
+    harmless = {k for k in files.file_of if k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        harmless.add("lm_head.weight")  # some tied checkpoints store the copy too
+    unread = sorted(set(files.file_of) - wanted - harmless)
+    if unread:
+        raise ValueError(f"fmoe.hf.load: {directory} holds tensors this model has no place for, e.g. {unread[:3]} "
+                         f"(an architecture feature fmoe does not implement)")
+    rank = Group.world().rank
+    leaves = []
+    for path, shape in flat_shapes(cfg).items():
+        if path not in by_path:  # expert_bias: no such tensor in these families
+            leaf = shard_leaf(torch.zeros(shape), path, plan, rank)
+        else:
+            piece = leaf_piece(path, shape, plan, rank)
+            leaf = read_local_leaf(files, by_path[path], cfg, local_full_shape(path, shape, plan), *piece)
+        leaves.append(leaf.to(plan.device))
+    return optree.tree_unflatten(_treedef(cfg), leaves)
+
+
+def _check_expert_bias(named: dict, plan: Plan) -> None:
+    """Refuse (on every rank alike) a model whose routing uses an expert bias: the
+    released layouts have no place for it, so the file would route differently."""
+    biases = [p for p in named if p.endswith("moe.expert_bias")]
+    local = torch.tensor([float(named[p].abs().sum()) for p in biases], device=plan.device)
+    Group.world().all_reduce(local).wait()
+    used = [p for p, total in zip(biases, local.tolist()) if total > 0]
+    if used:
+        raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the Hugging Face MoE families select experts "
+                         "without a bias; train with ModelConfig.expert_bias_rate=0 to export")
+
+
+def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_bytes: int = 4 << 30) -> Path:
+    """Write ``params`` as a Hugging Face checkpoint that ``from_pretrained`` reads.
+
+    A collective: every rank passes its params; units are gathered one at a time and
+    rank 0 writes them. The family follows the config (``qk_norm`` head: Qwen3-MoE,
+    full: OLMoE, a gated shared expert: Qwen2-MoE, otherwise Mixtral). Atomic: files go
+    to a temporary sibling renamed into place.
+
+    Arguments:
+        directory: the output directory (created, or replaced if it holds a config.json).
+        params: this rank's params pytree under ``plan``.
+        plan: the Plan.
+        dtype: the files' dtype, ``float32 | bfloat16 | float16``.
+        max_shard_bytes: start a new safetensors file beyond this many bytes.
+
+    Returns:
+        The directory's Path.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"fmoe.hf.save dtype={dtype!r} is invalid: allowed " + ", ".join(map(repr, _DTYPES)))
+    check_runtime(plan)
+    check_params(params, plan)
+    safetensors_torch("hf")  # before any collective, so a missing package fails every rank alike
+    cfg, directory = plan.model, Path(directory)
+    family = family_of(cfg)
+    if directory.exists() and any(directory.iterdir()) and not (directory / "config.json").exists():
+        raise ValueError(f"fmoe.hf.save: {directory} exists and is not a Hugging Face model directory; "
+                         "refusing to replace it")
+    named = named_leaves(params)
+    _check_expert_bias(named, plan)
+    world = Group.world()
+    by_path = recipes(cfg, family)
+    with staged_directory(directory, world, plan.device, "fmoe.hf.save") as (tmp, publish):
+        writer, failed = None, []
+        for views in iter_full(named, plan):  # every rank gathers every unit, even after a failure
+            if world.rank != 0 or failed:
+                continue
+            try:  # rank 0 writes; a failure (a full disk) is reported to every rank by publish
+                writer = writer or _ShardWriter(tmp, max_shard_bytes)
+                for path, full in views.items():
+                    if path in by_path:
+                        writer.add(to_file_tensors(path, full, by_path[path], cfg, _DTYPES[dtype]))
+            except Exception as err:
+                failed.append(err)
+
+        def finish():
+            if failed:
+                raise failed[0]
+            writer.finish(to_hf_config(cfg, family, dtype))
+
+        publish(finish)
+    return directory
+
+
+class _ShardWriter:
+    """Tensors into ``part-N.safetensors`` files of at most ``limit`` bytes, renamed at
+    the end as ``from_pretrained`` expects, with the index when there are several."""
+
+    def __init__(self, directory: Path, limit: int):
+        directory.mkdir(parents=True)
+        self.directory, self.limit = directory, limit
+        self.pending: dict = {}
+        self.files: list[dict] = []  # the keys of each written file
+
+    def add(self, tensors: dict) -> None:
+        # gathered leaves are views of one unit buffer; safetensors refuses shared storage
+        self.pending.update({key: t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+                             for key, t in tensors.items()})
+        if sum(t.numel() * t.element_size() for t in self.pending.values()) >= self.limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            safetensors_torch("hf").save_file(self.pending, str(self.directory / f"part-{len(self.files)}.safetensors"),
+                      metadata={"format": "pt"})
+            self.files.append({k: t.numel() * t.element_size() for k, t in self.pending.items()})
+            self.pending = {}
+
+    def finish(self, hf_config: dict) -> None:
+        self._flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, name in enumerate(names):
+            (self.directory / f"part-{i}.safetensors").rename(self.directory / name)
+        if n > 1:
+            index = {"metadata": {"total_size": sum(sum(f.values()) for f in self.files)},
+                     "weight_map": {k: name for name, f in zip(names, self.files) for k in sorted(f)}}
+            write_atomically(json.dumps(index, indent=2), self.directory / "model.safetensors.index.json")
+        write_atomically(json.dumps(hf_config, indent=2), self.directory / "config.json")

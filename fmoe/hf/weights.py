@@ -1,0 +1,170 @@
+"""Where each fmoe parameter lives in a Hugging Face checkpoint, and moving it there and back.
+
+A ``Recipe`` says how one fmoe leaf is made of released tensors: the ``Part``s
+concatenated along its last axis, each a Hugging Face tensor, transposed when the
+file stores ``y = x @ W.T`` (every ``nn.Linear``); expert leaves take one set of parts
+per expert (the ``{e}`` in the key). Reading asks the file for a row range only, so
+each rank reads what it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from ..checkpoint.convert import safetensors_torch
+from ..config import ModelConfig
+from ..params import glu_from_interleaved, glu_to_interleaved
+from ..shard.layout import rows_cols
+
+
+class Part(NamedTuple):
+    key: str            # the tensor's name in the file; ``{e}`` stands for the expert index
+    width: int          # columns it gives the fmoe leaf
+    transposed: bool    # stored as ``[width, rows]`` (a Linear's weight) rather than ``[rows, width]``
+
+
+class Recipe(NamedTuple):
+    parts: tuple
+    per_expert: bool = False
+    glu: bool = False    # fc1 of a GLU: ``[gate | up]``, re-laid to the config's interleave
+
+
+def recipes(cfg: ModelConfig, family: str) -> dict:
+    """``{fmoe path: Recipe}`` for every leaf of ``cfg`` laid out as ``family``
+    (``expert_bias`` has none: these families have no expert bias)."""
+    Q, K, F, D = cfg.q_width, cfg.kv_width, cfg.ffn, cfg.dim
+    lin = lambda key, width: Part(key + ".weight", width, True)  # noqa: E731
+    vec = lambda key, width: Part(key + ".weight", width, False)  # noqa: E731
+    out = {"embed": Recipe((vec("model.embed_tokens", D),)), "final_norm": Recipe((vec("model.norm", D),))}
+    if not cfg.tie_embeddings:
+        out["head"] = Recipe((lin("lm_head", cfg.vocab),))
+    moe, names = ("block_sparse_moe", ("w1", "w3", "w2")) if family == "mixtral" else \
+        ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    for i in range(cfg.layers):
+        at, L, m = f"model.layers.{i}.self_attn", f"layers.{i}", f"model.layers.{i}.{moe}"
+        out[f"{L}.attn.norm"] = Recipe((vec(f"model.layers.{i}.input_layernorm", D),))
+        out[f"{L}.attn.qkv"] = Recipe((lin(f"{at}.q_proj", Q), lin(f"{at}.k_proj", K), lin(f"{at}.v_proj", K)))
+        out[f"{L}.attn.out"] = Recipe((lin(f"{at}.o_proj", D),))
+        if cfg.qkv_bias:
+            out[f"{L}.attn.qkv_bias"] = Recipe(tuple(Part(f"{at}.{x}_proj.bias", w, False)
+                                                     for x, w in (("q", Q), ("k", K), ("v", K))))
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            out[f"{L}.attn.q_norm"] = Recipe((vec(f"{at}.q_norm", cfg.head_dim if per_head else Q),))
+            out[f"{L}.attn.k_norm"] = Recipe((vec(f"{at}.k_norm", cfg.head_dim if per_head else K),))
+        out[f"{L}.moe.norm"] = Recipe((vec(f"model.layers.{i}.post_attention_layernorm", D),))
+        out[f"{L}.moe.router"] = Recipe((lin(f"{m}.gate", cfg.experts),))
+        gate, up, down = (f"{m}.experts.{{e}}.{n}" for n in names)
+        out[f"{L}.moe.experts.fc1"] = Recipe((lin(gate, F), lin(up, F)), per_expert=True, glu=True)
+        out[f"{L}.moe.experts.fc2"] = Recipe((lin(down, D),), per_expert=True)
+        if cfg.shared_ffn:
+            s, Fs = f"{m}.shared_expert", cfg.shared_ffn
+            out[f"{L}.moe.shared.fc1"] = Recipe((lin(f"{s}.gate_proj", Fs), lin(f"{s}.up_proj", Fs)), glu=True)
+            out[f"{L}.moe.shared.fc2"] = Recipe((lin(f"{s}.down_proj", D),))
+            if cfg.shared_gate:
+                out[f"{L}.moe.shared.gate"] = Recipe((lin(f"{m}.shared_expert_gate", 1),))
+    return out
+
+
+def file_keys(recipe: Recipe, experts: int) -> list[str]:
+    """Every tensor name ``recipe`` reads."""
+    keys = [p.key for p in recipe.parts]
+    return [k.format(e=e) for e in range(experts) for k in keys] if recipe.per_expert else keys
+
+
+class SafetensorsDir:
+    """The tensors of a Hugging Face directory's safetensors files, opened lazily.
+
+    Reads ``model.safetensors.index.json`` (sharded) or ``model.safetensors``;
+    a tensor is read (or row-sliced) from its file only when asked for.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                self.file_of = dict(json.loads(index.read_text())["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise ValueError(f"{index}: not a safetensors index ({err})") from None
+        elif (directory / "model.safetensors").exists():
+            self.file_of = dict.fromkeys(self._open("model.safetensors").keys(), "model.safetensors")
+        else:
+            found = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+            raise ValueError(f"{directory}: no model.safetensors or model.safetensors.index.json"
+                             + (f" (found {found[:3]}: fmoe reads safetensors only, never pickles)" if found else ""))
+        self._handles: dict = {}
+
+    def _open(self, name: str):
+        path = self.directory / name
+        if not path.exists():
+            raise ValueError(f"{self.directory}: safetensors file {name} (named by the index) is missing")
+        return safetensors_torch("hf").safe_open(str(path), framework="pt")
+
+    def slice(self, key: str):
+        if key not in self.file_of:
+            raise ValueError(f"{self.directory}: the checkpoint has no tensor {key!r}")
+        name = self.file_of[key]
+        if name not in self._handles:
+            self._handles[name] = self._open(name)
+        return self._handles[name].get_slice(key)
+
+
+def _read_rows(files: SafetensorsDir, recipe: Recipe, expert: int | None, first: int, last: int,
+               shape: tuple) -> torch.Tensor:
+    """Rows ``[first, last)`` of one leaf (one expert's, for expert leaves) as fp32 ``[rows, cols]``."""
+    blocks = []
+    for part in recipe.parts:
+        src = files.slice(part.key.format(e=expert))
+        if len(shape) == 1:
+            want = (part.width,)
+        else:
+            want = (part.width, shape[0]) if part.transposed else (shape[0], part.width)
+        if tuple(src.get_shape()) != want:
+            raise ValueError(f"{files.directory}: {part.key.format(e=expert)!r} has shape {list(src.get_shape())}, "
+                             f"the config needs {list(want)}")
+        if len(shape) == 1:
+            blocks.append(src[:][None])
+        else:
+            blocks.append(src[:, first:last].t() if part.transposed else src[first:last])
+    return torch.cat([b.float() for b in blocks], dim=-1)
+
+
+def read_local_leaf(files: SafetensorsDir, recipe: Recipe, cfg: ModelConfig, local_shape: tuple,
+                    experts: tuple | None, first: int, last: int, sharded: bool) -> torch.Tensor:
+    """What one rank holds of a leaf (see ``fmoe.shard.spec.leaf_piece``), read from ``files``.
+
+    Arguments:
+        local_shape: the leaf cut to this rank's experts; ``experts`` their global range.
+        first, last: rows of that leaf (as ``[rows, cols]``) to read; ``sharded``: return
+            them as ``[last - first, cols]`` rather than in ``local_shape``.
+    """
+    rows, cols = rows_cols(local_shape)
+    if not recipe.per_expert:
+        block = _read_rows(files, recipe, None, first, last, local_shape) if last > first \
+            else torch.empty(0, cols)
+    else:
+        per = rows // local_shape[0]  # rows of one expert
+        base = experts[0] if experts else 0
+        pieces = [_read_rows(files, recipe, base + e, max(first - e * per, 0), min(last - e * per, per),
+                             local_shape[1:]) for e in range(first // per, -(-last // per))]
+        block = torch.cat(pieces) if pieces else torch.empty(0, cols)
+    if recipe.glu and cfg.glu_interleave:
+        block = glu_to_interleaved(block, cfg.glu_interleave)
+    return block if sharded else block.reshape(local_shape)
+
+
+def to_file_tensors(path: str, full: torch.Tensor, recipe: Recipe, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """``{file key: tensor}`` of one full fmoe leaf, in the released layout."""
+    if recipe.glu and cfg.glu_interleave:
+        full = glu_from_interleaved(full, cfg.glu_interleave)
+    out = {}
+    for e in range(full.shape[0]) if recipe.per_expert else (None,):
+        leaf = full[e] if e is not None else full
+        for part, piece in zip(recipe.parts, leaf.split([p.width for p in recipe.parts], dim=-1)):
+            out[part.key.format(e=e)] = (piece.t() if part.transposed else piece).to(dtype).contiguous().cpu()
+    return out

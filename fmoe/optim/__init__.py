@@ -1,0 +1,22 @@
+"""Optimizers as optax-style pairs of pure functions, and the expert-bias update.
+
+A ``Transform`` is ``(init(params) -> state, update(grads, state, params) ->
+(updates, state))``; ``chain`` composes them. ``Optimizer`` wraps a transform so that
+``update`` returns new params: ``params, state = opt.update(grads, state, params)``.
+Nothing is modified in place; every state is a NamedTuple of tensors.
+
+``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
+``finite.py``: ``apply_if_finite`` (skip non-finite steps) and ``skipped_steps``;
+``optimizers.py``: ``optimizer`` and ``adamw`` (a chain, or ``fused=True``).
+"""
+
+from .finite import ApplyIfFiniteState, apply_if_finite, skipped_steps
+from .optimizers import adamw, optimizer
+from .transforms import (EmptyState, Optimizer, ScaleByAdamState, Schedule, ScheduleState, Transform,
+                         add_decayed_weights, chain, clip_by_global_norm, freeze, global_norm, scale_by_adam,
+                         scale_by_learning_rate, update_expert_bias, warmup_cosine)
+
+__all__ = ["ApplyIfFiniteState", "EmptyState", "Optimizer", "ScaleByAdamState", "Schedule", "ScheduleState",
+           "Transform", "add_decayed_weights", "apply_if_finite", "adamw", "chain", "clip_by_global_norm",
+           "freeze", "global_norm", "optimizer", "scale_by_adam", "scale_by_learning_rate", "skipped_steps",
+           "update_expert_bias", "warmup_cosine"]

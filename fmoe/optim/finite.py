@@ -1,0 +1,137 @@
+"""``apply_if_finite``: skip the updates whose gradients hold a NaN or an inf.
+
+A skipped step leaves the wrapped transform's state as it was, bit for bit, and an
+Optimizer over it returns the params as they were, so the next finite step proceeds as
+if the bad one had not happened. The decision is a device tensor used by
+``torch.where``: no step reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from .transforms import Transform, _check_int, _check_norm_scope, _device_of, _map, _StepNorm
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of ``apply_if_finite``: 0-dim tensors on the params' device.
+
+    Attributes:
+        notfinite_count: non-finite steps in a row (int64; 0 after a finite one).
+        last_finite: whether the last step's gradients were finite (bool).
+        total_notfinite: non-finite steps in all (int64).
+        applied: whether the last update was applied: finite, or given up on (bool).
+        inner_state: the wrapped transform's state.
+    """
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    total_notfinite: torch.Tensor
+    applied: torch.Tensor
+    inner_state: Any
+
+
+def apply_if_finite(inner: Transform, max_skips: int, plan=None) -> Transform:
+    """Skip the updates whose gradients hold a NaN or an inf (optax's ``apply_if_finite``).
+
+    A skipped step returns zero updates and the inner state unchanged, bit for bit;
+    an Optimizer built on it (``fmoe.optimizer``) returns the params unchanged, bit
+    for bit (NaN params included). After ``max_skips`` non-finite steps in a row it
+    gives up protecting: the next non-finite update is applied (and so is every one
+    after it until a finite step resets the count), so a run that has gone wrong
+    shows it instead of silently standing still. A training loop that would rather
+    stop reads ``skipped_steps`` and stops when the first count reaches ``max_skips``.
+
+    The check is the finiteness of the global gradient norm: one reduction, over
+    every rank with ``plan`` (so every rank takes the same decision), which ``adamw``
+    shares with its clipping. A gradient whose sum of squares overflows fp32 (norm
+    above ~1.8e19) counts as non-finite too.
+
+    Arguments:
+        inner: the transform to protect.
+        max_skips: non-finite steps in a row to skip before giving up (an int >= 1).
+        plan: the Plan the gradients are laid out by (needed on several ranks).
+
+    Returns:
+        A Transform whose state is an ``ApplyIfFiniteState``.
+    """
+    _check_int("apply_if_finite", "max_skips", max_skips, 1)
+    _check_norm_scope(plan, "apply_if_finite")
+    return _apply_if_finite(inner, max_skips, _StepNorm(plan))
+
+
+def _apply_if_finite(inner: Transform, max_skips: int, norm: _StepNorm) -> Transform:
+    def update(grads, state, params=None):
+        with norm.held(grads) as n:  # a clip inside ``inner`` reads this norm, not a second one
+            updates, inner_state = inner.update(grads, state.inner_state, params)
+        apply, state = _decide(state, n, max_skips, inner_state)
+        return _map(lambda u: torch.where(apply, u, 0.0), updates), state
+
+    return Transform(_init_state(inner.init), update)
+
+
+def _init_state(inner_init):
+    def init(params):
+        device = _device_of(params)
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        yes = torch.ones((), dtype=torch.bool, device=device)
+        return ApplyIfFiniteState(zero, yes, zero.clone(), yes.clone(), inner_init(params))
+
+    return init
+
+
+def _decide(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int,
+            inner_state) -> tuple[torch.Tensor, ApplyIfFiniteState]:
+    """Whether this step applies (its norm is finite, or ``max_skips`` non-finite steps
+    came right before it), and the state after it: the inner state moves on only if so."""
+    finite = torch.isfinite(norm)
+    apply = finite | (state.notfinite_count >= max_skips)
+    bad = (~finite).long()
+    return apply, ApplyIfFiniteState(
+        notfinite_count=(state.notfinite_count + bad) * bad, last_finite=finite,
+        total_notfinite=state.total_notfinite + bad, applied=apply,
+        inner_state=_select(apply, inner_state, state.inner_state))
+
+
+def _select(apply: torch.Tensor, new, old):
+    """``new`` where ``apply`` else ``old``, leaf by leaf. Not ``old + 0 * ...``: the old
+    bits survive a skip (NaNs, whose payload arithmetic may change, and -0.0)."""
+    return _map(lambda n, o: torch.where(apply, n, o) if isinstance(n, torch.Tensor) else n, new, old)
+
+
+def _finite_states(opt_state) -> list[ApplyIfFiniteState]:
+    """Every ``ApplyIfFiniteState`` in an optimizer state, outermost first."""
+    found = []
+    for node in optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ApplyIfFiniteState)):
+        if isinstance(node, ApplyIfFiniteState):
+            found += [node, *_finite_states(node.inner_state)]
+    return found
+
+
+def _applied(opt_state) -> torch.Tensor | None:
+    """Whether every ``apply_if_finite`` in the state applied its last update (a device
+    bool), or None where the state has none."""
+    flags = [s.applied for s in _finite_states(opt_state)]
+    return torch.stack(flags).all() if flags else None
+
+
+def skipped_steps(opt_state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The non-finite step counts of the (outermost) ``apply_if_finite`` in an optimizer state.
+
+    Arguments:
+        opt_state: an optimizer state holding an ``ApplyIfFiniteState`` anywhere
+            (``fmoe.adamw(skip_nonfinite=n)``'s does).
+
+    Returns:
+        ``(in_a_row, total)``: 0-dim int64 device tensors (reading them is a host sync;
+        read them when the loop syncs anyway, e.g. when it logs). Steps applied after
+        giving up count too: ``in_a_row > max_skips`` means protection has ended.
+    """
+    found = _finite_states(opt_state)
+    if not found:
+        raise ValueError("skipped_steps: the optimizer state holds no apply_if_finite state "
+                         "(build the optimizer with skip_nonfinite=n or wrap it in apply_if_finite)")
+    return found[0].notfinite_count, found[0].total_notfinite

@@ -1,0 +1,326 @@
+"""The optax-style transforms, the global gradient norm, schedules, the expert-bias update.
+
+A ``Transform`` is ``(init(params) -> state, update(grads, state, params) ->
+(updates, state))``; ``chain`` composes them. Nothing is modified in place; every
+state is a NamedTuple of tensors. Settings are validated when a transform is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+from typing import Callable, NamedTuple
+
+import optree
+import torch
+
+Schedule = Callable[[torch.Tensor], torch.Tensor | float]
+
+
+class Transform(NamedTuple):
+    init: Callable
+    update: Callable
+
+
+class Optimizer(NamedTuple):
+    """``init(params) -> state``; ``update(grads, state, params) -> (params, state)``."""
+
+    init: Callable
+    update: Callable
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+class ScaleByAdamState(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+class ScheduleState(NamedTuple):
+    count: torch.Tensor
+
+
+def _map(fn, *trees):
+    return optree.tree_map(fn, *trees)
+
+
+def _device_of(tree):
+    leaves = optree.tree_leaves(tree)
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+# Settings checks. Their errors read like ModelConfig's and Plan's ("adamw lr=inf is
+# invalid: ..."). bool is an int subclass in Python, but True is no learning rate.
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check(owner: str, name: str, value, ok: bool, allowed: str) -> None:
+    """ValueError naming the argument and its allowed range."""
+    if not ok:
+        raise ValueError(f"{owner} {name}={value!r} is invalid: {allowed}")
+
+
+def _check_finite(owner: str, name: str, value, positive: bool, allowed_extra: str = "") -> None:
+    ok = _is_number(value) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    _check(owner, name, value, ok, "must be a finite number " + ("> 0" if positive else ">= 0") + allowed_extra)
+
+
+def _check_decay(owner: str, name: str, value) -> None:
+    _check(owner, name, value, _is_number(value) and 0.0 <= value < 1.0, "must be in [0, 1)")
+
+
+def _check_int(owner: str, name: str, value, minimum: int, allowed_extra: str = "") -> None:
+    _check(owner, name, value, _is_int(value) and value >= minimum, f"must be an int >= {minimum}{allowed_extra}")
+
+
+def _check_lr(owner: str, lr) -> None:
+    ok = callable(lr) or (_is_number(lr) and math.isfinite(lr) and lr > 0)
+    _check(owner, "lr", lr, ok, "must be a finite number > 0 or a schedule (a function of the update count)")
+
+
+def global_norm(tree, plan=None) -> torch.Tensor:
+    """The fp32 L2 norm over every leaf of ``tree``.
+
+    Arguments:
+        tree: a pytree of tensors; with ``plan``, shaped like ``fmoe.init(plan)``.
+        plan: the Plan ``tree`` is laid out by; on several ranks the squared norms of
+            the parts each rank holds alone (shards, its experts) are summed over the
+            ranks that split them (a collective), so every rank gets the norm of the
+            whole model.
+
+    Returns:
+        A 0-dim fp32 tensor on the leaves' device; NaN or inf if any element is (or if
+        the sum of squares overflows fp32).
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    sq = [torch.linalg.vector_norm(x.float()).square() for x in leaves]
+    if plan is None or plan.world == 1:
+        return torch.stack(sq).sum().sqrt()
+    from ..shard.mesh import mesh_for  # optim is usable without shard/: import late
+    from ..shard.spec import domain_of, shard_spec
+
+    spec, mesh = shard_spec(plan), mesh_for(plan)
+    total = torch.zeros((), device=leaves[0].device)
+    for domain in ("dense", "expert"):
+        part = sum((q for p, q in zip(paths, sq) if domain_of(".".join(map(str, p))) == domain), total * 0)
+        if spec.sharded(domain):
+            mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
+        elif domain == "expert":
+            mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep
+        total = total + part
+    return total.sqrt()
+
+
+def _check_norm_scope(plan, what: str) -> None:
+    if plan is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        raise ValueError(f"{what}: pass plan= when running on several ranks, so the norm covers every shard")
+
+
+class _StepNorm:
+    """The global norm of one update's gradients, shared by the transforms of one
+    optimizer that need it (``adamw``'s finite check and its clipping), so that the
+    reduction behind it (a collective on several ranks) runs once per step.
+
+    The outermost user computes it: ``with norm.held(grads) as n: inner.update(...)``.
+    Inside, ``norm(grads)`` with that very grads object returns ``n``; with any other
+    tree (updates further down a chain, say) it computes that tree's own norm.
+    """
+
+    def __init__(self, plan):
+        self.plan = plan
+        self._held = None  # (grads, norm) while an update runs
+
+    def __call__(self, grads) -> torch.Tensor:
+        if self._held is not None and self._held[0] is grads:
+            return self._held[1]
+        return global_norm(grads, self.plan)
+
+    @contextlib.contextmanager
+    def held(self, grads):
+        norm = global_norm(grads, self.plan)
+        self._held = (grads, norm)
+        try:
+            yield norm
+        finally:
+            self._held = None
+
+
+def _trainable(path) -> bool:
+    # The expert bias is balanced from routing counts, never by gradient steps.
+    return path[-1] != "expert_bias"
+
+
+def _decays(path, leaf) -> bool:
+    # Matrices decay; norms and biases (expert_bias, fc1_bias, fc2_bias) do not. By
+    # name, since a row shard of a vector is 2-D.
+    name = path[-1]
+    return not (name.endswith("norm") or name.endswith("bias"))
+
+
+def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
+    """Scale all updates by ``min(1, max_norm / global_norm)`` (see ``global_norm``).
+
+    Arguments:
+        max_norm: the largest global norm let through (finite, > 0).
+        plan: the Plan the gradients are laid out by (needed on several ranks).
+    """
+    _check_finite("clip_by_global_norm", "max_norm", max_norm, positive=True)
+    _check_norm_scope(plan, "clip_by_global_norm")
+    return _clip(max_norm, _StepNorm(plan))
+
+
+def _clip(max_norm: float, norm_of: _StepNorm) -> Transform:
+    def update(grads, state, params=None):
+        scale = (max_norm / (norm_of(grads) + 1e-6)).clamp(max=1.0)
+        return _map(lambda g: g * scale, grads), state
+
+    return Transform(lambda params: EmptyState(), update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> Transform:
+    """Adam's bias-corrected ``m / (sqrt(v) + eps)``, moments in fp32.
+
+    Arguments:
+        b1, b2: the moments' decays, in [0, 1).
+        eps: added to ``sqrt(v)`` (finite, > 0).
+    """
+    _check_decay("scale_by_adam", "b1", b1)
+    _check_decay("scale_by_adam", "b2", b2)
+    _check_finite("scale_by_adam", "eps", eps, positive=True)
+
+    def init(params):
+        zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)
+        count = torch.zeros((), dtype=torch.int64, device=_device_of(params))
+        return ScaleByAdamState(count, _map(zeros, params), _map(zeros, params))
+
+    def update(grads, state, params=None):
+        count = state.count + 1
+        mu = _map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+        nu = _map(lambda v, g: b2 * v + (1 - b2) * g.square(), state.nu, grads)
+        c1 = 1 - b1 ** count.double()
+        c2 = 1 - b2 ** count.double()
+        updates = _map(lambda m, v: (m / c1) / ((v / c2).sqrt() + eps), mu, nu)
+        return updates, ScaleByAdamState(count, mu, nu)
+
+    return Transform(init, update)
+
+
+def add_decayed_weights(weight_decay: float, mask: Callable = _decays) -> Transform:
+    """Add ``weight_decay * param`` (``weight_decay`` finite, >= 0) to the updates of
+    leaves where ``mask(path, leaf)``."""
+    _check_finite("add_decayed_weights", "weight_decay", weight_decay, positive=False)
+
+    def update(updates, state, params):
+        def add(path, u, p):
+            return u + weight_decay * p if mask(path, p) else u
+
+        return optree.tree_map_with_path(add, updates, params), state
+
+    return Transform(lambda params: EmptyState(), update)
+
+
+def scale_by_learning_rate(lr: float | Schedule) -> Transform:
+    """Multiply updates by ``-lr`` (``lr`` finite and > 0, or a function of the step count).
+
+    The count lives on the params' device, so a schedule written with tensor ops
+    (``warmup_cosine`` is) gives the rate without a host read.
+    """
+    _check_lr("scale_by_learning_rate", lr)
+
+    def init(params):
+        return ScheduleState(torch.zeros((), dtype=torch.int64, device=_device_of(params)))
+
+    def update(updates, state, params=None):
+        rate = lr(state.count) if callable(lr) else lr
+        return _map(lambda u: -rate * u, updates), ScheduleState(state.count + 1)
+
+    return Transform(init, update)
+
+
+def freeze(mask: Callable = _trainable) -> Transform:
+    """Zero the updates of leaves where ``mask(path)`` is false."""
+
+    def update(updates, state, params=None):
+        return optree.tree_map_with_path(lambda path, u: u if mask(path) else torch.zeros_like(u),
+                                         updates), state
+
+    return Transform(lambda params: EmptyState(), update)
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Apply transforms in order; the state is the tuple of their states."""
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return Transform(init, update)
+
+
+def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> Schedule:
+    """Linear warm-up to ``peak`` over ``warmup`` updates, then cosine decay to
+    ``floor * peak`` at ``total`` updates (held there after).
+
+    Written with tensor ops: given the count as a device tensor, the rate is a device
+    tensor too, computed without a host read.
+
+    Arguments:
+        peak: the top rate (finite, > 0).
+        warmup: updates of linear warm-up (an int >= 0).
+        total: the update at which the decay ends (an int >= 1).
+        floor: the final rate as a fraction of ``peak``, in [0, 1].
+    """
+    _check_finite("warmup_cosine", "peak", peak, positive=True)
+    _check_int("warmup_cosine", "warmup", warmup, 0)
+    _check_int("warmup_cosine", "total", total, 1)
+    _check("warmup_cosine", "floor", floor, _is_number(floor) and 0 <= floor <= 1, "must be in [0, 1]")
+
+    def schedule(count):
+        n = torch.as_tensor(count, dtype=torch.float64)
+        warm = peak * (n + 1) / max(warmup, 1)
+        progress = ((n - warmup) / max(1, total - warmup)).clamp(0.0, 1.0)
+        decay = peak * (floor + (1 - floor) * 0.5 * (1 + torch.cos(math.pi * progress)))
+        return torch.where(n < warmup, warm, decay)
+
+    return schedule
+
+
+def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float) -> dict:
+    """Aux-loss-free balancing: nudge each layer's ``expert_bias`` toward even load.
+
+    ``bias_e += rate * sign(mean(counts) - counts_e)``: under-loaded experts become
+    likelier to be selected. The bias selects experts without weighting them.
+
+    Arguments:
+        params: the parameter pytree.
+        expert_counts: ``[layers, E]`` tokens per expert (``out.metrics["expert_counts"]``).
+        rate: step size (``ModelConfig.expert_bias_rate``).
+
+    Returns:
+        A new pytree sharing every other leaf with ``params``.
+    """
+    counts = expert_counts.float()
+    delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
+    layers = []
+    for layer, d in zip(params["layers"], delta):
+        bias = layer["moe"]["expert_bias"]  # [E], or a row shard [0 or 1, E]
+        moe = dict(layer["moe"], expert_bias=bias + d.to(bias).expand_as(bias))
+        layers.append(dict(layer, moe=moe))
+    return dict(params, layers=layers)

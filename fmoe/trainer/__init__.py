@@ -1,0 +1,3 @@
+"""The main job's parts: settings (``options``), checks before any process group
+(``setup``), one process per rank (``launch``), the loop (``loop``) and what it
+records (``metrics``). ``python -m fmoe.train`` runs them."""

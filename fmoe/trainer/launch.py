@@ -1,0 +1,88 @@
+"""One process per rank, as torchrun starts them (or a single process without it).
+
+torchrun sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the main job reads them
+before anything else so that a plan that does not fit the world is refused before a
+process group exists. GPUs use NCCL (rank ``r`` of a node on ``cuda:LOCAL_RANK``),
+CPUs gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class World(NamedTuple):
+    """Where this process stands: ``rank`` of ``size`` processes, ``local_rank`` on its node."""
+
+    rank: int
+    size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def world_from_env() -> World:
+    """This process's place as torchrun describes it (one process when it does not)."""
+    size = _env_int("WORLD_SIZE", 1)
+    rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"RANK={rank} / WORLD_SIZE={size} from the environment are inconsistent")
+    return World(rank, size, local)
+
+
+def rank_device(device: str, world: World) -> str:
+    """``cuda`` means this rank's GPU (``cuda:LOCAL_RANK``); anything else is used as given."""
+    return f"cuda:{world.local_rank}" if device == "cuda" else device
+
+
+def start(world: World, device: str, timeout_s: float | None = None) -> None:
+    """Create the default process group for a multi-process run (no-op for one process).
+
+    Arguments:
+        world: from ``world_from_env``.
+        device: the rank's device; ``cuda:*`` selects NCCL, anything else gloo.
+        timeout_s: how long a collective may wait for the other ranks before failing
+            (None: torch's default).
+    """
+    if world.size == 1 or dist.is_initialized():
+        return
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group("nccl" if cuda else "gloo", **kwargs)
+
+
+# What gloo and NCCL say when a peer is gone or too slow: gloo raises a plain
+# RuntimeError ("Connection closed by peer", "Timed out waiting"), NCCL's watchdog a
+# DistBackendError.
+_PEER_FAILURE = ("connection closed by peer", "connection reset", "timed out", "timeout", "gloo", "nccl")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another rank died or hung."""
+    if hasattr(dist, "DistError") and isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _PEER_FAILURE)
+
+
+def stop() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

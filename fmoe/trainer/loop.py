@@ -1,0 +1,233 @@
+"""The training loop of the main job, the same on every rank of any plan."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+
+import torch
+from tqdm import tqdm
+
+from .. import hf
+from ..checkpoint import load, save
+from ..data import heldout_batches, sample_batch, unigram_cross_entropy
+from ..generate import generate, load_tokenizer
+from ..optim import adamw, global_norm, skipped_steps, update_expert_bias, warmup_cosine
+from ..params import flat_shapes, init, train_flops_per_token
+from ..shard.gather import gather_full
+from ..step import eval_loss, step
+from . import options
+from .metrics import MetricsLog, expert_load, peak_tflops
+from .resilience import CheckpointDir, StopSignals
+from .setup import Run
+
+# What the data a step sees depends on: a resumed run must agree on them.
+_DATA_KEYS = ("seed", "batch", "seq", "data", "heldout_fraction")
+# Settings whose being on or off shapes the optimizer state: a resumed run must agree.
+_STATE_SWITCHES = ("clip", "max_skips")
+# The end-of-run sample gathers the whole fp32 model on the main rank; beyond this it
+# is left to `python -m fmoe.generate`, which loads a checkpoint in the compute dtype.
+_SAMPLE_MAX_BYTES = 8 << 30
+
+
+def _say(run: Run, text: str) -> None:
+    if run.world.is_main:
+        tqdm.write(text)
+
+
+class _Stepper:
+    """``fmoe.step`` for this run: eager, with CUDA-graphed scopes, or a graphed whole
+    step, captured on the first batch it sees."""
+
+    def __init__(self, run: Run):
+        self.run, self.call = run, None
+
+    def __call__(self, params, batch):
+        if self.call is None:
+            self.call = self._build(params, batch)
+        return self.call(params, batch)
+
+    def _build(self, params, batch):
+        plan, scopes = self.run.plan, self.run.scopes
+        if scopes == ("step",):
+            from interop.cuda_graph import capture_step
+
+            return capture_step(params, batch, plan)
+        if scopes:
+            from interop.cuda_graph import capture_scopes
+
+            kernels = capture_scopes(params, batch, plan, scopes)
+            return lambda p, b: step(p, b, plan, kernels)
+        return lambda p, b: step(p, b, plan)
+
+
+def _start(run: Run, opt):
+    """``(params, opt_state, first step)``: fresh, from a Hugging Face checkpoint, or resumed."""
+    s, plan = run.settings, run.plan
+    if s["resume"]:
+        ck = load(run.out / "checkpoint", plan)
+        for key in _DATA_KEYS:
+            if key in ck.extra and ck.extra[key] != _data_setting(run, key):
+                raise SystemExit(f"fmoe.train: cannot resume: --{key.replace('_', '-')}={_data_setting(run, key)!r}, "
+                                 f"but the checkpoint was trained with {ck.extra[key]!r}")
+        for key, was_on in ck.extra.get("state_switches", {}).items():
+            if bool(s[key]) != was_on:
+                raise SystemExit(f"fmoe.train: cannot resume: --{key.replace('_', '-')}={s[key]!r} turns "
+                                 f"{'off' if was_on else 'on'} what the checkpoint's optimizer state was built "
+                                 f"{'with' if was_on else 'without'}")
+        if ck.step >= s["steps"]:
+            raise SystemExit(f"fmoe.train: the checkpoint is at step {ck.step} already; raise --steps to go on")
+        if s["stop_after"] and ck.step >= s["stop_after"]:
+            raise SystemExit(f"fmoe.train: the checkpoint is at step {ck.step} already; raise --stop-after "
+                             "(or leave it out) to go on")
+        _say(run, f"resumed from {run.out / 'checkpoint'} at step {ck.step}")
+        return ck.params, ck.opt_state, ck.step + 1
+    if s["init_from_hf"]:
+        params = hf.load(s["init_from_hf"], plan)
+        _say(run, f"initialised from the Hugging Face checkpoint {s['init_from_hf']}")
+    else:
+        params = init(plan, seed=s["seed"])
+    return params, opt.init(params), 1
+
+
+def _data_setting(run: Run, key: str):
+    return run.corpus.source if key == "data" else run.settings[key]
+
+
+def _sample(run: Run, params) -> None:
+    """Generate from a held-out prompt with the trained model (rank 0 prints it)."""
+    n = run.settings["sample_tokens"]
+    if not n:
+        return
+    size = 4 * sum(math.prod(shape) for shape in flat_shapes(run.plan.model).values())
+    if size > _SAMPLE_MAX_BYTES:
+        _say(run, f"sample skipped: the whole model is {size / 2**30:.1f} GiB in fp32; sample from the "
+                  "checkpoint with python -m fmoe.generate")
+        return
+    full = gather_full(params, run.plan)  # a collective: every rank takes part
+    if not run.world.is_main:
+        return
+    prompt = torch.as_tensor(run.corpus.heldout[:16].astype("int64"), device=run.plan.device)[None]
+    ids = generate(full, prompt, run.plan.model, n, temperature=0.8, top_k=50, seed=run.settings["seed"],
+                   eos_id=run.corpus.eos_id, dtype=run.plan.compute_dtype)[0].tolist()
+    try:
+        tok = load_tokenizer(run.corpus.tokenizer)
+        text = f"{tok.decode(ids[:16])!r} -> {tok.decode(ids[16:])!r}"
+    except ValueError as err:  # the tokenizers package is optional
+        text = f"token ids {ids[:16]} -> {ids[16:]} ({err})"
+    tqdm.write(f"sample: {text}")
+
+
+def train(run: Run) -> dict:
+    """Train as ``run`` says; returns a summary (losses, throughput, checkpoint path).
+
+    Stops early, with a checkpoint, when SIGTERM or SIGINT arrives (``stopped`` in the
+    summary names the signal); raises SystemExit, keeping the last good checkpoint,
+    when ``max_skips`` steps in a row have non-finite gradients.
+    """
+    s, plan, world, corpus = run.settings, run.plan, run.world, run.corpus
+    cfg = plan.model
+    if s["threads"]:
+        torch.set_num_threads(s["threads"])
+    torch.manual_seed(s["seed"])
+    if world.is_main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "settings.toml").write_text(options.to_toml(options.resolved(s, plan)))
+        if corpus.tokenizer is not None:
+            shutil.copyfile(corpus.tokenizer, run.out / "tokenizer.json")  # for fmoe.generate
+    schedule = warmup_cosine(s["lr"], s["warmup"], s["steps"], floor=s["min_lr_ratio"])
+    opt = adamw(schedule, weight_decay=s["weight_decay"], max_grad_norm=s["clip"] or None, plan=plan,
+                fused=s["fused_optimizer"], skip_nonfinite=s["max_skips"])
+    params, opt_state, first = _start(run, opt)
+    last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
+    heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
+    baseline = unigram_cross_entropy(corpus.train, corpus.heldout, cfg.vocab)
+    n_params = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
+    _say(run, f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
+              f"tokens from {corpus.source}; {world.size} rank(s), dp={plan.dp} ep={plan.ep} "
+              f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")
+    _say(run, f"unigram baseline (held-out): {baseline:.4f} nats/token")
+    tokens_per_step = s["batch"] * s["seq"]
+    flops_per_step = train_flops_per_token(cfg, s["seq"]) * tokens_per_step
+    peak = peak_tflops(plan.device, plan.dtype, s["peak_tflops"])
+    log = MetricsLog(run.out, world.is_main, first - 1 if s["resume"] else None, not s["no_tensorboard"])
+    stepper = _Stepper(run)
+    checkpoints = CheckpointDir(run.out, s["keep"])
+    signals = StopSignals()
+
+    def checkpoint(step_num):
+        extra = {key: _data_setting(run, key) for key in _DATA_KEYS}
+        extra["state_switches"] = {key: bool(s[key]) for key in _STATE_SWITCHES}
+        extra.update(samples_seen=step_num * s["batch"], eos_id=corpus.eos_id)
+        save(checkpoints.path_for(step_num), plan, params, opt_state=opt_state, step=step_num, extra=extra)
+        if world.is_main:
+            checkpoints.publish(step_num)
+        return checkpoints.latest
+
+    bar = tqdm(range(first, last + 1), desc="train", disable=s["no_progress"] or not world.is_main,
+               dynamic_ncols=True)
+    train_loss = heldout_loss = float("nan")
+    step_times, stopped, done = [], None, first - 1
+    start = time.perf_counter()
+    try:
+        for step_num in bar:
+            t0 = time.perf_counter()
+            batch = sample_batch(corpus.train, s["batch"], s["seq"], s["seed"], step_num, world.rank, world.size)
+            out = stepper(params, batch)
+            grad_norm = global_norm(out.grads, plan)
+            params, opt_state = opt.update(out.grads, opt_state, params)
+            train_loss = float(out.loss)  # the step's host sync; the metrics below are read after it
+            in_a_row, skipped = (int(n) for n in skipped_steps(opt_state)) if s["max_skips"] else (0, 0)
+            if not in_a_row:  # a skipped step changes no parameter, the expert biases included
+                params = update_expert_bias(params, out.metrics["expert_counts"], cfg.expert_bias_rate)
+            step_s = time.perf_counter() - t0
+            step_times.append(step_s)
+            record = {"step": step_num, "loss": train_loss, "grad_norm": float(grad_norm),
+                      "lr": float(schedule(step_num - 1)), "aux_loss": float(out.metrics["aux_loss"]),
+                      "tokens_per_s": tokens_per_step / step_s, "skipped_steps": skipped,
+                      "expert_load": expert_load(out.metrics["expert_counts"]),
+                      "dropped_tokens": int(out.metrics["dropped_tokens"]), "elapsed_s": time.perf_counter() - start}
+            record["max_load"] = max(record["expert_load"])
+            if peak:
+                record["mfu"] = flops_per_step / step_s / world.size / (peak * 1e12)
+            if s["max_skips"] and in_a_row >= s["max_skips"]:
+                log.write(record)
+                raise SystemExit(
+                    f"fmoe.train: {in_a_row} steps in a row (to step {step_num}) had non-finite gradients "
+                    f"(loss {train_loss}); stopping without saving them. The last good checkpoint is "
+                    f"{checkpoints.latest}: --resume from it, e.g. with a lower --lr")
+            if step_num % s["eval_every"] == 0 or step_num == last:
+                heldout_loss = sum(float(eval_loss(params, b, plan)) for b in heldout) / len(heldout)
+                record["heldout_loss"] = heldout_loss
+                _say(run, f"step {step_num:5d}  train {train_loss:.4f}  held-out {heldout_loss:.4f}  "
+                          f"(unigram {baseline:.4f})")
+            log.write(record)
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", skipped=skipped)
+            done = step_num
+            if signals.agreed(plan.device):
+                stopped = signals.received or "a signal on another rank"
+                break
+            if s["save_every"] and step_num % s["save_every"] == 0 and step_num < last:
+                checkpoint(step_num)
+    finally:
+        signals.restore()
+        bar.close()
+        log.close()
+    wall = time.perf_counter() - start
+    ckpt = checkpoint(done)
+    if stopped:
+        _say(run, f"fmoe.train: stopped by {stopped} after step {done}; checkpoint {ckpt}. Continue with the same "
+                  f"command and --resume.")
+    else:
+        _sample(run, params)
+    median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+    summary = {"unigram": baseline, "train_loss": train_loss, "heldout_loss": heldout_loss, "wall_s": wall,
+               "steps": done, "checkpoint": str(ckpt), "tokens_per_s": tokens_per_step / median,
+               "mfu": flops_per_step / median / world.size / (peak * 1e12) if peak else None, "stopped": stopped}
+    if not stopped:
+        _say(run, f"done in {wall:.1f}s: train {train_loss:.4f}, held-out {heldout_loss:.4f} nats/token "
+                  f"vs unigram {baseline:.4f} ({heldout_loss / baseline:.0%} of baseline); "
+                  f"{summary['tokens_per_s']:.0f} tokens/s (median step)"
+                  + (f", MFU {summary['mfu']:.1%}" if peak else "") + f"; checkpoint {ckpt}")
+    return summary

@@ -1,0 +1,119 @@
+"""Everything the main job settles before a process group starts: the merged settings,
+the world, the data, the model config and the plan, each refused with a message
+naming the setting (or file) when it cannot work."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+from .. import hf
+from ..config import Plan
+from ..data import TokenCorpus, check_vocab, embedded_corpus, open_corpus
+from ..hf.families import TRAINING_FIELDS
+from . import options
+from .launch import World, rank_device, world_from_env
+
+_POSITIVE = ("steps", "batch", "seq", "eval_every", "eval_batches", "keep")
+_NON_NEGATIVE = ("warmup", "save_every", "stop_after", "threads", "sample_tokens", "max_skips")
+
+
+class Run(NamedTuple):
+    """A checked run: ``settings`` (every key), the world, the corpus, the plan."""
+
+    settings: dict
+    world: World
+    corpus: TokenCorpus
+    plan: Plan
+    scopes: tuple  # CUDA-graph scopes, or ("step",)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.settings["out"])
+
+
+def _bad(name: str, value, allowed: str):
+    raise ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {allowed}")
+
+
+def check_run_options(s: dict) -> None:
+    """Range checks of the run options (ModelConfig and Plan check their own fields)."""
+    for name in _POSITIVE:
+        if s[name] < 1:
+            _bad(name, s[name], "must be an int >= 1")
+    for name in _NON_NEGATIVE:
+        if s[name] < 0:
+            _bad(name, s[name], "must be an int >= 0")
+    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops"):
+        value, positive = s[name], name in ("lr", "timeout")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            _bad(name, value, "must be a finite number " + ("> 0" if positive else ">= 0"))
+    if not 0 < s["heldout_fraction"] < 1:
+        _bad("heldout_fraction", s["heldout_fraction"], "must be in (0, 1)")
+    if not 0 <= s["min_lr_ratio"] <= 1:
+        _bad("min_lr_ratio", s["min_lr_ratio"], "must be in [0, 1]")
+    if s["stop_after"] and s["stop_after"] > s["steps"]:
+        _bad("stop_after", s["stop_after"], f"must be <= --steps ({s['steps']}) or 0")
+
+
+def parse_scopes(text: str, plan: Plan) -> tuple:
+    """``--cuda-graph``: "" (none), "step", or scopes from attn, router, experts."""
+    if not text:
+        return ()
+    scopes = tuple(s.strip() for s in text.split(",") if s.strip())
+    allowed = ("attn", "router", "experts")
+    if scopes != ("step",) and not all(s in allowed for s in scopes):
+        _bad("cuda_graph", text, "'step', or comma-separated scopes from " + ", ".join(allowed))
+    from interop.cuda_graph import check_capturable  # the main job is an application of the adapters
+
+    check_capturable(plan, () if scopes == ("step",) else scopes)
+    return scopes
+
+
+def _model_config(s: dict, explicit: set, corpus: TokenCorpus):
+    if not s["init_from_hf"]:
+        vocab = s["vocab"] if "vocab" in explicit else corpus.vocab
+        return options.model_config(s, vocab=vocab)
+    base = hf.config(s["init_from_hf"])
+    mine = options.model_config(s)
+    clash = [k for k in options.MODEL_FIELDS if k in explicit and k not in TRAINING_FIELDS
+             and getattr(mine, k) != getattr(base, k)]
+    if clash:
+        k = clash[0]
+        raise ValueError(f"--{k.replace('_', '-')}={getattr(mine, k)!r} contradicts --init-from-hf "
+                         f"{s['init_from_hf']} ({k}={getattr(base, k)!r}); only training fields may differ: "
+                         + ", ".join(TRAINING_FIELDS))
+    return base.replace(**{k: s[k] for k in TRAINING_FIELDS if k in explicit})
+
+
+def prepare(argv=None) -> Run | str:
+    """Merge and check everything; the printed config for ``--print-config``.
+
+    Raises:
+        ValueError: naming the setting, key or file that cannot work.
+    """
+    s, explicit = options.resolve(argv)
+    if s["print_config"]:
+        return options.to_toml(s)
+    check_run_options(s)
+    world = world_from_env()
+    if "dp" not in explicit:
+        s["dp"] = max(1, world.size // s["ep"])
+    if s["dp"] * s["ep"] != world.size:
+        raise ValueError(f"--dp={s['dp']} x --ep={s['ep']} must equal the number of processes "
+                         f"(WORLD_SIZE={world.size})")
+    corpus = open_corpus(s["data"], s["heldout_fraction"]) if s["data"] else embedded_corpus(s["heldout_fraction"])
+    cfg = _model_config(s, explicit, corpus)
+    check_vocab(corpus, cfg.vocab)
+    plan = options.plan_for(s, cfg, dp=s["dp"], device=rank_device(s["device"], world))
+    per_rank = s["batch"] // world.size
+    if s["batch"] % world.size or per_rank % plan.microbatches:
+        _bad("batch", s["batch"], f"must split into {world.size} rank(s) x --microbatches={plan.microbatches} "
+             f"equal parts (a multiple of {world.size * plan.microbatches})")
+    if plan.expert_backend == "te":
+        import interop.te  # noqa: F401  registers the backend
+    scopes = parse_scopes(s["cuda_graph"], plan)
+    if s["resume"] and not (Path(s["out"]) / "checkpoint").exists():
+        raise ValueError(f"--resume, but there is no checkpoint at {Path(s['out']) / 'checkpoint'}")
+    return Run(s, world, corpus, plan, scopes)

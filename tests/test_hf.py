@@ -1,0 +1,214 @@
+"""fmoe.hf against transformers: tiny random Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE models
+saved with ``save_pretrained``, loaded into fmoe, and written back."""
+
+import json
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe.layers import forward
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=16)),
+    # a head size of its own (16, not 32 / 4) and renormalised top-k
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, head_dim=16, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, intermediate_size=16)),
+    # q/k/v bias, a gated shared expert, tied embeddings
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                       tie_word_embeddings=True)),
+}
+# fp32 on both sides; the differences are RoPE tables (fmoe: fp64, cast; transformers:
+# fp32), SDPA vs eager softmax and summation order: measured <= 1e-6 on logits of ~2.
+LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def hf_model(family, seed=0, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(**COMMON, **dict(extra, **overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # every weight random: norms away from 1, biases away from 0
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    family = request.param
+    model = hf_model(family)
+    path = tmp_path_factory.mktemp(family)
+    model.save_pretrained(path)
+    return family, model, path
+
+
+def fmoe_logits(params, tokens, cfg):
+    with torch.no_grad():
+        return forward(params, tokens, cfg)[0]
+
+
+def test_config_reads_the_family(saved):
+    family, model, path = saved
+    cfg = fmoe.hf.config(path)
+    hf = model.config
+    assert (cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.num_kv_heads, cfg.experts, cfg.topk) == \
+        (64, 32, 2, 4, 2, 4, 2)
+    assert cfg.head_dim == (16 if family == "qwen3_moe" else 8)
+    assert cfg.qk_norm == {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
+    assert cfg.norm_topk_prob == (True if family == "mixtral" else hf.norm_topk_prob)
+    assert (cfg.shared_ffn, cfg.shared_gate, cfg.qkv_bias, cfg.tie_embeddings) == \
+        ((24, True, True, True) if family == "qwen2_moe" else (0, False, False, False))
+    assert cfg.norm_eps == hf.rms_norm_eps and cfg.expert_bias_rate == 0
+
+
+def test_logits_and_loss_equal_transformers(saved):
+    family, model, path = saved
+    plan = fmoe.Plan(model=fmoe.hf.config(path))
+    params = fmoe.hf.load(path, plan)
+    tokens = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(tokens[:, :-1])
+        ref_loss = model(tokens, labels=tokens).loss
+    torch.testing.assert_close(fmoe_logits(params, tokens[:, :-1], plan.model), ref.logits, **LOGIT_TOL)
+    torch.testing.assert_close(fmoe.eval_loss(params, {"tokens": tokens}, plan), ref_loss, **LOGIT_TOL)
+
+
+def test_fmoe_to_hf_to_fmoe_round_trips_bitwise(saved, tmp_path):
+    family, _, path = saved
+    plan = fmoe.Plan(model=fmoe.hf.config(path))
+    params = fmoe.hf.load(path, plan)
+    out = fmoe.hf.save(tmp_path / "out", params, plan)
+    assert json.loads((out / "config.json").read_text())["model_type"] == family
+    back = fmoe.hf.load(out, fmoe.Plan(model=fmoe.hf.config(out)))
+    for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(params)):
+        assert torch.equal(a, b)
+
+
+def test_from_pretrained_reads_what_fmoe_wrote(saved, tmp_path):
+    """A model trained in fmoe (here: init + GLU interleave, so the layout must be
+    converted) opens in transformers with every key used, and computes the same logits."""
+    family, model, path = saved
+    cfg = fmoe.hf.config(path).replace(glu_interleave=8)
+    plan = fmoe.Plan(model=cfg)
+    params = fmoe.init(plan, seed=3)
+    fmoe.hf.save(tmp_path / "out", params, plan)
+    loaded, info = type(model).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = loaded.eval()(tokens).logits
+    torch.testing.assert_close(fmoe_logits(params, tokens, cfg), ref, **LOGIT_TOL)
+
+
+def test_hf_files_are_written_back_unchanged(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    family, _, path = saved
+    plan = fmoe.Plan(model=fmoe.hf.config(path))
+    fmoe.hf.save(tmp_path / "out", fmoe.hf.load(path, plan), plan, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    written = {}
+    for name in set(index["weight_map"].values()):
+        written.update(load_file(tmp_path / "out" / name))
+    original = load_file(path / "model.safetensors")
+    original.pop("lm_head.weight", None) if family == "qwen2_moe" else None  # tied: not a parameter of its own
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[k], original[k]) for k in original)
+
+
+def test_released_config_form_with_top_level_rope_theta(saved, tmp_path):
+    """Released config.json files (before transformers 5) give rope_theta at the top level."""
+    family, _, path = saved
+    hf = json.loads((path / "config.json").read_text())
+    theta = hf.pop("rope_parameters")["rope_theta"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, rope_theta=theta * 2)))
+    assert fmoe.hf.config(tmp_path).rope_theta == theta * 2
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(model_type="llama"), "model_type='llama' is not supported: allowed: 'mixtral'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     "rope_parameters.rope_type='yarn' is not supported"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling="),
+    (dict(sliding_window=4096, use_sliding_window=True), "sliding_window=4096 is not supported"),
+    (dict(hidden_act="relu"), "hidden_act='relu' is not supported: allowed: 'silu'"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported: every fmoe layer is a MoE layer"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(num_attention_heads=3), "ModelConfig.kv_heads=2 is invalid: must divide heads (3)"),
+    (dict(vocab_size=None), "no 'vocab_size'"),
+])
+def test_config_refuses_what_fmoe_cannot_represent(tmp_path, change, needle):
+    hf = json.loads(hf_model("qwen3_moe").config.to_json_string())
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, **change)))
+    with pytest.raises(ValueError, match="config.json") as err:
+        fmoe.hf.config(tmp_path)
+    assert needle in str(err.value)
+
+
+def test_load_refuses_a_different_model_and_foreign_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = hf_model("mixtral")
+    model.save_pretrained(tmp_path)
+    cfg = fmoe.hf.config(tmp_path)
+    with pytest.raises(ValueError, match=r"Plan.model differs .*experts=8 \(the checkpoint's: 4\)"):
+        fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg.replace(experts=8)))
+    # training fields may differ: interleaved GLU halves load converted
+    inter = fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg.replace(glu_interleave=4)))
+    plain = fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg))
+    fc1 = plain["layers"][0]["moe"]["experts"]["fc1"]
+    assert torch.equal(inter["layers"][0]["moe"]["experts"]["fc1"], fmoe.glu_to_interleaved(fc1, 4))
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no place for.*o_proj.bias"):
+        fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg))
+    del tensors["model.layers.0.self_attn.o_proj.bias"], tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no tensor 'model.layers.1.self_attn.q_proj.weight'"):
+        fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg))
+
+
+def test_save_refuses_what_the_families_cannot_hold(tmp_path):
+    cfg = fmoe.ModelConfig(vocab=64, dim=32, heads=4, experts=4, ffn=16)
+    plan = fmoe.Plan(model=cfg)
+    params = fmoe.init(plan, seed=0)
+    params["layers"][1]["moe"]["expert_bias"] = torch.full((4,), 0.01)
+    with pytest.raises(ValueError, match="layers.1.moe.expert_bias is non-zero"):
+        fmoe.hf.save(tmp_path / "a", params, plan)
+    for bad, needle in ((dict(score_func="sigmoid"), "ModelConfig.score_func='sigmoid'"),
+                        (dict(shared_ffn=16), "ModelConfig.shared_gate=False"),
+                        (dict(norm_topk_prob=False), "ModelConfig.norm_topk_prob=False"),
+                        (dict(activation="relu2"), "ModelConfig.activation='relu2'")):
+        p2 = fmoe.Plan(model=cfg.replace(**bad))
+        with pytest.raises(ValueError, match=needle):
+            fmoe.hf.save(tmp_path / "b", fmoe.init(p2, seed=0), p2)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        fmoe.hf.save(tmp_path / "c", fmoe.init(plan, seed=0), plan)
+    assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
+
+
+def test_a_write_failure_leaves_the_old_directory_and_no_temporary(tmp_path, monkeypatch):
+    plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=64, dim=32, heads=4, experts=4, ffn=16))
+    first = fmoe.hf.save(tmp_path / "m", fmoe.init(plan, seed=0), plan)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+
+    def disk_full(self, tensors):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fmoe.hf.api._ShardWriter, "add", disk_full)
+    with pytest.raises(OSError, match=r"fmoe.hf.save to .*m failed on rank 0: OSError: .*No space left"):
+        fmoe.hf.save(tmp_path / "m", fmoe.init(plan, seed=1), plan)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]

@@ -1,0 +1,281 @@
+"""The main job as a user runs it: torchrun on gloo ranks, TOML configs, prepared data,
+Hugging Face initialisation, preemption, a dead rank, non-finite steps."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe import train
+from fmoe.data import prepare
+from fmoe.trainer import options
+from fmoe.train import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny Qwen3-MoE-like model sharded ZeRO-3 over dp1 x ep2 with the 1F1B schedule.
+TOML = """
+dim = 32
+layers = 2
+heads = 4
+kv_heads = 2
+qk_norm = "head"
+experts = 4
+topk = 2
+ffn = 32
+ep = 2
+sharding = "optim_grads_params"
+schedule = "1f1b_overlap"
+microbatches = 2
+batch = 4
+seq = 32
+steps = 8
+eval_every = 4
+eval_batches = 1
+save_every = 2
+threads = 1
+no_progress = true
+sample_tokens = 8
+"""
+
+
+def env(**extra):
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
+
+
+def torchrun(*args, timeout=240, env_extra=None):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "fmoe.train", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          env=env(**(env_extra or {})), timeout=timeout)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A byte-level corpus prepared from a few of the repository's own files."""
+    root = tmp_path_factory.mktemp("data")
+    prepare.prepare([ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "fmoe"], root / "tokens", quiet=True)
+    (root / "run.toml").write_text(TOML)
+    return root
+
+
+def test_two_gloo_ranks_with_a_toml_config_resume_bit_for_bit(corpus, tmp_path):
+    common = ["--config", corpus / "run.toml", "--data", corpus / "tokens"]
+    straight = torchrun(*common, "--out", tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr
+    assert "2 rank(s), dp=1 ep=2 sharding=optim_grads_params" in straight.stdout
+    assert "sample: " in straight.stdout
+    first = torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5)
+    assert first.returncode == 0, first.stderr
+    assert fmoe.checkpoint.read_meta(tmp_path / "b" / "checkpoint")[1]["step"] == 5
+    resumed = torchrun(*common, "--out", tmp_path / "b", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert a[-1]["heldout_loss"] == b[-1]["heldout_loss"] < a[0]["loss"]
+    assert all(len(r["expert_load"]) == 2 and r["tokens_per_s"] > 0 for r in a)
+    # the settings were recorded, and the resumed run refuses other data settings
+    assert 'qk_norm = "head"' in (tmp_path / "a" / "settings.toml").read_text()
+    other = torchrun(*common, "--out", tmp_path / "b", "--resume", "--steps", 10, "--seed", 1)
+    assert other.returncode != 0 and "cannot resume: --seed=1" in other.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_on_nccl_resume_bit_for_bit(corpus, tmp_path):
+    # the same run in bf16 on NCCL; Ring all-reduces and a fixed cuBLAS workspace keep a
+    # rerun of the same steps bitwise, so stopping and resuming must change nothing
+    common = ["--config", corpus / "run.toml", "--data", corpus / "tokens", "--device", "cuda",
+              "--dtype", "bfloat16"]
+    extra = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    straight = torchrun(*common, "--out", tmp_path / "a", env_extra=extra)
+    assert straight.returncode == 0, straight.stderr
+    assert "dp=1 ep=2" in straight.stdout and "sample: " in straight.stdout
+    first = torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5, env_extra=extra)
+    assert first.returncode == 0, first.stderr
+    resumed = torchrun(*common, "--out", tmp_path / "b", "--resume", env_extra=extra)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert a[-1]["heldout_loss"] == b[-1]["heldout_loss"] < a[0]["loss"]
+
+
+def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--config", corpus / "run.toml", "--steps", "3",
+                           "--no-norm-topk-prob", "--print-config"], capture_output=True, text=True, env=env())
+    assert proc.returncode == 0, proc.stderr
+    import tomllib
+
+    merged = tomllib.loads(proc.stdout)
+    assert (merged["steps"], merged["kv_heads"], merged["norm_topk_prob"], merged["lr"]) == (3, 2, False, 3e-3)
+    assert merged["sharding"] == "optim_grads_params" and merged["units"] == ""
+    assert len(options.presets()) == 9
+    for preset in options.presets():  # every shipped preset builds a valid model and plan
+        settings, _ = options.resolve(["--config", preset])
+        assert tomllib.loads(options.to_toml(settings))["dim"] == settings["dim"]
+        options.plan_for(settings, options.model_config(settings))
+
+
+@pytest.mark.parametrize("toml,flags,needle", [
+    ("dimm = 64\n", [], "unknown key 'dimm' (did you mean 'dim'?)"),
+    ("dim = \"wide\"\n", [], "key 'dim' must be an int, got 'wide'"),
+    ("[model]\ndim = 64\n", [], "key 'model' is a table"),
+    ("dim = 64\nheads = 3\n", [], "ModelConfig.dim=64 is invalid"),
+    ("", ["--sharding", "zero3"], "Plan.sharding='zero3' is invalid"),
+    ("", ["--config", "nope-small"], "no such file, nor a preset"),
+    ("", ["--ep", "2"], "--dp=1 x --ep=2 must equal the number of processes (WORLD_SIZE=1)"),
+    ("", ["--batch", "6", "--microbatches", "4"], "--batch=6 is invalid"),
+    ("", ["--steps", "0"], "--steps=0 is invalid: must be an int >= 1"),
+    ("", ["--lr", "nan"], "--lr=nan is invalid"),
+    ("", ["--vocab", "100"], "vocab"),
+    ("", ["--cuda-graph", "attn"], "Plan.device"),
+    ("", ["--data", "/nonexistent/tokens"], "/nonexistent/tokens"),
+])
+def test_bad_settings_fail_before_any_work(tmp_path, toml, flags, needle):
+    (tmp_path / "c.toml").write_text(toml)
+    args = (["--config", str(tmp_path / "c.toml")] if toml else []) + flags + ["--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit) as err:
+        train_main(args)
+    assert needle in str(err.value) and str(err.value).startswith("fmoe.train: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_setting_on_the_command_line_exits_with_the_message_and_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--kv-heads", "3", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env())
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "fmoe.train: ModelConfig.kv_heads=3 is invalid: must divide heads (4)" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fine_tuning_starts_from_a_hugging_face_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    args = ["--init-from-hf", tmp_path / "hf", "--steps", 3, "--batch", 4, "--seq", 16, "--eval-every", 3,
+            "--eval-batches", 1, "--no-progress", "--sample-tokens", 0, "--out", tmp_path / "run"]
+    summary = train_main(list(map(str, args)))
+    # the first step's loss is the Hugging Face model's loss on that step's batch
+    plan = fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf"))
+    batch = fmoe.data.sample_batch(fmoe.data.embedded_corpus().train, 4, 16, seed=0, step=1)
+    expected = fmoe.eval_loss(fmoe.hf.load(tmp_path / "hf", plan), batch, plan)
+    assert records(tmp_path / "run")[0]["loss"] == pytest.approx(float(expected), rel=1e-6)
+    assert summary["steps"] == 3
+    # settings.toml records the model that was trained (from config.json), and runs again
+    assert "dim = 32" in (tmp_path / "run" / "settings.toml").read_text()
+    rerun = ["--config", tmp_path / "run" / "settings.toml", "--steps", 1, "--out", tmp_path / "again"]
+    assert train_main(list(map(str, rerun)))["steps"] == 1
+    with pytest.raises(SystemExit, match=r"--dim=64 contradicts --init-from-hf"):
+        train_main(list(map(str, args + ["--dim", 64])))
+
+
+def test_non_finite_steps_stop_the_job_and_keep_the_last_good_checkpoint(tmp_path):
+    # a huge rate makes the first update finite but the parameters absurd: every later
+    # step's gradients are NaN, so updates are skipped until the job gives up
+    args = ["--steps", 20, "--batch", 4, "--seq", 16, "--lr", 1e30, "--warmup", 0, "--max-skips", 3,
+            "--save-every", 1, "--keep", 5, "--expert-bias-rate", 0.01, "--no-progress", "--out", tmp_path]
+    with pytest.raises(SystemExit, match=r"3 steps in a row \(to step 4\) had non-finite gradients"):
+        train_main(list(map(str, args)))
+    rec = records(tmp_path)
+    assert [r["skipped_steps"] for r in rec] == [0, 1, 2, 3]
+    assert fmoe.checkpoint.read_meta(tmp_path / "checkpoint")[1]["step"] == 3
+    # a skipped step changes no parameter: not even the expert biases, which get no gradient
+    plan = train.build_plan(train.parse_args(list(map(str, args))))
+    one, three = (fmoe.load(tmp_path / f"checkpoint-{n:08d}", plan).params for n in (1, 3))
+    for a, b in zip(optree.tree_leaves(one), optree.tree_leaves(three)):
+        assert torch.equal(a, b)
+
+
+def test_resume_continues_the_log_and_refuses_what_cannot_continue(tmp_path):
+    args = ["--steps", 8, "--batch", 4, "--seq", 16, "--save-every", 2, "--eval-every", 8, "--eval-batches", 1,
+            "--no-progress", "--sample-tokens", 0, "--out", tmp_path]
+    train_main(list(map(str, args + ["--stop-after", 4])))
+    # a run that died after step 4's checkpoint had logged steps 5 and half of 6
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 0.0}) + "\n" + '{"step": 6, "lo')
+    for extra, needle in ((["--stop-after", 4], "at step 4 already; raise --stop-after"),
+                          (["--clip", 0], "--clip=0.0 turns off what the checkpoint's optimizer state was built with"),
+                          (["--max-skips", 0], "--max-skips=0 turns off")):
+        with pytest.raises(SystemExit, match=needle):
+            train_main(list(map(str, args + ["--resume"] + extra)))
+    train_main(list(map(str, args + ["--resume"])))
+    rec = records(tmp_path)
+    assert [r["step"] for r in rec] == list(range(1, 9)) and rec[4]["loss"] > 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(args, world=2):
+    """The main job as torchrun would start it, one process per rank, without torchrun
+    in between (so a test can signal or kill one rank)."""
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-m", "fmoe.train", *map(str, args)], cwd=ROOT,
+                             env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                     MASTER_PORT=str(port)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+
+
+def wait_for_step(out: Path, step: int, procs, limit=120.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= step:
+            return
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.05)
+    raise TimeoutError(f"no step {step} in {limit}s")
+
+
+SLOW = ["--steps", 40, "--batch", 4, "--seq", 64, "--dim", 64, "--ffn", 128, "--eval-every", 40,
+        "--eval-batches", 1, "--no-progress", "--threads", 1, "--sample-tokens", 0, "--save-every", 0]
+
+
+def test_sigterm_saves_on_every_rank_and_resume_is_bit_for_bit(tmp_path):
+    procs = launch_ranks(SLOW + ["--out", tmp_path / "b"])
+    wait_for_step(tmp_path / "b", 3, procs)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "stopped by SIGTERM" in outs[0][0] and "--resume" in outs[0][0]
+    stopped = fmoe.checkpoint.read_meta(tmp_path / "b" / "checkpoint")[1]["step"]
+    assert 3 <= stopped < 40
+    resumed = launch_ranks(SLOW + ["--out", tmp_path / "b", "--resume"])
+    assert [p.wait(timeout=240) for p in resumed] == [0, 0], [p.communicate() for p in resumed]
+    straight = launch_ranks(SLOW + ["--out", tmp_path / "a"])
+    assert [p.wait(timeout=240) for p in straight] == [0, 0], [p.communicate() for p in straight]
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [r["step"] for r in b] == list(range(1, 41))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_a_killed_rank_makes_the_other_exit_with_an_error(tmp_path):
+    procs = launch_ranks(SLOW + ["--out", tmp_path, "--save-every", 2, "--timeout", 30])
+    wait_for_step(tmp_path, 4, procs)
+    procs[1].kill()
+    start = time.monotonic()
+    _, err = procs[0].communicate(timeout=90)
+    assert procs[0].returncode != 0 and time.monotonic() - start < 60
+    assert "rank 0 of 2: a collective failed" in err and "--resume" in err, err
+    procs[1].communicate()
+    step = fmoe.checkpoint.read_meta(tmp_path / "checkpoint")[1]["step"]
+    assert step >= 2 and step % 2 == 0
