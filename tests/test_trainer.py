@@ -279,3 +279,35 @@ def test_a_killed_rank_makes_the_other_exit_with_an_error(tmp_path):
     procs[1].communicate()
     step = fmoe.checkpoint.read_meta(tmp_path / "checkpoint")[1]["step"]
     assert step >= 2 and step % 2 == 0
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The fmoe.train processes torchrun's agent (process ``pid``) started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and b"fmoe.train" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+def test_torchrun_restarts_a_job_whose_rank_died_and_it_resumes(tmp_path):
+    # the README's recipe: torchrun --max-restarts with --auto-resume
+    launcher = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+    args = SLOW + ["--out", tmp_path, "--save-every", 2, "--auto-resume", "--timeout", 30]
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "fmoe.train",
+                             *map(str, args)], cwd=ROOT, env=env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(tmp_path, 5, [proc])
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "resumed from" in out
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, 41))

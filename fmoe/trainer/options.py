@@ -46,6 +46,8 @@ RUN_OPTIONS = (
     ("save_every", int, 250, "checkpoint every N steps (0: only at the end)"),
     ("keep", int, 1, "checkpoints to keep (the newest; one is removed only after a newer one is complete)"),
     ("resume", bool, False, "continue from the checkpoint in --out"),
+    ("auto_resume", bool, False, "continue from the checkpoint in --out if there is one, else start "
+                                 "(for torchrun --max-restarts)"),
     ("stop_after", int, 0, "end this run after that step, with a checkpoint (0: run to --steps)"),
     ("timeout", float, 1800.0, "seconds a collective waits for the other ranks before the job fails"),
     ("cuda_graph", str, "", "CUDA-graph scopes, comma-separated from attn, router, experts; or 'step'"),

@@ -114,6 +114,9 @@ def prepare(argv=None) -> Run | str:
     if plan.expert_backend == "te":
         import interop.te  # noqa: F401  registers the backend
     scopes = parse_scopes(s["cuda_graph"], plan)
-    if s["resume"] and not (Path(s["out"]) / "checkpoint").exists():
-        raise ValueError(f"--resume, but there is no checkpoint at {Path(s['out']) / 'checkpoint'}")
+    checkpoint = Path(s["out"]) / "checkpoint"
+    if s["auto_resume"] and checkpoint.exists():  # a restarted job (torchrun --max-restarts)
+        s["resume"] = True
+    if s["resume"] and not checkpoint.exists():
+        raise ValueError(f"--resume, but there is no checkpoint at {checkpoint}")
     return Run(s, world, corpus, plan, scopes)
