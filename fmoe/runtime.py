@@ -23,6 +23,12 @@ def check_runtime(plan: Plan) -> None:
             f"process sees a world of {world}: launch {plan.world} processes "
             f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
         )
+    check_device_and_backend(plan)
+
+
+def check_device_and_backend(plan: Plan) -> None:
+    """The part of ``check_runtime`` that needs no process group: the device exists and
+    the expert backend is loaded and can run the plan."""
     device = torch.device(plan.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")

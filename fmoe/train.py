@@ -14,6 +14,8 @@ directory written by ``python -m fmoe.data prepare``. ``--init-from-hf`` starts 
 a Hugging Face checkpoint. Writes ``metrics.jsonl`` (and TensorBoard events when
 ``tensorboard`` is installed), ``settings.toml`` and the checkpoint under ``--out``;
 ``--resume`` continues from it, bit for bit. Ends with a sample of generated text.
+CUDA graphs (``--cuda-graph``) and TransformerEngine experts (``--expert-backend te``)
+come from the adapters: ``python -m interop.train`` takes the same flags and adds them.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from .config import Plan
 from .trainer import launch, loop, setup
 
 
-def parse_args(argv=None) -> setup.Run:
+def parse_args(argv=None, adapters: setup.Adapters | None = None) -> setup.Run:
     """The checked run for these arguments (SystemExit naming a bad setting)."""
     try:
-        run = setup.prepare(argv)
+        run = setup.prepare(argv, adapters)
     except ValueError as err:
         raise SystemExit(f"fmoe.train: {err}") from None
     if isinstance(run, str):  # --print-config
@@ -39,14 +41,17 @@ def build_plan(run: setup.Run) -> Plan:
     return run.plan
 
 
-def main(argv=None) -> dict:
+def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     """Run the main job; returns its summary (losses, throughput, checkpoint path).
+
+    ``adapters`` (``python -m interop.train`` hands them in) enable ``--cuda-graph``
+    and ``--expert-backend te``.
 
     A collective that fails (another rank died, or did not answer within ``--timeout``)
     ends this rank with an error naming it, instead of a hang: torchrun then stops the
     others, and ``--max-restarts`` with ``--resume`` picks the run up again.
     """
-    run = parse_args(argv)
+    run = parse_args(argv, adapters)
     launch.start(run.world, run.plan.device, run.settings["timeout"])
     try:
         return loop.train(run)

@@ -1,5 +1,7 @@
 """CUDA checks of the single-process core (run on the GPU machine; skipped elsewhere)."""
 
+import json
+
 import optree
 import pytest
 import torch
@@ -99,3 +101,19 @@ def test_cuda_cached_generation_matches_full_forward():
         logits, _ = layers.forward(params, ids, FEATURES)
         ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert got.device.type == "cuda" and torch.equal(got, ids)
+
+
+@pytest.mark.parametrize("graphs", ["step", "attn,router,experts"])
+def test_cuda_graphed_main_job_is_bitwise_eager(tmp_path, graphs):
+    from interop.train import main as interop_main
+
+    common = ["--device", "cuda", "--dtype", "bfloat16", "--capacity-factor", "1.5", "--steps", "6",
+              "--eval-every", "6", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+    eager = interop_main(common + ["--out", str(tmp_path / "eager")])
+    graphed = interop_main(common + ["--cuda-graph", graphs, "--out", str(tmp_path / "graphed")])
+
+    def losses(out):
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(tmp_path / "graphed") == losses(tmp_path / "eager")
+    assert graphed["heldout_loss"] == eager["heldout_loss"]

@@ -141,7 +141,7 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     ("", ["--steps", "0"], "--steps=0 is invalid: must be an int >= 1"),
     ("", ["--lr", "nan"], "--lr=nan is invalid"),
     ("", ["--vocab", "100"], "vocab"),
-    ("", ["--cuda-graph", "attn"], "Plan.device"),
+    ("", ["--cuda-graph", "attn"], "--cuda-graph='attn' is invalid: it needs fmoe's adapters: run python -m interop"),
     ("", ["--data", "/nonexistent/tokens"], "/nonexistent/tokens"),
 ])
 def test_bad_settings_fail_before_any_work(tmp_path, toml, flags, needle):
@@ -149,6 +149,32 @@ def test_bad_settings_fail_before_any_work(tmp_path, toml, flags, needle):
     args = (["--config", str(tmp_path / "c.toml")] if toml else []) + flags + ["--out", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as err:
         train_main(args)
+    assert needle in str(err.value) and str(err.value).startswith("fmoe.train: ")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_core_main_job_leaves_te_to_the_adapters(tmp_path):
+    # a fresh process: importing interop.te anywhere in this one registers the backend
+    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--expert-backend", "te", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env())
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--expert-backend='te' is invalid: it needs fmoe's adapters: run python -m interop.train" in proc.stderr
+    assert "interop" not in subprocess.run([sys.executable, "-c", "import sys, fmoe.train; print(*sys.modules)"],
+                                           capture_output=True, text=True, env=env()).stdout
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--cuda-graph", "attn"], "Plan.device"),  # interop.cuda_graph's own check ran
+    (["--cuda-graph", "step"], "cannot capture a whole step in a CUDA graph"),  # the step path, not scopes
+    (["--expert-backend", "te"], "Plan.expert_backend='te'"),  # interop.te's check ran: CPU, or no TE
+    pytest.param(["--device", "cuda"], "Plan.device='cuda:0', but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")),
+])
+def test_the_adapters_main_job_checks_graphs_and_te_before_any_work(tmp_path, flags, needle):
+    from interop.train import main as interop_main
+
+    with pytest.raises(SystemExit) as err:
+        interop_main(flags + ["--out", str(tmp_path / "run")])
     assert needle in str(err.value) and str(err.value).startswith("fmoe.train: ")
     assert not (tmp_path / "run").exists()
 
@@ -295,7 +321,7 @@ def _workers_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux only: finds torchrun's workers through /proc")
 def test_torchrun_restarts_a_job_whose_rank_died_and_it_resumes(tmp_path):
     # the README's recipe: torchrun --max-restarts with --auto-resume
     launcher = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]

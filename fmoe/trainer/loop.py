@@ -49,15 +49,11 @@ class _Stepper:
         return self.call(params, batch)
 
     def _build(self, params, batch):
-        plan, scopes = self.run.plan, self.run.scopes
+        plan, scopes, adapters = self.run.plan, self.run.scopes, self.run.adapters
         if scopes == ("step",):
-            from interop.cuda_graph import capture_step
-
-            return capture_step(params, batch, plan)
+            return adapters.capture_step(params, batch, plan)
         if scopes:
-            from interop.cuda_graph import capture_scopes
-
-            kernels = capture_scopes(params, batch, plan, scopes)
+            kernels = adapters.capture_scopes(params, batch, plan, scopes)
             return lambda p, b: step(p, b, plan, kernels)
         return lambda p, b: step(p, b, plan)
 

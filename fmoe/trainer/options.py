@@ -50,7 +50,8 @@ RUN_OPTIONS = (
                                  "(for torchrun --max-restarts)"),
     ("stop_after", int, 0, "end this run after that step, with a checkpoint (0: run to --steps)"),
     ("timeout", float, 1800.0, "seconds a collective waits for the other ranks before the job fails"),
-    ("cuda_graph", str, "", "CUDA-graph scopes, comma-separated from attn, router, experts; or 'step'"),
+    ("cuda_graph", str, "", "CUDA-graph scopes, comma-separated from attn, router, experts; or 'step' "
+                            "(python -m interop.train)"),
     ("peak_tflops", float, 0.0, "the device's peak for MFU (0: known GPUs only)"),
     ("sample_tokens", int, 64, "tokens to generate from a held-out prompt at the end (0: none)"),
     ("threads", int, 0, "CPU threads per process (0: torch's default)"),

@@ -6,17 +6,35 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .. import hf
 from ..config import Plan
 from ..data import TokenCorpus, check_vocab, embedded_corpus, open_corpus
 from ..hf.families import TRAINING_FIELDS
+from ..layers.experts import registered_backend
+from ..runtime import check_device_and_backend
 from . import options
 from .launch import World, rank_device, world_from_env
 
 _POSITIVE = ("steps", "batch", "seq", "eval_every", "eval_batches", "keep")
 _NON_NEGATIVE = ("warmup", "save_every", "stop_after", "threads", "sample_tokens", "max_skips")
+
+
+class Adapters(NamedTuple):
+    """What the main job takes from ``interop`` when ``python -m interop.train`` runs
+    it: the core never imports its adapters, they are handed in.
+
+    Attributes:
+        check_capturable, capture_step, capture_scopes: ``interop.cuda_graph``'s.
+        load_backend: registers the expert backend of that name (``te``), or raises
+            a ValueError saying what is missing.
+    """
+
+    check_capturable: Callable
+    capture_step: Callable
+    capture_scopes: Callable
+    load_backend: Callable[[str], None]
 
 
 class Run(NamedTuple):
@@ -27,6 +45,7 @@ class Run(NamedTuple):
     corpus: TokenCorpus
     plan: Plan
     scopes: tuple  # CUDA-graph scopes, or ("step",)
+    adapters: Adapters | None
 
     @property
     def out(self) -> Path:
@@ -57,7 +76,10 @@ def check_run_options(s: dict) -> None:
         _bad("stop_after", s["stop_after"], f"must be <= --steps ({s['steps']}) or 0")
 
 
-def parse_scopes(text: str, plan: Plan) -> tuple:
+_ADAPTERS_NEEDED = "it needs fmoe's adapters: run python -m interop.train with the same settings"
+
+
+def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
     """``--cuda-graph``: "" (none), "step", or scopes from attn, router, experts."""
     if not text:
         return ()
@@ -65,10 +87,20 @@ def parse_scopes(text: str, plan: Plan) -> tuple:
     allowed = ("attn", "router", "experts")
     if scopes != ("step",) and not all(s in allowed for s in scopes):
         _bad("cuda_graph", text, "'step', or comma-separated scopes from " + ", ".join(allowed))
-    from interop.cuda_graph import check_capturable  # the main job is an application of the adapters
-
-    check_capturable(plan, () if scopes == ("step",) else scopes)
+    if adapters is None:
+        _bad("cuda_graph", text, _ADAPTERS_NEEDED)
+    adapters.check_capturable(plan, scopes)
     return scopes
+
+
+def load_expert_backend(name: str, adapters: Adapters | None) -> None:
+    """Make ``--expert-backend name`` runnable: the built-in ones are; others come from
+    the adapters (``te``)."""
+    if name in ("torch", "loop") or registered_backend(name) is not None:
+        return
+    if adapters is None:
+        _bad("expert_backend", name, _ADAPTERS_NEEDED)
+    adapters.load_backend(name)
 
 
 def _model_config(s: dict, explicit: set, corpus: TokenCorpus):
@@ -87,8 +119,11 @@ def _model_config(s: dict, explicit: set, corpus: TokenCorpus):
     return base.replace(**{k: s[k] for k in TRAINING_FIELDS if k in explicit})
 
 
-def prepare(argv=None) -> Run | str:
+def prepare(argv=None, adapters: Adapters | None = None) -> Run | str:
     """Merge and check everything; the printed config for ``--print-config``.
+
+    ``adapters``: what ``--cuda-graph`` and ``--expert-backend te`` need (handed in by
+    ``python -m interop.train``); without them those settings are refused.
 
     Raises:
         ValueError: naming the setting, key or file that cannot work.
@@ -111,12 +146,12 @@ def prepare(argv=None) -> Run | str:
     if s["batch"] % world.size or per_rank % plan.microbatches:
         _bad("batch", s["batch"], f"must split into {world.size} rank(s) x --microbatches={plan.microbatches} "
              f"equal parts (a multiple of {world.size * plan.microbatches})")
-    if plan.expert_backend == "te":
-        import interop.te  # noqa: F401  registers the backend
-    scopes = parse_scopes(s["cuda_graph"], plan)
+    load_expert_backend(plan.expert_backend, adapters)
+    check_device_and_backend(plan)
+    scopes = parse_scopes(s["cuda_graph"], plan, adapters)
     checkpoint = Path(s["out"]) / "checkpoint"
     if s["auto_resume"] and checkpoint.exists():  # a restarted job (torchrun --max-restarts)
         s["resume"] = True
     if s["resume"] and not checkpoint.exists():
         raise ValueError(f"--resume, but there is no checkpoint at {checkpoint}")
-    return Run(s, world, corpus, plan, scopes)
+    return Run(s, world, corpus, plan, scopes, adapters)

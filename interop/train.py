@@ -1,0 +1,37 @@
+"""The main job with fmoe's adapters: ``python -m interop.train`` takes every setting of
+``python -m fmoe.train`` and adds the two that need ``interop``:
+
+    python -m interop.train --device cuda --dtype bfloat16 --capacity-factor 1.25 --cuda-graph attn,experts
+    torchrun --nproc-per-node 8 -m interop.train --config mixtral-small --expert-backend te
+
+``--cuda-graph`` captures the step or its layer scopes (``interop.cuda_graph``);
+``--expert-backend te`` runs the experts on TransformerEngine (``interop.te``, imported
+only when asked for, since it loads TransformerEngine).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fmoe import train
+from fmoe.trainer.setup import Adapters
+
+from .cuda_graph import capture_scopes, capture_step, check_capturable
+
+def load_backend(name: str) -> None:
+    """Import ``interop.<name>``, which registers expert backend ``name`` (``te``: the
+    only one Plan allows beyond the built-in ``torch`` and ``loop``). Without
+    TransformerEngine the import still succeeds and the backend's check says so."""
+    importlib.import_module(f"interop.{name}")
+
+
+ADAPTERS = Adapters(check_capturable, capture_step, capture_scopes, load_backend)
+
+
+def main(argv=None) -> dict:
+    """``fmoe.train.main`` with the adapters handed in; returns its summary."""
+    return train.main(argv, ADAPTERS)
+
+
+if __name__ == "__main__":
+    main()
