@@ -1,6 +1,6 @@
 """Expert MLP throughput per backend: fc1 -> GLU x router prob -> fc2, forward + backward.
 
-    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20] [--permute]
+    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20] [--permute] [--no-fused]
 
 The shapes of ../shared/device/ceilings.md's anchors (bf16): rows = tokens x topk.
 Default: equal splits, no permute, the probability scales the GLU output (the
@@ -8,7 +8,10 @@ anchors' setting). ``--permute``: tokens ``[T, D]`` with random top-k experts
 (uniform, so splits vary) go through ``make_dispatch`` + ``permute``, the experts,
 then ``unpermute`` weighted by the probabilities. FLOPs are 3 x the forward's GEMMs
 (dgrad + wgrad), active experts only. Backend ``te`` needs TransformerEngine
-(``interop.te``). Prints a table last.
+(``interop.te``). Each backend runs with fmoe's Triton kernels for the non-GEMM work
+(SwiGLU x prob; with ``--permute`` also unpermute: ``fmoe/layers/triton_kernels.py``)
+and again with ``FMOE_FUSED_KERNELS=0`` (the pure-torch path), side by side;
+``--no-fused`` runs the torch path only. Prints a table last.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import os
 import statistics
 
 import torch
 
 import fmoe
-from fmoe.layers.dispatch import make_dispatch, permute, unpermute
-from fmoe.layers.experts import expert_mlp
+from fmoe.layers import expert_mlp, fused_kernels_available, make_dispatch, permute, unpermute
 
 SHAPES = [(65536, 2048, 1408, 16), (262144, 4096, 1536, 32)]  # rows, D, F, E
 TOPK = {16: 4, 32: 8}  # issue 9's shapes: T=16384 top-4, T=32768 top-8
@@ -63,7 +66,11 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--permute", action="store_true")
     ap.add_argument("--profile", action="store_true", help="top kernels of one torch-backend call per shape")
+    ap.add_argument("--no-fused", action="store_true", help="only the pure-torch path (FMOE_FUSED_KERNELS=0)")
     args = ap.parse_args()
+    os.environ.pop("FMOE_FUSED_KERNELS", None)
+    fused_modes = [False] if args.no_fused or not fused_kernels_available(torch.empty(0, device="cuda")) \
+        else [True, False]
     if "te" in args.backends:
         importlib.import_module("interop.te")
     results = []
@@ -86,7 +93,13 @@ def main():
         flops = 3 * (2 * rows * D * 2 * F + 2 * rows * F * D)
         grad_y = grad_y[:tokens]
         fixed = None if args.permute else make_dispatch(experts, E)
-        for backend in args.backends:
+        # fmoe's kernels replace the torch path's SwiGLU (a registered backend such as te
+        # runs its own) and, with --permute, the unpermute
+        runs = [(b, f if b in ("torch", "loop") or args.permute else None)
+                for b in args.backends for f in fused_modes]
+        for backend, fused in dict.fromkeys(runs):
+            os.environ["FMOE_FUSED_KERNELS"] = "1" if fused else "0"  # read at every call
+
             def fwd_bwd():
                 if args.permute:  # the routing decision's permutation is part of the work
                     d = make_dispatch(experts, E)
@@ -95,18 +108,19 @@ def main():
                     y = expert_mlp(p, x, fixed, cfg, probs, backend)
                 torch.autograd.grad(y, [x, probs, p["fc1"], p["fc2"]], grad_y)
             ms = _time_ms(fwd_bwd, args.iters)
-            results.append((rows, D, F, E, backend, ms, flops / ms / 1e9))
+            results.append((rows, D, F, E, backend, {True: "yes", False: "no", None: "-"}[fused], ms, flops / ms / 1e9))
             if args.profile and backend == "torch":
-                _print_top_kernels(fwd_bwd, f"rows={rows} D={D} F={F} E={E} torch")
+                _print_top_kernels(fwd_bwd, f"rows={rows} D={D} F={F} E={E} torch, fused kernels {fused}")
             del fwd_bwd
         torch.cuda.empty_cache()
+    os.environ.pop("FMOE_FUSED_KERNELS", None)
     what = "permute + experts + unpermute x prob, random top-k" if args.permute else \
         "swiglu x prob, equal splits, no permute"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert MLP fwd+bwd, bf16, {what}; "
           f"median of {args.iters}")
-    print(f"{'rows':>7s} {'D':>5s} {'F':>5s} {'E':>3s} {'backend':>8s} {'ms':>8s} {'TFLOP/s':>8s}")
-    for rows, D, F, E, backend, ms, tflops in results:
-        print(f"{rows:7d} {D:5d} {F:5d} {E:3d} {backend:>8s} {ms:8.2f} {tflops:8.1f}")
+    print(f"{'rows':>7s} {'D':>5s} {'F':>5s} {'E':>3s} {'backend':>8s} {'fused':>5s} {'ms':>8s} {'TFLOP/s':>8s}")
+    for rows, D, F, E, backend, fused, ms, tflops in results:
+        print(f"{rows:7d} {D:5d} {F:5d} {E:3d} {backend:>8s} {fused:>5s} {ms:8.2f} {tflops:8.1f}")
 
 
 if __name__ == "__main__":

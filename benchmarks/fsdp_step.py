@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -22,10 +23,8 @@ import torch
 import torch.distributed as dist
 
 import fmoe
-from fmoe.params import _full_leaves, _treedef
 from fmoe.schedule import build_program, max_live_units
-from fmoe.shard.spec import shard_leaf, shard_spec
-from fmoe.shard.trace import count
+from fmoe.shard import count, shard_spec
 
 
 def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:
@@ -74,13 +73,8 @@ def memory_formula(plan) -> float:
     return n * sum(per) + itemsize * gathered
 
 
-def shard_of(full_leaves, plan, rank):
-    leaves = [shard_leaf(t, path, plan, rank).to("cuda") for path, t in full_leaves]
-    return optree.tree_unflatten(_treedef(plan.model), leaves)
-
-
-def run_case(name, plan, full_leaves, tokens, args, rank):
-    params = shard_of(full_leaves, plan, rank)
+def run_case(name, plan, tokens, args):
+    params = fmoe.init(plan, seed=0)
     opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, max_grad_norm=1.0, plan=plan)
     state = opt.init(params)
     torch.cuda.synchronize()
@@ -146,8 +140,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     cfg = lm_config(args)
-    full_leaves = list(_full_leaves(cfg, seed=0))
-    total_params = sum(t.numel() for _, t in full_leaves)
+    total_params = sum(math.prod(shape) for shape in fmoe.params.flat_shapes(cfg).values())
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g)
     base = dict(model=cfg, dp=world, microbatches=args.microbatches, dtype="bfloat16", device="cuda")
@@ -155,7 +148,7 @@ def main():
     cases.append(("optim_grads_params, no prefetch", fmoe.Plan(sharding="optim_grads_params", prefetch=0, **base)))
     rows = []
     for name, plan in cases:
-        rows.append(run_case(name, plan, full_leaves, tokens, args, rank))
+        rows.append(run_case(name, plan, tokens, args))
         if rank == 0:
             print(f"  done {name}: {rows[-1]['step_s'] * 1e3:.0f} ms", flush=True)
     comm = comm_only(cases[3][1])

@@ -9,9 +9,9 @@ GPU, no sharding. A step is ``fmoe.step`` + ``fmoe.adamw``'s update; MFU counts 
 active parameters' FLOPs plus attention against 789 TFLOP/s.
 
 Modes: eager with the torch expert backend and the optax-style AdamW chain; the same
-with ``adamw(fused=True)``; with ``te`` experts (when TransformerEngine imports); and
-the whole step captured as a CUDA graph (``interop.cuda_graph``). One more step of
-the eager modes runs under the profiler: kernel time by kind (matmul, attention,
+with ``adamw(fused=True)``, pure and with ``donate=True``; with ``te`` experts (when
+TransformerEngine imports); and the whole step captured as a CUDA graph
+(``interop.cuda_graph``). One more step of the donated eager modes runs under the profiler: kernel time by kind (matmul, attention,
 other), GPU idle time, and the top kernels.
 
 ``--sweep-experts``: the eager torch step for each expert count at fixed top-k and F
@@ -113,15 +113,16 @@ def main():
         params = fmoe.init(plan, seed=0)
         chain = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan)
         fused = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True)
+        donating = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True, donate=True)
         batch = {"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
                                          generator=torch.Generator().manual_seed(0)).cuda()}
         eager = lambda p: fmoe.step(p, batch, plan)  # noqa: E731
-        modes = {"eager torch, fused AdamW": (eager, fused)}
+        modes = {"eager torch, donated": (eager, donating)}
         if not args.sweep_experts:
-            modes = {"eager torch, AdamW chain": (eager, chain), **modes}
+            modes = {"eager torch, AdamW chain": (eager, chain), "eager torch, fused AdamW": (eager, fused), **modes}
             if te:
                 te_plan = plan.replace(expert_backend="te")
-                modes["eager te, fused AdamW"] = (lambda p: fmoe.step(p, batch, te_plan), fused)
+                modes["eager te, donated"] = (lambda p: fmoe.step(p, batch, te_plan), donating)
             graphed = capture_step(params, batch, plan)
             modes["whole-step graph, fused"] = (lambda p: graphed(p, batch), fused)
         for name, (run, opt) in modes.items():
@@ -132,8 +133,8 @@ def main():
             print(f"  done E={experts} {name}: {step_s * 1e3:.1f} ms", flush=True)
         if not args.sweep_experts:
             profiles = {name: profile_step(run, params, opt) for name, (run, opt) in modes.items()
-                        if name.startswith("eager") and "chain" not in name}
-        del params, modes, chain, fused
+                        if name.startswith("eager") and "donated" in name}
+        del params, modes, chain, fused, donating
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; D={args.dim}, {args.layers} layers, "
           f"top-{args.topk} of E, F={args.ffn}, vocab {args.vocab}; {tokens} tokens/step in {args.microbatches} "

@@ -17,8 +17,8 @@ from .optim import (
     update_expert_bias,
     warmup_cosine,
 )
-from .params import (active_param_count, glu_from_interleaved, glu_to_interleaved, init, param_shapes,
-                     train_flops_per_token)
+from .flat import as_flat, init
+from .params import active_param_count, glu_from_interleaved, glu_to_interleaved, param_shapes, train_flops_per_token
 from .shard.gather import gather_full
 from .shard.trace import export_chrome_trace
 from .step import StepOutput, eval_loss, step
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
+    "as_flat",
     "apply_if_finite", "chain", "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full",
     "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "layers", "load", "optimizer",
     "param_shapes", "save", "scale_by_adam", "skipped_steps", "step", "train_flops_per_token",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .units import check_units
+
 ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -259,8 +261,6 @@ class Plan:
             _fail(own, "prefetch", self.prefetch,
                   "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
                   "(or use gather_buffers 'dynamic' / 'persistent')")
-        from .shard.units import check_units  # shard/ builds on config: import late
-
         if self.units is not None:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
@@ -281,8 +281,6 @@ class Plan:
     @property
     def unit_groups(self) -> tuple:
         """The FSDP units: ``units`` if given, else one unit per member."""
-        from .shard.units import check_units
-
         return check_units(self.units, self.model)
 
     @property

@@ -26,8 +26,7 @@ import zlib
 import optree
 import torch
 
-from .config import ModelConfig, Plan
-from .runtime import check_runtime
+from .config import ModelConfig
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -133,27 +132,6 @@ def _treedef(cfg: ModelConfig):
 def init_full(cfg: ModelConfig, seed: int, device="cpu") -> dict:
     """The full fp32 parameter pytree for ``seed`` (drawn on CPU, then moved)."""
     return optree.tree_unflatten(_treedef(cfg), [t.to(device) for _, t in _full_leaves(cfg, seed)])
-
-
-def init(plan: Plan, seed: int = 0) -> dict:
-    """This rank's parameter pytree for ``plan``, deterministic per ``seed``.
-
-    Arguments:
-        plan: the Plan (its model, device and parallel layout).
-        seed: the same seed gives the same full model whatever the plan.
-
-    Returns:
-        A nested dict of fp32 tensors in the canonical layout (see module docstring):
-        full tensors, or, when the plan shards parameters over several ranks, this
-        rank's rows of each as ``[local_rows, last_dim]``.
-    """
-    from .shard.comm import Group  # shard/ builds on this module: import late
-    from .shard.spec import shard_leaf
-
-    check_runtime(plan)
-    rank = Group.world().rank
-    leaves = [shard_leaf(t, path, plan, rank).to(plan.device) for path, t in _full_leaves(plan.model, seed)]
-    return optree.tree_unflatten(_treedef(plan.model), leaves)
 
 
 def glu_to_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:

@@ -28,6 +28,7 @@ import optree
 import torch
 
 from fmoe.config import Plan
+from fmoe.flat import as_flat
 from fmoe.layers.experts import expert_mlp
 from fmoe.layers.model import attention_half
 from fmoe.layers.router import route
@@ -153,7 +154,8 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2) -> Grap
     """
     check_capturable(plan, ("step",))
     prepared = prepare_step(params, batch, plan)
-    static_params = optree.tree_map(lambda t: t.detach().clone(), params)
+    # The graph's own copy, in flat storage: replays read it as it is (no per-step copy into shards).
+    static_params = as_flat(optree.tree_map(lambda t: t.detach().clone(), params), plan)
     prepared = prepared._replace(tokens=prepared.tokens.clone())
     _warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()

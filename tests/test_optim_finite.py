@@ -167,7 +167,7 @@ def test_the_norm_is_computed_once_per_step(monkeypatch, fused, clip):
         calls.append(1)
         return _real(tree, plan)
 
-    for module in (fmoe.optim.transforms, fmoe.optim.optimizers):
+    for module in (fmoe.optim.transforms, fmoe.optim.fused):
         monkeypatch.setattr(module, "global_norm", counting)
     opt = make(fused, clip)
     params = tree(0)

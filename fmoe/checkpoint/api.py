@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from .. import optim
 from ..config import ModelConfig, Plan
+from ..flat import as_flat
 from ..params import _treedef, flat_shapes, named_leaves
 from ..runtime import check_runtime
 from ..shard.comm import Group
@@ -254,6 +255,6 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
-    params = optree.tree_unflatten(_treedef(plan.model), [values["params." + p] for p in shapes])
+    params = as_flat(optree.tree_unflatten(_treedef(plan.model), [values["params." + p] for p in shapes]), plan)
     opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)
     return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))

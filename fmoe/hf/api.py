@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.convert import safetensors_torch
 from ..checkpoint.files import staged_directory, write_atomically
 from ..config import ModelConfig, Plan
+from ..flat import as_flat
 from ..params import _treedef, flat_shapes, named_leaves
 from ..runtime import check_runtime
 from ..shard.comm import Group
@@ -100,7 +101,7 @@ def load(directory, plan: Plan) -> dict:
             piece = leaf_piece(path, shape, plan, rank)
             leaf = read_local_leaf(files, by_path[path], cfg, local_full_shape(path, shape, plan), *piece)
         leaves.append(leaf.to(plan.device))
-    return optree.tree_unflatten(_treedef(cfg), leaves)
+    return as_flat(optree.tree_unflatten(_treedef(cfg), leaves), plan)
 
 
 def _check_expert_bias(named: dict, plan: Plan) -> None:

@@ -9,11 +9,13 @@ from .model import block, cast_for_compute, forward, head_weight, lm_loss_sum, s
 from .moe import MoEStats, Routed, moe, moe_experts, moe_output, moe_route
 from .norm import rms_norm
 from .router import Routing, route
+from .triton_kernels import fused_kernels_available
 
 __all__ = [
     "DeferredWgrad", "Dispatch", "ExpertParallel", "MoEStats", "Routed", "Routing", "activation",
     "add_expert_bias", "apply_rope", "attend", "attention", "block", "capacity_rows", "cast_for_compute", "combine",
-    "dense_mlp", "dispatch", "expert_mlp", "forward", "from_experts", "glu_halves", "grouped_matmul", "head_weight",
+    "dense_mlp", "dispatch", "expert_mlp", "forward", "from_experts", "fused_kernels_available", "glu_halves",
+    "grouped_matmul", "head_weight",
     "lm_loss_sum", "make_dispatch", "moe", "moe_experts", "moe_output", "moe_route", "permute",
     "plan_exchange", "project_qkv", "rms_norm", "rope_tables", "route", "row_weights", "stack_stats", "to_experts",
     "unpermute",

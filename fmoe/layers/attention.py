@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..config import ModelConfig
+from . import triton_kernels
 from .norm import rms_norm
 from .precision import upcast
 
@@ -22,7 +23,10 @@ def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int =
 
 
 def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    """Rotate feature pairs ``(i, i + d/2)`` by the position's angle (the "rotate-half" form)."""
+    """Rotate feature pairs ``(i, i + d/2)`` by the position's angle (the "rotate-half" form),
+    in fp32 whatever x's dtype (on CUDA with Triton: one fused kernel, the same math)."""
+    if triton_kernels.rope_fusable(x_BHSd):
+        return triton_kernels.rope_BHSd(x_BHSd, cos_Sh, sin_Sh)
     x1, x2 = upcast(x_BHSd).chunk(2, dim=-1)
     cos_Sh, sin_Sh = cos_Sh.to(x1.dtype), sin_Sh.to(x1.dtype)
     out = torch.cat([x1 * cos_Sh - x2 * sin_Sh, x2 * cos_Sh + x1 * sin_Sh], dim=-1)

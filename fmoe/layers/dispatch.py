@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import triton_kernels
 from .precision import upcast
 from .router import expert_counts
 
@@ -129,7 +130,7 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad_RD):
         (pos_TK,) = ctx.saved_tensors
         T, K = pos_TK.shape
-        grad_TKD = _rows_at(grad_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, -1)
+        grad_TKD = _rows_at(grad_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, grad_RD.shape[1])
         return grad_TKD.sum(1), None, None, None
 
 
@@ -165,10 +166,21 @@ class _Unpermute(torch.autograd.Function):
     # at a time (no fp32 copy of the rows, no batched GEMM). Backward: every row holds
     # at most one assignment, so the rows' gradient is a gather by row_source, not the
     # index_add autograd would run for the forward gather.
+    # On CUDA with Triton both directions run as fused kernels (triton_kernels.unpermute_*:
+    # the same sums, the backward's rows and weights' gradient in one pass); the torch
+    # code below is the CPU and reference path.
     @staticmethod
     def forward(ctx, y_RD, w_TK, pos_TK, row_source_R, dropping):
         T, K = pos_TK.shape
-        y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), dropping).view(T, K, -1)
+        keep_rows = w_TK is not None and ctx.needs_input_grad[1]  # only the weights' gradient reads them
+        ctx.dropping, ctx.dtype, ctx.num_rows = dropping, y_RD.dtype, y_RD.shape[0]
+        ctx.fused = triton_kernels.unpermute_fusable(y_RD, w_TK)
+        if ctx.fused:
+            y_RD, pos_TK = y_RD.contiguous(), pos_TK.contiguous()
+            w_TK = None if w_TK is None else w_TK.contiguous()
+            ctx.save_for_backward(y_RD if keep_rows else None, w_TK, pos_TK, row_source_R.contiguous())
+            return triton_kernels.unpermute_fwd_TD(y_RD, w_TK, pos_TK)
+        y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), dropping).view(T, K, y_RD.shape[1])  # (T may be 0)
         acc = upcast(y_TKD[:, 0])
         acc = acc.clone() if w_TK is None else acc * w_TK[:, :1].to(acc.dtype)
         for k in range(1, K):
@@ -176,21 +188,24 @@ class _Unpermute(torch.autograd.Function):
                 acc.add_(y_TKD[:, k])
             else:
                 acc.addcmul_(y_TKD[:, k], w_TK[:, k:k + 1].to(acc.dtype))
-        keep_rows = w_TK is not None and ctx.needs_input_grad[1]  # only the weights' gradient reads them
         ctx.save_for_backward(y_RD if keep_rows else None, w_TK, pos_TK, row_source_R)
-        ctx.dropping, ctx.dtype = dropping, y_RD.dtype
         return acc.to(y_RD.dtype)
 
     @staticmethod
     def backward(ctx, grad_TD):
         y_RD, w_TK, pos_TK, row_source_R = ctx.saved_tensors
         T, K = pos_TK.shape
+        if ctx.fused:
+            grad_y, grad_w = triton_kernels.unpermute_bwd(
+                grad_TD.contiguous(), y_RD, w_TK, pos_TK, row_source_R, ctx.num_rows, ctx.dtype,
+                ctx.dropping, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+            return grad_y, grad_w, None, None, None
         g_up = upcast(grad_TD)
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             per_k = g_up[:, None, :].expand(T, K, -1) if w_TK is None else g_up[:, None, :] * w_TK[:, :, None].to(g_up)
-            grad_y = _gather_rows_with_zero_pad(per_k.to(ctx.dtype).reshape(T * K, -1), row_source_R)
+            grad_y = _gather_rows_with_zero_pad(per_k.to(ctx.dtype).reshape(T * K, g_up.shape[1]), row_source_R)
         if w_TK is not None and ctx.needs_input_grad[1]:
-            y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, -1)
+            y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, y_RD.shape[1])
             grad_w = torch.einsum("td,tkd->tk", g_up, upcast(y_TKD)).to(w_TK.dtype)
         return grad_y, grad_w, None, None, None

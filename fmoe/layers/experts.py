@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from . import triton_kernels
 from .precision import upcast
 
 QUICK_GELU_ALPHA = 1.702
@@ -171,7 +172,12 @@ def activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     ``quick_geglu``: ``g * sigmoid(1.702 g) * (u + glu_offset)`` with
     ``g = min(gate, glu_limit)``, ``u = clamp(up, -glu_limit, glu_limit)``;
     ``relu2``: ``relu(h)^2``.
+
+    On CUDA with Triton, ``swiglu`` runs as one fused kernel each way
+    (``triton_kernels.swiglu_RF``); the code below is the CPU and reference path.
     """
+    if cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave):
+        return triton_kernels.swiglu_RF(h, cfg.glu_interleave)
     if cfg.activation == "relu2":
         return F.relu(h).square()
     gate, up = glu_halves(h, cfg.glu_interleave)
@@ -207,9 +213,13 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)
-    a = activation(h, cfg)
-    if row_probs_R is not None:
-        a = a * row_probs_R.to(a.dtype)[:, None]
+    if row_probs_R is not None and cfg.activation == "swiglu" and \
+            triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R):
+        a = triton_kernels.swiglu_RF(h, cfg.glu_interleave, row_probs_R)  # the prob in the same kernel
+    else:
+        a = activation(h, cfg)
+        if row_probs_R is not None:
+            a = a * row_probs_R.to(a.dtype)[:, None]
     y = grouped_matmul(a, p["fc2"], segs, backend, deferred)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)

@@ -3,11 +3,13 @@
 A ``Transform`` is ``(init(params) -> state, update(grads, state, params) ->
 (updates, state))``; ``chain`` composes them. ``Optimizer`` wraps a transform so that
 ``update`` returns new params: ``params, state = opt.update(grads, state, params)``.
-Nothing is modified in place; every state is a NamedTuple of tensors.
+Nothing is modified in place (except what ``adamw(fused=True, donate=True)`` is handed);
+every state is a NamedTuple of tensors.
 
 ``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps) and ``skipped_steps``;
-``optimizers.py``: ``optimizer`` and ``adamw`` (a chain, or ``fused=True``).
+``optimizers.py``: ``optimizer`` and ``adamw`` (a chain, or ``fused=True``: ``fused.py``,
+torch's fused kernel over flat storage, optionally donating its inputs).
 """
 
 from .finite import ApplyIfFiniteState, apply_if_finite, skipped_steps

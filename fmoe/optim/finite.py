@@ -83,17 +83,26 @@ def _init_state(inner_init):
     return init
 
 
+def _skip_decision(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int) -> torch.Tensor:
+    """Whether this step applies: its norm is finite, or ``max_skips`` non-finite steps
+    came right before it (a device bool)."""
+    return torch.isfinite(norm) | (state.notfinite_count >= max_skips)
+
+
+def _skip_state(state: ApplyIfFiniteState, norm: torch.Tensor, apply: torch.Tensor,
+                inner_state) -> ApplyIfFiniteState:
+    """The state after a step that ``apply``-ed or not; ``inner_state`` is taken as given."""
+    finite = torch.isfinite(norm)
+    bad = (~finite).long()
+    return ApplyIfFiniteState(notfinite_count=(state.notfinite_count + bad) * bad, last_finite=finite,
+                              total_notfinite=state.total_notfinite + bad, applied=apply, inner_state=inner_state)
+
+
 def _decide(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int,
             inner_state) -> tuple[torch.Tensor, ApplyIfFiniteState]:
-    """Whether this step applies (its norm is finite, or ``max_skips`` non-finite steps
-    came right before it), and the state after it: the inner state moves on only if so."""
-    finite = torch.isfinite(norm)
-    apply = finite | (state.notfinite_count >= max_skips)
-    bad = (~finite).long()
-    return apply, ApplyIfFiniteState(
-        notfinite_count=(state.notfinite_count + bad) * bad, last_finite=finite,
-        total_notfinite=state.total_notfinite + bad, applied=apply,
-        inner_state=_select(apply, inner_state, state.inner_state))
+    """Whether this step applies, and the state after it: the inner state moves on only if so."""
+    apply = _skip_decision(state, norm, max_skips)
+    return apply, _skip_state(state, norm, apply, _select(apply, inner_state, state.inner_state))
 
 
 def _select(apply: torch.Tensor, new, old):

@@ -20,7 +20,7 @@ import torch
 
 from ..config import Plan
 from .mesh import Mesh
-from .spec import ShardSpec, full_views, shard_rank, write_shard
+from .spec import ShardSpec, full_views, shard_rank, stored_shard, write_shard
 from .trace import Event, now
 
 
@@ -50,6 +50,7 @@ class UnitState:
         views: ``{path: full-shape view}`` of the gathered buffers while GATHERED.
         grad_full: ``{group: fp32 full-layout grads}`` accumulated since the last reduce.
         grad_views: ``{path: full-shape view}`` of ``grad_full``.
+        grad_written: paths whose grad views hold a value since ``grad_full`` was made.
         grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
         reduced: microbatches whose gradients were reduced.
         wgrad_pending: microbatches whose delayed weight gradients have not run yet.
@@ -61,6 +62,7 @@ class UnitState:
     views: dict | None = None
     grad_full: dict | None = None
     grad_views: dict | None = None
+    grad_written: frozenset = frozenset()
     grad_shard: dict | None = None
     reduced: tuple = ()
     wgrad_pending: tuple = ()
@@ -225,17 +227,22 @@ def require_gathered(state: Lifecycle, unit: str, what: str) -> dict:
 def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
     """Add ``{path: grad}`` (any dtype, full shapes) into ``unit``'s fp32 full-layout grads."""
     spec, ustate = _unit_spec(state, unit), state.units[unit]
-    full, views = ustate.grad_full, ustate.grad_views
+    full, views, written = ustate.grad_full, ustate.grad_views, ustate.grad_written
     if full is None:
         full = {g: torch.zeros(layout.full_size, dtype=torch.float32, device=state.plan.device)
                 for g, layout in spec.groups.items()}
-        views = {}
+        views, written = {}, frozenset()
         for g, layout in spec.groups.items():
             views.update(full_views(full[g], layout))
     for path, grad in grads.items():
-        if grad is not None:
+        if grad is None:
+            continue
+        if path in written:
             views[path].add_(grad)
-    return _with(state, unit, grad_full=full, grad_views=views)
+        else:  # the first value: a copy (cast) instead of adding to the zeros, one read less
+            views[path].copy_(grad)
+            written |= {path}
+    return _with(state, unit, grad_full=full, grad_views=views, grad_written=written)
 
 
 def defer_wgrad(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
@@ -307,7 +314,8 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
             kinds.add("all_reduce" if group.size > 1 else "")
     kind = "reduce_scatter" if "reduce_scatter" in kinds else ("all_reduce" if "all_reduce" in kinds else "")
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    state = _with(state, unit, grad_full=None, grad_views=None, reduced=ustate.reduced + (mb,))
+    state = _with(state, unit, grad_full=None, grad_views=None, grad_written=frozenset(),
+                  reduced=ustate.reduced + (mb,))
     reduction = Reduction(unit, results, tuple(works), issued, kind, nbytes)
     return dataclasses.replace(state, pending=state.pending + (reduction,))
 
@@ -341,12 +349,20 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
 
 
 def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> dict:
-    """``{unit: {(domain, dtype): flat shard in that dtype}}`` from this rank's leaves."""
+    """``{unit: {(domain, dtype): flat shard in that dtype}}`` from this rank's leaves.
+
+    Leaves in flat storage (``fmoe.flat``) give their buffer as it is, cast once to the
+    compute dtype (fp32 groups: no copy at all; the step only reads it); others are
+    copied into a new shard first.
+    """
     shards = {}
     for u in spec.units:
         shards[u.name] = {}
         for key, layout in u.groups.items():
-            flat = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
             rank = shard_rank(plan, mesh.world.rank, key[0])
-            shards[u.name][key] = write_shard(params_named, layout, rank, flat).to(u.dtype(key, plan))
+            flat = stored_shard(params_named, layout, rank, spec.sharded(key[0]))
+            if flat is None:
+                flat = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
+                flat = write_shard(params_named, layout, rank, flat)
+            shards[u.name][key] = flat.to(u.dtype(key, plan))
     return shards

@@ -20,7 +20,7 @@ from ..config import Plan
 from ..layers.precision import FP32_LEAVES
 from ..params import flat_shapes
 from .layout import FlatLayout, make_layout, rows_cols
-from .units import member_of, unit_name
+from ..units import member_of, unit_name
 
 DOMAINS = ("dense", "expert")
 
@@ -141,6 +141,31 @@ def write_shard(named: dict, layout: FlatLayout, rank: int, out: torch.Tensor) -
         view = local_leaf(out, layout, i, rank, sharded=True)
         view.copy_(named[slot.path].reshape(view.shape))
     return out
+
+
+def stored_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool) -> torch.Tensor | None:
+    """The fp32 flat shard the leaves of ``layout`` already live in, or None.
+
+    Leaves from ``fmoe.init``, ``fmoe.flat.as_flat`` and the fused optimizer are views
+    into one flat shard per unit and group, each at its place in the layout; then the
+    shard is that buffer and needs no copy. Anything else (a leaf computed anew, a view
+    of another buffer, a shape-compatible tensor elsewhere) gives None.
+    """
+    base = None
+    for i, (slot, first, last, offset) in enumerate(layout.local_slots(rank)):
+        leaf = named[slot.path]
+        if last == first:
+            continue  # this rank holds no rows of it: nothing to find
+        if base is None:
+            base = leaf._base
+            if (base is None or base.dim() != 1 or base.dtype != torch.float32 or not base.is_contiguous()
+                    or base.numel() != layout.shard_size):
+                return None
+        if leaf._base is not base or not leaf.is_contiguous() \
+                or leaf.storage_offset() - base.storage_offset() != offset \
+                or leaf.shape != local_leaf(base, layout, i, rank, sharded).shape:
+            return None
+    return base
 
 
 def full_views(full: torch.Tensor, layout: FlatLayout) -> dict:

@@ -12,9 +12,10 @@ from tqdm import tqdm
 from .. import hf
 from ..checkpoint import load, save
 from ..data import heldout_batches, sample_batch, unigram_cross_entropy
+from ..flat import init
 from ..generate import generate, load_tokenizer
 from ..optim import adamw, global_norm, skipped_steps, update_expert_bias, warmup_cosine
-from ..params import flat_shapes, init, train_flops_per_token
+from ..params import flat_shapes, train_flops_per_token
 from ..shard.gather import gather_full
 from ..step import eval_loss, step
 from . import options
@@ -134,7 +135,7 @@ def train(run: Run) -> dict:
             shutil.copyfile(corpus.tokenizer, run.out / "tokenizer.json")  # for fmoe.generate
     schedule = warmup_cosine(s["lr"], s["warmup"], s["steps"], floor=s["min_lr_ratio"])
     opt = adamw(schedule, weight_decay=s["weight_decay"], max_grad_norm=s["clip"] or None, plan=plan,
-                fused=s["fused_optimizer"], skip_nonfinite=s["max_skips"])
+                fused=s["fused_optimizer"], donate=s["fused_optimizer"], skip_nonfinite=s["max_skips"])
     params, opt_state, first = _start(run, opt)
     last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
     heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)

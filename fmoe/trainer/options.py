@@ -34,7 +34,7 @@ RUN_OPTIONS = (
     ("min_lr_ratio", float, 0.1, "the cosine decay ends at this fraction of --lr"),
     ("weight_decay", float, 0.1, "decoupled weight decay of the matrices"),
     ("clip", float, 1.0, "global grad-norm clip (0: off)"),
-    ("fused_optimizer", bool, False, "torch's fused AdamW kernel (same state and update up to rounding)"),
+    ("fused_optimizer", bool, False, "torch's fused AdamW kernel over flat storage, updating params and moments in place (same state and update up to rounding)"),
     ("max_skips", int, 5, "skip updates whose gradients hold NaN/inf; stop after this many in a row (0: off)"),
     ("seed", int, 0, "init and data sampling seed"),
     ("data", str, "", "a directory written by `python -m fmoe.data prepare` (default: the embedded corpus)"),

@@ -2,18 +2,15 @@
 
 A model is made of *members*: ``embed``, ``layers.0`` .. ``layers.{L-1}`` and ``head``
 (``final_norm`` + ``head``). A unit is one or more members; the default is one unit
-per member. Every parameter path belongs to exactly one member.
+per member. Every parameter path belongs to exactly one member. ``cfg`` below is a
+``ModelConfig`` (only its ``layers`` and ``tie_embeddings`` are read); ``config``
+imports this module, so it imports nothing of fmoe.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ..config import ModelConfig
-
-
-def members(cfg: ModelConfig) -> tuple[str, ...]:
+def members(cfg) -> tuple[str, ...]:
     """Member names in forward order."""
     return ("embed", *(f"layers.{i}" for i in range(cfg.layers)), "head")
 
@@ -26,7 +23,7 @@ def member_of(path: str) -> str:
     return "head" if head in ("head", "final_norm") else head
 
 
-def default_units(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+def default_units(cfg) -> tuple[tuple[str, ...], ...]:
     """One unit per member; with tied embeddings ``embed`` and ``head`` share one,
     since the head computes with ``embed``."""
     if cfg.tie_embeddings:
@@ -34,7 +31,7 @@ def default_units(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
     return tuple((m,) for m in members(cfg))
 
 
-def check_units(units, cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+def check_units(units, cfg) -> tuple[tuple[str, ...], ...]:
     """Validate ``Plan.units`` against the model; returns it as a tuple of tuples."""
     known = members(cfg)
     if units is None:
