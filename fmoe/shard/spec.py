@@ -19,8 +19,8 @@ import torch
 from ..config import Plan
 from ..layers.precision import FP32_LEAVES
 from ..params import flat_shapes
-from .layout import FlatLayout, make_layout, rows_cols
 from ..units import member_of, unit_name
+from .layout import FlatLayout, make_layout, rows_cols
 
 DOMAINS = ("dense", "expert")
 
