@@ -21,28 +21,23 @@ from .config import Plan
 from .params import _full_leaves, _treedef, flat_shapes, named_leaves
 from .runtime import check_runtime
 from .shard.comm import Group
-from .shard.spec import local_leaves, shard_rank, shard_leaf, shard_spec, stored_shard, write_shard
+from .shard.spec import flat_shard, local_leaves, shard_leaf, shard_rank, shard_spec
 
 
-def _views_of(buffers: dict, plan: Plan, rank: int) -> dict:
-    """``{path: leaf}`` viewing ``{(unit, group): flat shard}``."""
-    spec, named = shard_spec(plan), {}
+def _groups(plan: Plan, rank: int):
+    """``(unit, key, layout, shard rank, sharded)`` of every unit's buffer groups."""
+    spec = shard_spec(plan)
     for u in spec.units:
         for key, layout in u.groups.items():
-            named.update(local_leaves(buffers[(u.name, key)], layout, shard_rank(plan, rank, key[0]),
-                                      spec.sharded(key[0])))
-    return named
+            yield u.name, key, layout, shard_rank(plan, rank, key[0]), spec.sharded(key[0])
 
 
-def _to_tree(named: dict, plan: Plan) -> dict:
+def _params_viewing(buffers: dict, plan: Plan, rank: int) -> dict:
+    """The params pytree whose leaves view ``{(unit, key): flat shard}``."""
+    named = {}
+    for unit, key, layout, r, sharded in _groups(plan, rank):
+        named.update(local_leaves(buffers[(unit, key)], layout, r, sharded))
     return optree.tree_unflatten(_treedef(plan.model), [named[path] for path in flat_shapes(plan.model)])
-
-
-def _new_buffers(plan: Plan) -> dict:
-    """Zeroed fp32 flat shards, one per unit and group (the padding stays zero)."""
-    spec = shard_spec(plan)
-    return {(u.name, key): torch.zeros(layout.shard_size, dtype=torch.float32, device=plan.device)
-            for u in spec.units for key, layout in u.groups.items()}
 
 
 def init(plan: Plan, seed: int = 0) -> dict:
@@ -60,11 +55,14 @@ def init(plan: Plan, seed: int = 0) -> dict:
     """
     check_runtime(plan)
     rank = Group.world().rank
-    buffers = _new_buffers(plan)
-    named = _views_of(buffers, plan, rank)
+    # zeroed: the padding between leaves stays zero (the fused AdamW runs over it)
+    buffers = {(unit, key): torch.zeros(layout.shard_size, dtype=torch.float32, device=plan.device)
+               for unit, key, layout, _, _ in _groups(plan, rank)}
+    params = _params_viewing(buffers, plan, rank)
+    named = named_leaves(params)
     for path, full in _full_leaves(plan.model, seed):
         named[path].copy_(shard_leaf(full, path, plan, rank).reshape(named[path].shape))
-    return _to_tree(named, plan)
+    return params
 
 
 def as_flat(params: dict, plan: Plan) -> dict:
@@ -76,20 +74,13 @@ def as_flat(params: dict, plan: Plan) -> dict:
 
     Returns:
         ``params`` itself where every leaf already lives in place; otherwise a new
-        pytree holding copies of the values (the leaves passed are not modified).
+        pytree whose groups already in place keep their buffer and the others hold
+        copies (the leaves passed are not modified).
     """
-    spec, rank = shard_spec(plan), Group.world().rank
+    rank = Group.world().rank
     named = named_leaves(params)
-    buffers = {}
-    for u in spec.units:
-        for key, layout in u.groups.items():
-            r = shard_rank(plan, rank, key[0])
-            buffers[(u.name, key)] = stored_shard(named, layout, r, spec.sharded(key[0]))
-    if all(b is not None for b in buffers.values()):
+    shards = {(unit, key): flat_shard(named, layout, r, sharded, plan.device)
+              for unit, key, layout, r, sharded in _groups(plan, rank)}
+    if not any(copied for _, copied in shards.values()):
         return params
-    for (unit, key), buf in buffers.items():
-        if buf is None:
-            layout = next(u for u in spec.units if u.name == unit).groups[key]
-            out = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
-            buffers[(unit, key)] = write_shard(named, layout, shard_rank(plan, rank, key[0]), out)
-    return _to_tree(_views_of(buffers, plan, rank), plan)
+    return _params_viewing({k: buf for k, (buf, _) in shards.items()}, plan, rank)

@@ -284,12 +284,12 @@ def test_availability_needs_cuda_triton_and_the_switch(monkeypatch):
     assert not tk.fused_kernels_available(fake_cuda)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs the kernels on CPU tensors")
+@pytest.mark.skipif(INTERPRETED, reason="FMOE_TRITON_INTERPRET=1 sends CPU tensors to the kernels on purpose")
 def test_cpu_tensors_take_the_torch_path(monkeypatch):
     def no_kernel(*a, **k):
         raise AssertionError("a Triton kernel was called for CPU tensors")
 
-    for name in ("swiglu_fwd_RF", "swiglu_bwd_RN", "unpermute_fwd_TD", "unpermute_bwd"):
+    for name in ("swiglu_fwd_RF", "swiglu_bwd_RN", "unpermute_fwd_TD", "unpermute_bwd", "rope_BHSd"):
         monkeypatch.setattr(tk, name, no_kernel)
     monkeypatch.setattr(tk, "triton", object())  # even where Triton imports
     cfg = fmoe.ModelConfig(dim=16, heads=2, experts=4, topk=2, ffn=12)
@@ -307,6 +307,14 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     expected = sum(dispatch._gather_rows_with_zero_pad(y.detach(), d.pos_TK[:, k]).float() * w.detach()[:, k:k + 1]
                    for k in range(2))
     torch.testing.assert_close(out, expected.bfloat16())
+    from fmoe.layers.attention import apply_rope, rope_tables
+
+    q = torch.randn(1, 2, 5, 8, dtype=BF16)
+    cos, sin = rope_tables(5, 8, 10000.0)
+    assert not tk.rope_fusable(q)
+    x1, x2 = q.float().chunk(2, -1)
+    c, s_ = cos.float(), sin.float()
+    assert torch.equal(apply_rope(q, cos, sin), torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1).bfloat16())
 
 
 # --- RoPE ---------------------------------------------------------------------------

@@ -165,19 +165,25 @@ def glu_halves(h: torch.Tensor, interleave: int):
     return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
 
 
-def activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """fc1 output ``[.., 2F]`` (GLU) or ``[.., F]`` (relu2) -> ``[.., F]``.
+def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+    """fc1 output ``[.., 2F]`` (GLU) or ``[.., F]`` (relu2) -> ``[.., F]``, each row times
+    ``row_probs_R`` when given (``h`` then ``[R, N]``).
 
     ``swiglu``: ``silu(gate) * up``; ``geglu``: ``gelu_tanh(gate) * up``;
     ``quick_geglu``: ``g * sigmoid(1.702 g) * (u + glu_offset)`` with
     ``g = min(gate, glu_limit)``, ``u = clamp(up, -glu_limit, glu_limit)``;
     ``relu2``: ``relu(h)^2``.
 
-    On CUDA with Triton, ``swiglu`` runs as one fused kernel each way
-    (``triton_kernels.swiglu_RF``); the code below is the CPU and reference path.
+    On CUDA with Triton, ``swiglu`` (with the probabilities) runs as one fused kernel
+    each way (``triton_kernels.swiglu_RF``); the torch code is the CPU and reference path.
     """
-    if cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave):
-        return triton_kernels.swiglu_RF(h, cfg.glu_interleave)
+    if cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R):
+        return triton_kernels.swiglu_RF(h, cfg.glu_interleave, row_probs_R)
+    a = _torch_activation(h, cfg)
+    return a if row_probs_R is None else a * row_probs_R.to(a.dtype)[:, None]
+
+
+def _torch_activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     if cfg.activation == "relu2":
         return F.relu(h).square()
     gate, up = glu_halves(h, cfg.glu_interleave)
@@ -213,13 +219,7 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)
-    if row_probs_R is not None and cfg.activation == "swiglu" and \
-            triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R):
-        a = triton_kernels.swiglu_RF(h, cfg.glu_interleave, row_probs_R)  # the prob in the same kernel
-    else:
-        a = activation(h, cfg)
-        if row_probs_R is not None:
-            a = a * row_probs_R.to(a.dtype)[:, None]
+    a = activation(h, cfg, row_probs_R)
     y = grouped_matmul(a, p["fc2"], segs, backend, deferred)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)

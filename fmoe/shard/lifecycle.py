@@ -20,7 +20,7 @@ import torch
 
 from ..config import Plan
 from .mesh import Mesh
-from .spec import ShardSpec, full_views, shard_rank, stored_shard, write_shard
+from .spec import ShardSpec, flat_shard, full_views, shard_rank
 from .trace import Event, now
 
 
@@ -359,10 +359,7 @@ def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) ->
     for u in spec.units:
         shards[u.name] = {}
         for key, layout in u.groups.items():
-            rank = shard_rank(plan, mesh.world.rank, key[0])
-            flat = stored_shard(params_named, layout, rank, spec.sharded(key[0]))
-            if flat is None:
-                flat = torch.empty(layout.shard_size, dtype=torch.float32, device=plan.device)
-                flat = write_shard(params_named, layout, rank, flat)
+            flat, _ = flat_shard(params_named, layout, shard_rank(plan, mesh.world.rank, key[0]),
+                                 spec.sharded(key[0]), plan.device)
             shards[u.name][key] = flat.to(u.dtype(key, plan))
     return shards

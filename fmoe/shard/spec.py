@@ -152,7 +152,7 @@ def stored_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool) -> t
     of another buffer, a shape-compatible tensor elsewhere) gives None.
     """
     base = None
-    for i, (slot, first, last, offset) in enumerate(layout.local_slots(rank)):
+    for slot, first, last, offset in layout.local_slots(rank):
         leaf = named[slot.path]
         if last == first:
             continue  # this rank holds no rows of it: nothing to find
@@ -161,11 +161,20 @@ def stored_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool) -> t
             if (base is None or base.dim() != 1 or base.dtype != torch.float32 or not base.is_contiguous()
                     or base.numel() != layout.shard_size):
                 return None
+        shape = (last - first, slot.cols) if sharded else slot.shape  # local_leaf's view, without making it
         if leaf._base is not base or not leaf.is_contiguous() \
-                or leaf.storage_offset() - base.storage_offset() != offset \
-                or leaf.shape != local_leaf(base, layout, i, rank, sharded).shape:
+                or leaf.storage_offset() - base.storage_offset() != offset or tuple(leaf.shape) != tuple(shape):
             return None
     return base
+
+
+def flat_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool, device) -> tuple[torch.Tensor, bool]:
+    """This rank's fp32 flat shard of ``layout``'s leaves, and whether it is a copy: the
+    buffer they live in (``stored_shard``), else a new one they are copied into."""
+    found = stored_shard(named, layout, rank, sharded)
+    if found is not None:
+        return found, False
+    return write_shard(named, layout, rank, torch.empty(layout.shard_size, dtype=torch.float32, device=device)), True
 
 
 def full_views(full: torch.Tensor, layout: FlatLayout) -> dict:
