@@ -34,6 +34,9 @@ def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0, help="key/value heads; 0 = --heads (fewer: GQA)")
+    ap.add_argument("--head-size", type=int, default=0, help="features per head; 0 = dim / heads")
+    ap.add_argument("--qk-norm", default="none", choices=("none", "head", "full"), help="RMSNorm of q and k")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=1408)
@@ -48,6 +51,7 @@ def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:
 
 def lm_config(args) -> fmoe.ModelConfig:
     return fmoe.ModelConfig(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
+                            kv_heads=args.kv_heads, head_size=args.head_size, qk_norm=args.qk_norm,
                             experts=args.experts, topk=args.topk, ffn=args.ffn)
 
 

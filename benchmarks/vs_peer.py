@@ -1,36 +1,57 @@
 """fmoe vs an independent plain-PyTorch MoE LM (``benchmarks/peer.py``), side by side
-in one process: same model, batches, learning rate and precision.
+in one process: same model, batches, learning rate and precision. For each shape:
+the peer eager, the peer with each block ``torch.compile``d (as torchtitan), then fmoe
+(eager, and ``Plan(compile=True)`` too where ``fmoe.Plan`` has that field).
 
-    python benchmarks/vs_peer.py                                        # 1 GPU
+    python benchmarks/vs_peer.py                                        # 1 GPU, --shape coarse
+    python benchmarks/vs_peer.py --shapes coarse fine qwen3-moe-medium  # 1 GPU, three shapes
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --meshes dp dp1ep2
-    python benchmarks/vs_peer.py --device cpu                           # tiny smoke run
+    python benchmarks/vs_peer.py --device cpu --shapes coarse fine qwen3-moe-medium  # tiny smoke run
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --device cpu --meshes dp dp1ep2   # gloo
+    python benchmarks/vs_peer.py --check --shapes coarse fine qwen3-moe-medium    # CPU fp32 parity
 
-Model (default, issue 14): vocab 32000, D=2048, 8 layers, 16 heads, E=16 experts of
-F=1408, top-4, SwiGLU; 8 x 2048 tokens per GPU per step in 1 microbatch; bf16
-compute, fp32 params and AdamW state (1.37B parameters). ``--device cpu`` shrinks
-the defaults to a model that runs in seconds (fp32, gloo).
+Shapes (``--shape NAME`` or ``--shapes NAME...``; model flags such as ``--layers``
+override the shape's value; aux-loss coefficient 0 on both sides):
+  coarse: vocab 32000, D=2048, 8 layers, 16 heads, E=16 experts of F=1408, top-4 (issue 14).
+  fine: the same with E=64 of F=704, top-8.
+  qwen3-moe-medium: the model of ``fmoe/trainer/presets/qwen3-moe-medium.toml`` (D=1536,
+    16 layers, 16 heads, 4 KV heads of 128, per-head q/k RMSNorm, E=64 of F=512, top-8,
+    renormalised, rope_theta 1e6, eps 1e-6) with vocab 32000.
+SwiGLU experts; 8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32
+params and AdamW state. ``--device cpu`` shrinks each shape to a toy that runs in
+seconds (fp32, gloo), keeping what tells it apart (top-k, GQA, head size, qk norm).
 
-First the peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root,
-bf16 params / fp32 reduce) over all ranks otherwise. It is freed, then fmoe runs each
-mesh of ``--meshes``: ``dp`` (``no_shard`` on one rank, ZeRO-3 ``optim_grads_params``
-over all ranks otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3 with expert
-parallelism). A step is forward + backward + the AdamW update on both sides; neither
-clips gradients; the median over ``--steps`` timed steps after ``--warmup``. MFU
-counts the active parameters' FLOPs plus attention (``fmoe.train_flops_per_token``,
-the same model on both sides) against 789 TFLOP/s per GPU. Prints a markdown table
-last, with each system's loss after its last step (both start from a std-0.02 init
-and see the same batches, so they should be close).
+The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params
+/ fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
+otherwise. Each system is freed (and dynamo's caches reset) before the next; fmoe runs
+each mesh of ``--meshes``: ``dp`` (``no_shard`` on one rank, ZeRO-3
+``optim_grads_params`` over all ranks otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3
+with expert parallelism). A step is forward + backward + the AdamW update on both
+sides; neither clips gradients; the median over ``--steps`` timed steps after
+``--warmup``. The first step's time is shown apart: for compiled systems it is the
+compile time (plus one step). MFU counts the active parameters' FLOPs plus attention
+(``fmoe.train_flops_per_token``, the same model on both sides) against 789 TFLOP/s
+per GPU. Prints a markdown table per shape, with each system's loss after its last
+step (both start from a std-0.02 init and see the same batches, so they should be
+close), then a summary over the shapes (fmoe on the first mesh).
+
+``--check`` (CPU, fp32, one process): for each shape's toy, copies fmoe's initial
+weights into the peer and compares the loss and gradients of one batch, then the
+compiled peer's against the eager peer's; exits 1 on a mismatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
 import re
 import statistics
+import sys
 import time
+import tomllib
+from pathlib import Path
 
 import optree
 import torch
@@ -38,24 +59,59 @@ import torch.distributed as dist
 
 import fmoe
 import peer
-from fsdp_step import lm_config, lm_parser
+from fsdp_step import lm_parser
 
 PEAK_TFLOPS = 789.0  # dense bf16 GEMM ceiling of one H100/H200 (the other benchmarks' figure)
+PRESETS = Path(fmoe.__file__).parent / "trainer" / "presets"
+MODEL_FLAGS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_size", "qk_norm", "experts", "topk", "ffn")
 
-# Defaults that differ from lm_parser's: issue 14's model on the GPU, a toy on the CPU.
-GPU_DEFAULTS = dict(layers=8, topk=4, microbatches=1, warmup=3, steps=10)
-CPU_DEFAULTS = dict(vocab=512, dim=64, layers=2, heads=4, experts=8, topk=2, ffn=64, batch=2, seq=64,
-                    microbatches=1, warmup=1, steps=3)
+
+def qwen3_moe_medium() -> dict:
+    """The preset's model fields (the ModelConfig ones), vocab 32000, no aux loss."""
+    preset = tomllib.loads((PRESETS / "qwen3-moe-medium.toml").read_text())
+    names = {f.name for f in dataclasses.fields(fmoe.ModelConfig)}
+    return {**{k: v for k, v in preset.items() if k in names}, "vocab": 32000, "aux_loss_coef": 0.0}
+
+
+COARSE = dict(vocab=32000, dim=2048, layers=8, heads=16, experts=16, topk=4, ffn=1408)
+SHAPES = {"coarse": lambda: COARSE, "fine": lambda: {**COARSE, "experts": 64, "topk": 8, "ffn": 704},
+          "qwen3-moe-medium": qwen3_moe_medium}
+# The CPU toys: small widths, the shape's routing and attention kept.
+TOY = dict(vocab=512, dim=64, layers=2, heads=4, ffn=64)
+CPU_SHAPES = {"coarse": dict(experts=8, topk=4), "fine": dict(experts=16, topk=8, ffn=32),
+              "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32)}
+GPU_RUN = dict(microbatches=1, warmup=3, steps=10)
+CPU_RUN = dict(batch=2, seq=64, microbatches=1, warmup=1, steps=3)
 
 
 def parse():
     ap = lm_parser(microbatches=1)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a tiny smoke run on gloo")
+    ap.add_argument("--shape", choices=tuple(SHAPES), help="one model shape (default coarse)")
+    ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), help="several shapes, one table each")
     ap.add_argument("--meshes", nargs="+", default=["dp"], help="fmoe meshes: dp, or dpXepY (e.g. dp1ep2)")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off"),
+                    help="auto: fmoe also with Plan(compile=True) where Plan has that field")
+    ap.add_argument("--check", action="store_true",
+                    help="CPU fp32: the peer with fmoe's weights gives fmoe's loss; compiled peer = eager")
+    ap.set_defaults(**{name: None for name in MODEL_FLAGS})  # unset: the shape's value
     known, _ = ap.parse_known_args()
-    ap.set_defaults(**(CPU_DEFAULTS if known.device == "cpu" else GPU_DEFAULTS))
-    return ap.parse_args()
+    ap.set_defaults(**(CPU_RUN if known.device == "cpu" or known.check else GPU_RUN))
+    args = ap.parse_args()
+    args.shapes = args.shapes or [args.shape or "coarse"]
+    return args
+
+
+def shape_config(name: str, args, toy: bool) -> fmoe.ModelConfig:
+    """The shape's ModelConfig (its toy on the CPU), with any model flag given overriding."""
+    fields = {**SHAPES[name](), **TOY, **CPU_SHAPES[name]} if toy else dict(SHAPES[name]())
+    fields.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
+    return fmoe.ModelConfig(**{"aux_loss_coef": 0.0, **fields})
+
+
+def fmoe_has_compile(args) -> bool:
+    return args.fmoe_compile == "auto" and "compile" in {f.name for f in dataclasses.fields(fmoe.Plan)}
 
 
 def fmoe_optimizer(plan: fmoe.Plan, lr: float) -> fmoe.Optimizer:
@@ -91,8 +147,12 @@ class Bench:
         self.world = dist.get_world_size() if self.distributed else 1
         if self.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # Batch i of this rank: the same tokens for both systems, drawn once, outside the timing.
-        self.batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1),
+        self.batches = []
+
+    def draw(self, vocab: int):
+        """Batch i of this rank: the same tokens for every system, drawn once, outside the timing."""
+        args = self.args
+        self.batches = [torch.randint(0, vocab, (args.batch, args.seq + 1),
                                       generator=torch.Generator().manual_seed(i * self.world + self.rank)
                                       ).to(self.device)
                         for i in range(args.warmup + args.steps)]
@@ -112,26 +172,26 @@ class Bench:
     def peak_gib(self) -> float:
         return torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else float("nan")
 
-    def timed(self, step) -> tuple[float, torch.Tensor]:
-        """Median seconds of ``step(tokens)`` over the timed steps, and the last loss."""
+    def timed(self, step) -> tuple[float, float, torch.Tensor]:
+        """Median seconds of ``step(tokens)`` over the timed steps, the first step's
+        seconds (compilation included) and the last loss."""
         times, loss = [], None
-        for i, tokens in enumerate(self.batches):
+        for tokens in self.batches:
             self.sync()
             t0 = time.perf_counter()
             loss = step(tokens)
             self.sync()
-            if i >= self.args.warmup:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times), loss
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[self.args.warmup:]), times[0], loss
 
     def say(self, *parts):
         if self.rank == 0:
             print(*parts, flush=True)
 
 
-def run_peer(bench: Bench, cfg: fmoe.ModelConfig) -> dict:
+def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     args = bench.args
-    model = peer.build(cfg, bench.device, seed=0)
+    model = peer.build(cfg, bench.device, seed=0, compile=compile)  # blocks compiled before fully_shard
     params = sum(p.numel() for p in model.parameters())
     if bench.world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,21 +202,22 @@ def run_peer(bench: Bench, cfg: fmoe.ModelConfig) -> dict:
         mesh = "1 rank, plain"
     opt = peer.optimizer(model, args.lr)
     bench.fresh_memory()
-    step_s, loss = bench.timed(lambda tokens: peer.train_step(model, opt, tokens, args.microbatches))
+    step_s, first_s, loss = bench.timed(lambda tokens: peer.train_step(model, opt, tokens, args.microbatches))
     if bench.distributed:  # each rank's mean -> the global batch's mean, as fmoe reports
         dist.all_reduce(loss)
         loss = loss / bench.world
-    row = dict(system="plain PyTorch peer", mesh=mesh, step_s=step_s, peak=bench.peak_gib(), loss=float(loss),
-               params=params)
-    return row  # the model and its optimizer go with this frame; main frees the memory
+    return dict(system="peer, compiled blocks" if compile else "peer, eager", mesh=mesh, step_s=step_s,
+                first_s=first_s, peak=bench.peak_gib(), loss=float(loss), params=params, compiled=compile)
+    # the model and its optimizer go with this frame; the caller frees the memory
 
 
-def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str) -> dict:
+def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool) -> dict:
     args = bench.args
     dp, ep = mesh_of(mesh_name, bench.world)
     sharding = "no_shard" if bench.world == 1 else "optim_grads_params"
     plan = fmoe.Plan(model=cfg, dp=dp, ep=ep, sharding=sharding, microbatches=args.microbatches,
-                     dtype="bfloat16" if bench.device == "cuda" else "float32", device=bench.device)
+                     dtype="bfloat16" if bench.device == "cuda" else "float32", device=bench.device,
+                     **({"compile": True} if compile else {}))
     opt = fmoe_optimizer(plan, args.lr)
     held = {"params": fmoe.init(plan, seed=0)}
     held["state"] = opt.init(held["params"])
@@ -167,48 +228,171 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str) -> dict:
         return out.loss
 
     bench.fresh_memory()
-    step_s, loss = bench.timed(step)
+    step_s, first_s, loss = bench.timed(step)
     mesh = f"dp{dp}" + (f" x ep{ep}" if ep > 1 else "") + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
-    row = dict(system="fmoe", mesh=mesh, step_s=step_s,
-               peak=bench.peak_gib(), loss=float(loss))
+    return dict(system="fmoe, compile=True" if compile else "fmoe", mesh=mesh, mesh_name=mesh_name, step_s=step_s,
+                first_s=first_s, peak=bench.peak_gib(), loss=float(loss), compiled=compile)
+
+
+def freed(bench: Bench, row: dict) -> dict:
+    """After a system's run: its memory and (if compiled) dynamo's caches released."""
+    if row["compiled"]:
+        torch._dynamo.reset()
+    bench.fresh_memory()
+    bench.say(f"  done {row['system']} ({row['mesh']}): {row['step_s'] * 1e3:.1f} ms, "
+              f"first step {row['first_s']:.1f} s")
     return row
 
 
-def main():
-    args = parse()
-    bench = Bench(args)
-    cfg = lm_config(args)
-    for name in args.meshes:
-        mesh_of(name, bench.world)  # refuse a bad mesh before any work
-    rows = [run_peer(bench, cfg)]
-    bench.fresh_memory()
-    bench.say(f"  done peer ({rows[0]['mesh']}): {rows[0]['step_s'] * 1e3:.1f} ms")
-    for name in args.meshes:
-        rows.append(run_fmoe(bench, cfg, name))
-        bench.fresh_memory()
-        bench.say(f"  done fmoe ({rows[-1]['mesh']}): {rows[-1]['step_s'] * 1e3:.1f} ms")
+def run_shape(bench: Bench, name: str) -> dict:
+    """Every system on one shape; prints its table and returns its summary."""
+    args = bench.args
+    on_gpu = args.device == "cuda"
+    cfg = shape_config(name, args, toy=not on_gpu)
+    bench.draw(cfg.vocab)
+    bench.say(f"\n## {name}")
+    rows = [freed(bench, run_peer(bench, cfg, compile=c)) for c in (False, True)]
+    for compile in (False, True) if fmoe_has_compile(args) else (False,):
+        rows += [freed(bench, run_fmoe(bench, cfg, m, compile)) for m in args.meshes]
 
     tokens = args.batch * args.seq  # per GPU per step
     flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
     shapes = optree.tree_leaves(fmoe.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     fmoe_params = sum(math.prod(shape) for shape in shapes)
-    where = (f"{torch.cuda.get_device_name()} x {bench.world}" if args.device == "cuda"
+    where = (f"{torch.cuda.get_device_name()} x {bench.world}" if on_gpu
              else f"CPU, {bench.world} rank(s)" + (" on gloo" if bench.distributed else ""))
-    bench.say(f"\n{where}, torch {torch.__version__}; vocab {cfg.vocab}, D={cfg.dim}, {cfg.layers} layers, "
-              f"{cfg.heads} heads, E={cfg.experts} top-{cfg.topk} F={cfg.ffn} SwiGLU; "
+    attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
+            + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else ""))
+    bench.say(f"\n{where}, torch {torch.__version__}; {name}: vocab {cfg.vocab}, D={cfg.dim}, {cfg.layers} layers, "
+              f"{attn}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn} SwiGLU, rope_theta {cfg.rope_theta:g}; "
               f"{count(rows[0]['params'])} params (fmoe: {count(fmoe_params)}, with expert_bias), "
               f"{count(fmoe.active_param_count(cfg))} active; {args.batch} x {args.seq} tokens per GPU, "
-              f"{args.microbatches} microbatch(es), {'bf16' if args.device == 'cuda' else 'fp32'}; "
+              f"{args.microbatches} microbatch(es), {'bf16' if on_gpu else 'fp32'}; "
               f"median of {args.steps} steps after {args.warmup} warmup (step + AdamW), lr {args.lr}\n")
-    bench.say("| system | mesh | step ms (median) | tokens/s/GPU | MFU | peak GiB | vs peer | loss after last step |")
-    bench.say("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    peer_s = rows[0]["step_s"]
-    for r in rows:
-        on_gpu = args.device == "cuda"  # MFU and peak memory mean nothing on the CPU
-        mfu = f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%}" if on_gpu else "-"
-        peak = f"{r['peak']:.2f}" if on_gpu else "-"
+    bench.say("| system | mesh | step ms (median) | tokens/s/GPU | MFU | peak GiB | vs compiled peer "
+              "| first step s | loss after last step |")
+    bench.say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    mfu = {id(r): flops / r["step_s"] / (PEAK_TFLOPS * 1e12) for r in rows}
+    compiled_peer_s = rows[1]["step_s"]
+    for r in rows:  # MFU and peak memory mean nothing on the CPU
+        mfu_s, peak_s = (f"{mfu[id(r)]:.1%}", f"{r['peak']:.2f}") if on_gpu else ("-", "-")
         bench.say(f"| {r['system']} | {r['mesh']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
-                  f"{mfu} | {peak} | {peer_s / r['step_s']:.2f}x | {r['loss']:.4f} |")
+                  f"{mfu_s} | {peak_s} | {compiled_peer_s / r['step_s']:.2f}x | {r['first_s']:.1f} | "
+                  f"{r['loss']:.4f} |")
+    fmoes = [r for r in rows[2:] if r["mesh_name"] == args.meshes[0]]  # eager, then compiled if any
+    return dict(shape=name, tokens=tokens, peer=rows[:2], fmoe=fmoes, mfu=[mfu[id(r)] for r in fmoes])
+
+
+def summary(bench: Bench, results: list[dict]):
+    on_gpu = bench.args.device == "cuda"
+    both = len(results[0]["fmoe"]) > 1  # fmoe eager and compiled
+    per = " (eager / compiled)" if both else ""
+    bench.say(f"\n## Summary (tokens/s per GPU; fmoe on mesh {bench.args.meshes[0]}; first step = compile time)\n")
+    bench.say(f"| shape | eager peer tok/s | compiled peer tok/s | fmoe tok/s{per} | fmoe MFU{per} "
+              f"| fmoe / compiled peer{per} | peak GiB (peer compiled, fmoe{per}) "
+              f"| first step s (peer compiled, fmoe{per}) |")
+    bench.say("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for res in results:
+        eager, compiled = res["peer"]
+        tok, compiled_s = res["tokens"], compiled["step_s"]
+
+        def each(fmt, key):  # one value per fmoe variant, " / "-joined
+            return " / ".join(fmt(r[key]) for r in res["fmoe"])
+
+        peak = (lambda gib: f"{gib:.2f}") if on_gpu else (lambda gib: "-")
+        mfus = " / ".join(f"{m:.1%}" for m in res["mfu"]) if on_gpu else "-"
+        bench.say(f"| {res['shape']} | {tok / eager['step_s']:,.0f} | {tok / compiled['step_s']:,.0f} | "
+                  f"{each(lambda s: f'{tok / s:,.0f}', 'step_s')} | {mfus} | "
+                  f"{each(lambda s: f'{compiled_s / s:.2f}x', 'step_s')} | "
+                  f"{peak(compiled['peak'])}, {each(peak, 'peak')} | "
+                  f"{compiled['first_s']:.1f}, {each(lambda s: f'{s:.1f}', 'first_s')} |")
+    if not fmoe_has_compile(bench.args):
+        bench.say("\n(fmoe ran eager only: --fmoe-compile off, or fmoe.Plan has no `compile` field here.)")
+
+
+# --- --check: the peer reads fmoe's weights and gives fmoe's loss ---------------------------
+
+def peer_pairs(model: peer.PeerLM, tree: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, peer parameter, the same tensor of fmoe's tree in the peer's layout)``:
+    ``nn.Linear`` weights are fmoe's ``y = x @ W`` matrices transposed; fmoe's
+    ``expert_bias`` (zero, selection only) has no counterpart."""
+    pairs = [("embed", model.embed.weight, tree["embed"]), ("final_norm", model.final_norm.weight, tree["final_norm"]),
+             ("head", model.head.weight, tree["head"].T)]
+    for i, (block, layer) in enumerate(zip(model.blocks, tree["layers"])):
+        attn, moe = layer["attn"], layer["moe"]
+        pairs += [(f"{i}.attn.norm", block.attn_norm.weight, attn["norm"]),
+                  (f"{i}.attn.qkv", block.attn.qkv.weight, attn["qkv"].T),
+                  (f"{i}.attn.out", block.attn.out.weight, attn["out"].T),
+                  (f"{i}.moe.norm", block.moe_norm.weight, moe["norm"]),
+                  (f"{i}.moe.router", block.moe.router.weight, moe["router"].T),
+                  (f"{i}.moe.fc1", block.moe.w1, moe["experts"]["fc1"]),
+                  (f"{i}.moe.fc2", block.moe.w2, moe["experts"]["fc2"])]
+        if "q_norm" in attn:
+            pairs += [(f"{i}.attn.q_norm", block.attn.q_norm.weight, attn["q_norm"]),
+                      (f"{i}.attn.k_norm", block.attn.k_norm.weight, attn["k_norm"])]
+    return pairs
+
+
+def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
+    model = peer.build(cfg, "cpu")
+    with torch.no_grad():
+        for _, p, w in peer_pairs(model, params):
+            p.copy_(w)
+    model = peer.compile_blocks(model) if compile else model
+    logits, _ = model(tokens[:, :-1])
+    loss = model.loss_fn(logits, tokens[:, 1:])
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p, _ in peer_pairs(model, params)}
+
+
+def check(args) -> bool:
+    """One batch per shape's toy, CPU fp32: fmoe's loss and grads vs the peer's with the same
+    weights, and the compiled peer's vs the eager peer's. True when all agree."""
+    ok = True
+    for name in args.shapes:
+        cfg = shape_config(name, args, toy=True)
+        plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
+        params = fmoe.init(plan, seed=0)
+        with torch.no_grad():  # norms away from their init of ones, so a misplaced norm shows
+            g = torch.Generator().manual_seed(1)
+            for _, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
+                if w.ndim == 1:
+                    w.add_(0.2 * torch.randn(w.shape, generator=g))
+        tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+        out = fmoe.step(params, {"tokens": tokens}, plan)
+        fmoe_grads = {n: g for n, _, g in peer_pairs(peer.build(cfg, "cpu"), out.grads)}
+        eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
+        t0 = time.perf_counter()
+        comp_loss, comp_grads = peer_loss_and_grads(cfg, params, tokens, compile=True)
+        comp_s = time.perf_counter() - t0
+        torch._dynamo.reset()
+
+        def grad_err(a, b):  # the largest |difference| over the largest |gradient|, over all tensors
+            return max((a[n] - b[n]).abs().max().item() / b[n].abs().max().clamp_min(1e-30).item() for n in b)
+
+        errs = (abs(eager_loss - float(out.loss)), grad_err(eager_grads, fmoe_grads),
+                abs(comp_loss - eager_loss), grad_err(comp_grads, eager_grads))
+        good = errs[0] < 1e-4 and errs[1] < 1e-3 and errs[2] < 1e-5 and errs[3] < 1e-4
+        ok &= good
+        print(f"{name} (toy: D={cfg.dim}, {cfg.heads} heads / {cfg.num_kv_heads} KV of {cfg.head_dim}, "
+              f"qk_norm {cfg.qk_norm}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}):\n"
+              f"  loss fmoe {float(out.loss):.7f}  peer eager {eager_loss:.7f}  peer compiled {comp_loss:.7f} "
+              f"(compiled in {comp_s:.0f} s)\n"
+              f"  |peer - fmoe| loss {errs[0]:.1e}, grads {errs[1]:.1e} (relative max); "
+              f"|compiled - eager| loss {errs[2]:.1e}, grads {errs[3]:.1e}: {'ok' if good else 'MISMATCH'}",
+              flush=True)
+    return ok
+
+
+def main():
+    args = parse()
+    if args.check:
+        sys.exit(0 if check(args) else 1)
+    bench = Bench(args)
+    for name in args.meshes:
+        mesh_of(name, bench.world)  # refuse a bad mesh before any work
+    results = [run_shape(bench, name) for name in args.shapes]
+    summary(bench, results)
     if bench.distributed:
         dist.destroy_process_group()
 

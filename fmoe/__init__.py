@@ -11,6 +11,7 @@ from .optim import (
     chain,
     clip_by_global_norm,
     global_norm,
+    last_grad_norm,
     optimizer,
     scale_by_adam,
     skipped_steps,
@@ -31,7 +32,8 @@ __all__ = [
     "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
     "as_flat",
     "apply_if_finite", "chain", "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full",
-    "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "layers", "load", "optimizer",
+    "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "last_grad_norm", "layers", "load",
+    "optimizer",
     "param_shapes", "save", "scale_by_adam", "skipped_steps", "step", "train_flops_per_token",
     "update_expert_bias", "warmup_cosine",
 ]

@@ -228,6 +228,10 @@ class Plan:
         gather_buffers: memory for gathered units: ``dynamic`` (allocated per gather,
             freed on release), ``double`` (two slots reused alternately; needs
             ``prefetch <= 1``) or ``persistent`` (one fixed buffer per unit).
+        compile: run the layer nodes' compute (attention half, router, head and loss,
+            the experts' torch-code activation) through ``torch.compile``
+            (``fmoe/schedule/compiled.py``); the first step compiles. Same results as
+            eager up to the reassociation of fused floating-point sums.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -243,6 +247,7 @@ class Plan:
     units: tuple | None = None
     prefetch: int = 1
     gather_buffers: str = "dynamic"
+    compile: bool = False
 
     def __post_init__(self):
         own = "Plan"
@@ -255,6 +260,7 @@ class Plan:
         _check_choice(own, "dtype", self.dtype, DTYPES)
         _check_choice(own, "expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _check_bool(own, "delay_wgrad", self.delay_wgrad)
+        _check_bool(own, "compile", self.compile)
         _check_int(own, "prefetch", self.prefetch, 0)
         _check_choice(own, "gather_buffers", self.gather_buffers, GATHER_BUFFERS)
         if self.gather_buffers == "double" and self.prefetch > 1:

@@ -12,7 +12,6 @@ from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .params import named_leaves
 from .runtime import check_runtime
 from .schedule import Kernels, build_program, check_program, execute
-from .schedule.nodes import EAGER
 from .shard.comm import Group
 from .shard.mesh import Mesh, mesh_for
 from .shard.spec import local_shapes
@@ -74,7 +73,7 @@ def check_batch(batch, plan: Plan) -> torch.Tensor:
             f"batch['tokens'] has {rows} rows, which Plan.microbatches={plan.microbatches} "
             f"does not divide (allowed: a positive multiple of {plan.microbatches})"
         )
-    lo, hi = int(tokens.min()), int(tokens.max())
+    lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
     if lo < 0 or hi >= plan.model.vocab:
         raise ValueError(f"batch['tokens'] holds ids in [{lo}, {hi}]; allowed: 0..{plan.model.vocab - 1}")
     return tokens.to(plan.device)
@@ -133,16 +132,18 @@ class Prepared(NamedTuple):
 
 def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
     """``step``'s validation (ValueErrors before any collective), its program, and the
-    global target count (one small all-reduce and host read)."""
+    global target count (on several ranks one small all-reduce and host read)."""
     tokens = check_inputs(params, batch, plan)
     program = build_program(plan, train=train)
     slots = check_program(plan, program)  # the last check; collectives start below
     mesh = mesh_for(plan)
-    total = int(_sum_over_ranks(mesh.world, torch.tensor(num_targets(tokens), device=tokens.device)))
+    total = num_targets(tokens)
+    if mesh.world.size > 1:  # one small all-reduce and host read; a single rank knows its count
+        total = int(_sum_over_ranks(mesh.world, torch.tensor(total, device=tokens.device)))
     return Prepared(tokens, program, slots, mesh, total)
 
 
-def step(params: dict, batch: dict, plan: Plan, kernels: Kernels = EAGER) -> StepOutput:
+def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
     """Loss, gradients and metrics of one batch under ``plan``.
 
     Each rank passes its own slice of the global batch. The slice is split into
@@ -157,7 +158,8 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels = EAGER) -> Ste
         batch: ``{"tokens": LongTensor[B, S+1]}``, this rank's rows.
         plan: the Plan.
         kernels: the functions inside the layer nodes (``interop.cuda_graph`` passes
-            CUDA-graphed ones); the pure eager functions by default.
+            CUDA-graphed ones); by default the pure functions, compiled when
+            ``plan.compile`` is set.
 
     Returns:
         A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
@@ -166,7 +168,7 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels = EAGER) -> Ste
     return run_step(params, prepare_step(params, batch, plan), plan, kernels)
 
 
-def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels = EAGER) -> StepOutput:
+def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
     """The compute of ``step`` for a Prepared batch: no host read of a device value
     under a static-shape plan (capacity routing or no expert parallelism), so it can
     be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""

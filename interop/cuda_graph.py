@@ -33,7 +33,7 @@ from fmoe.layers.experts import expert_mlp
 from fmoe.layers.model import attention_half
 from fmoe.layers.router import route
 from fmoe.schedule import Kernels
-from fmoe.schedule.nodes import EAGER
+from fmoe.schedule.compiled import kernels_for
 from fmoe.step import StepOutput, check_batch, check_params, prepare_step, run_step
 
 SCOPES = ("attn", "router", "experts")
@@ -214,7 +214,7 @@ class _ScopeGraphs:
             chosen["router"] = router
         if "experts" in self.scopes:
             chosen["experts"] = self._experts
-        return EAGER._replace(**chosen)
+        return kernels_for(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
 
     def _experts(self, site, p, rows, segs, cfg, probs, backend, deferred):
         if deferred is not None:

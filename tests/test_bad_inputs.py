@@ -111,7 +111,7 @@ def _train(ctx, *flags):
 
 V = ValueError
 NAN, INF = float("nan"), float("inf")
-ADAM_STATES = "['ApplyIfFiniteState', 'EmptyState', 'ScaleByAdamState', 'ScheduleState']"
+ADAM_STATES = "['ApplyIfFiniteState', 'ClipState', 'EmptyState', 'ScaleByAdamState', 'ScheduleState']"
 CASES = [
     # ModelConfig
     ("model.dim", lambda c: CFG.replace(dim=0), V, "ModelConfig.dim=0 is invalid: must be an int >= 1"),
@@ -193,6 +193,8 @@ CASES = [
     ("optim.skip_nonfinite_bool", lambda c: fmoe.adamw(skip_nonfinite=True), V,
      "adamw skip_nonfinite=True is invalid: must be an int >= 0"),
     ("optim.fused", lambda c: fmoe.adamw(fused=1), V, "adamw fused=1 is invalid: must be True or False"),
+    ("optim.expert_bias_donate", lambda c: fmoe.update_expert_bias(c.params, torch.ones(2, 4), 0.01, donate=1), V,
+     "update_expert_bias donate=1 is invalid: must be True or False"),
     ("optim.max_skips_zero", lambda c: apply_if_finite(fmoe.scale_by_adam(), 0), V,
      "apply_if_finite max_skips=0 is invalid: must be an int >= 1"),
     ("optim.max_skips_float", lambda c: apply_if_finite(fmoe.scale_by_adam(), 2.0), V,

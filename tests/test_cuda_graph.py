@@ -88,3 +88,32 @@ def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
     assert torch.equal(got.loss, want.loss)
     for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
         assert torch.equal(a, b)
+
+
+def test_scopes_not_graphed_run_as_the_plan_says():
+    # Under Plan.compile the scopes left out of the capture keep their compiled kernels.
+    from fmoe.schedule.compiled import compiled_kernels
+    from fmoe.schedule.nodes import EAGER
+    from interop.cuda_graph import _ScopeGraphs
+
+    compiled = compiled_kernels()
+    kernels = _ScopeGraphs(fmoe.Plan(model=MODEL, compile=True, **BF16), ("attn",)).kernels()
+    assert kernels.attn not in (EAGER.attn, compiled.attn)
+    assert kernels[1:] == compiled[1:]
+    assert _ScopeGraphs(fmoe.Plan(model=MODEL, **BF16), ("attn",)).kernels()[1:] == EAGER[1:]
+
+
+@pytest.mark.gpu
+def test_graphed_attention_beside_compiled_kernels_is_bitwise_their_eager_run():
+    # A graph replays the eager attention's kernels; the router, experts and head stay compiled.
+    from fmoe.schedule.compiled import compiled_kernels
+    from fmoe.schedule.nodes import EAGER
+
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, compile=True, **BF16)
+    params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch().cuda()}
+    graphed = capture_scopes(params, batch, plan, ("attn",))
+    want = fmoe.step(params, batch, plan, compiled_kernels()._replace(attn=EAGER.attn))
+    got = fmoe.step(params, batch, plan, graphed)
+    assert torch.equal(got.loss, want.loss)
+    for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
+        assert torch.equal(a, b)

@@ -179,3 +179,33 @@ def test_a_training_step_with_donation_matches_the_pure_one():
         b, sb = donating.update(fmoe.step(b, batch(i), p).grads, sb, b)
     assert_bitwise((a, sa), (b, sb))
     assert all(x is not None for x in buffers(b, p))
+
+
+def _copy_warnings(params, p):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fmoe.step(params, batch(), p)
+    return [str(w.message) for w in seen if "copied unit group" in str(w.message)]
+
+
+def test_a_step_that_has_to_copy_a_unit_group_says_so_once(monkeypatch):
+    import fmoe.shard.lifecycle as lc
+
+    monkeypatch.setattr(lc, "_REPORTED_COPIES", set())  # as in a fresh process
+    p = plan(dtype="float32")
+    params = fmoe.init(p, seed=5)
+    counts = fmoe.step(params, batch(), p).metrics["expert_counts"]
+    # the donated bias update keeps flat storage: nothing to copy, nothing said
+    params = fmoe.update_expert_bias(params, counts, 0.01, donate=True)
+    assert _copy_warnings(params, p) == []
+    # params with no leaf in flat storage (built by hand, or adamw's chain) are copied as documented, silently
+    assert _copy_warnings(standalone(params), p) == []
+    # the pure one replaces the bias leaves by new tensors: their unit groups are copied
+    params = fmoe.update_expert_bias(params, counts, 0.01)
+    said = _copy_warnings(params, p)
+    assert len(said) == 1 and "layers.0 (dense, compute), layers.1 (dense, compute) into new flat" in said[0]
+    assert "embed" not in said[0] and "fmoe.as_flat" in said[0] and "donate=True" in said[0]
+    assert _copy_warnings(params, p) == []  # once per process and unit group, not once per step
+    assert _copy_warnings(fmoe.as_flat(params, p), p) == []

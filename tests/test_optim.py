@@ -117,3 +117,62 @@ def test_expert_bias_update_moves_toward_balance():
     assert torch.equal(new["layers"][1]["moe"]["expert_bias"], torch.zeros(4))
     assert new["embed"] is params["embed"]
     assert torch.equal(params["layers"][0]["moe"]["expert_bias"], torch.zeros(4))
+
+
+def test_donated_expert_bias_update_equals_the_pure_one_and_keeps_flat_storage():
+    from fmoe.params import named_leaves
+    from fmoe.shard.spec import shard_spec, stored_shard
+
+    plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=16, dim=16, heads=2, layers=2, experts=4, ffn=8))
+    params = fmoe.init(plan, seed=0)
+    counts = torch.tensor([[10, 2, 4, 4], [3, 5, 7, 5]])
+    ptrs = [layer["moe"]["expert_bias"].data_ptr() for layer in params["layers"]]
+    pure = fmoe.update_expert_bias(optree.tree_map(torch.clone, params), counts, 0.01)
+    donated = fmoe.update_expert_bias(params, counts, 0.01, donate=True)
+    assert donated is params  # the same pytree, its biases written where they were
+    assert [layer["moe"]["expert_bias"].data_ptr() for layer in donated["layers"]] == ptrs
+    for a, b in zip(optree.tree_leaves(pure), optree.tree_leaves(donated)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    named = named_leaves(donated)  # every unit group is still recognised as flat storage
+    assert all(stored_shard(named, layout, 0, False) is not None
+               for u in shard_spec(plan).units for layout in u.groups.values())
+    # applied=False (a skipped optimizer step) keeps the biases bit for bit, in both forms
+    before = optree.tree_map(torch.clone, donated)
+    no = torch.tensor(False)
+    kept = fmoe.update_expert_bias(donated, counts, 0.01, applied=no)
+    fmoe.update_expert_bias(donated, counts, 0.01, donate=True, applied=no)
+    for a, b, c in zip(optree.tree_leaves(before), optree.tree_leaves(kept), optree.tree_leaves(donated)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
+@pytest.mark.parametrize("clip,skip", [(0.5, 0), (None, 3), (0.5, 3)], ids=["clip", "skip", "clip+skip"])
+def test_the_optimizer_keeps_the_norm_it_computed(clip, skip, fused):
+    opt = fmoe.adamw(lr=1e-2, max_grad_norm=clip, skip_nonfinite=skip, fused=fused)
+    params = tree(0)
+    state = opt.init(params)
+    assert float(fmoe.last_grad_norm(state)) == 0.0  # before the first update
+    for seed in (1, 2):
+        grads = tree(seed)
+        grads["layers"][0]["moe"]["expert_bias"] = torch.zeros(3)
+        expected = fmoe.global_norm(grads)
+        params, state = opt.update(grads, state, params)
+        assert torch.equal(fmoe.last_grad_norm(state), expected)  # the same reduction, not a second one
+    if skip:  # a skipped step's norm is the non-finite one
+        grads["w"][0, 0] = float("nan")
+        _, state = opt.update(grads, state, params)
+        assert torch.isnan(fmoe.last_grad_norm(state))
+    # the chain and the fused kernel keep it in the same place
+    other = fmoe.adamw(lr=1e-2, max_grad_norm=clip, skip_nonfinite=skip, fused=not fused)
+    assert optree.tree_structure(other.init(tree(0))) == optree.tree_structure(opt.init(tree(0)))
+
+
+def test_last_grad_norm_needs_an_optimizer_that_computes_one():
+    with pytest.raises(ValueError, match="records no gradient norm"):
+        fmoe.last_grad_norm(fmoe.adamw(lr=1e-2).init(tree(0)))
+    # the outermost norm wins: apply_if_finite's (of the grads), not a clip's on Adam's updates inside
+    opt = fmoe.optimizer(fmoe.apply_if_finite(fmoe.chain(fmoe.scale_by_adam(), fmoe.clip_by_global_norm(1.0)), 2))
+    grads = tree(1)
+    _, state = opt.update(grads, opt.init(tree(0)), tree(0))
+    assert torch.equal(fmoe.last_grad_norm(state), fmoe.global_norm(grads))
+    assert not torch.equal(state.inner_state[1].grad_norm, fmoe.global_norm(grads))

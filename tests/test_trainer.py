@@ -123,6 +123,8 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     assert (merged["steps"], merged["kv_heads"], merged["norm_topk_prob"], merged["lr"]) == (3, 2, False, 3e-3)
     assert merged["sharding"] == "optim_grads_params" and merged["units"] == ""
     assert len(options.presets()) == 9
+    assert options.resolve([])[0]["log_every"] == 1  # the CPU default logs every step; GPU presets every 10
+    assert {options.resolve(["--config", p])[0]["log_every"] for p in options.presets() if p != "cpu"} == {10}
     for preset in options.presets():  # every shipped preset builds a valid model and plan
         settings, _ = options.resolve(["--config", preset])
         assert tomllib.loads(options.to_toml(settings))["dim"] == settings["dim"]
@@ -139,6 +141,7 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     ("", ["--ep", "2"], "--dp=1 x --ep=2 must equal the number of processes (WORLD_SIZE=1)"),
     ("", ["--batch", "6", "--microbatches", "4"], "--batch=6 is invalid"),
     ("", ["--steps", "0"], "--steps=0 is invalid: must be an int >= 1"),
+    ("", ["--log-every", "0"], "--log-every=0 is invalid: must be an int >= 1"),
     ("", ["--lr", "nan"], "--lr=nan is invalid"),
     ("", ["--vocab", "100"], "vocab"),
     ("", ["--cuda-graph", "attn"], "--cuda-graph='attn' is invalid: it needs fmoe's adapters: run python -m interop"),
@@ -226,6 +229,77 @@ def test_non_finite_steps_stop_the_job_and_keep_the_last_good_checkpoint(tmp_pat
     one, three = (fmoe.load(tmp_path / f"checkpoint-{n:08d}", plan).params for n in (1, 3))
     for a, b in zip(optree.tree_leaves(one), optree.tree_leaves(three)):
         assert torch.equal(a, b)
+
+
+def test_log_every_reads_the_device_only_on_logged_steps(tmp_path, monkeypatch):
+    from fmoe.trainer import loop
+
+    from .test_optim_finite import _HostReads
+
+    marks, inside = [0], [False]  # the step each read belongs to; whether fmoe.step is running
+
+    class Reads(_HostReads):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func) in self.READS and not inside[0]:
+                self.seen.append(marks[-1])
+            return func(*args, **(kwargs or {}))
+
+    def sampling(*args, _real=loop.sample_batch):
+        marks.append(args[4])
+        return _real(*args)
+
+    def stepping(*args, _real=loop.step):  # fmoe.step's own checks are the bare loop's too
+        inside[0] = True
+        try:
+            return _real(*args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(loop, "sample_batch", sampling)
+    monkeypatch.setattr(loop, "step", stepping)
+    args = ["--steps", 8, "--log-every", 3, "--eval-every", 8, "--save-every", 4, "--batch", 4, "--seq", 16,
+            "--eval-batches", 1, "--sample-tokens", 0, "--no-progress", "--threads", 1, "--out", tmp_path]
+    with Reads() as reads:
+        train_main(list(map(str, args)))
+    # every log_every steps, and where the loop waits anyway: a checkpoint, an evaluation, the last step
+    rec = records(tmp_path)
+    assert [r["step"] for r in rec] == [3, 4, 6, 8]
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 and len(r["expert_load"]) == 2 for r in rec)
+    assert set(reads.seen) - {0} == {3, 4, 6, 8}  # steps 1, 2, 5 and 7 read nothing back
+
+
+def test_with_log_every_a_non_finite_streak_stops_at_the_next_logged_step_and_none_is_applied(tmp_path,
+                                                                                               monkeypatch):
+    from fmoe.trainer import loop
+
+    finite, biases = [], []
+
+    def watched_adamw(*args, _real=loop.adamw, **kwargs):
+        opt = _real(*args, **kwargs)
+
+        def update(grads, state, params):
+            params, state = opt.update(grads, state, params)
+            finite.append(all(bool(torch.isfinite(t).all()) for t in optree.tree_leaves(params)))
+            return params, state
+
+        return fmoe.Optimizer(opt.init, update)
+
+    def watched_bias(*args, _real=loop.update_expert_bias, **kwargs):
+        params = _real(*args, **kwargs)
+        biases.append(params["layers"][0]["moe"]["expert_bias"].clone())
+        return params
+
+    monkeypatch.setattr(loop, "adamw", watched_adamw)
+    monkeypatch.setattr(loop, "update_expert_bias", watched_bias)
+    # as test_non_finite_steps_stop_the_job_...: step 1 is finite, every later one NaN
+    args = ["--steps", 20, "--batch", 4, "--seq", 16, "--lr", 1e30, "--warmup", 0, "--max-skips", 2,
+            "--log-every", 4, "--save-every", 0, "--expert-bias-rate", 0.01, "--no-progress", "--out", tmp_path]
+    with pytest.raises(SystemExit, match=r"3 steps in a row \(to step 4\) had non-finite gradients"):
+        train_main(list(map(str, args)))
+    assert [(r["step"], r["skipped_steps"]) for r in records(tmp_path)] == [(4, 3)]
+    # the optimizer did not give up after --max-skips: the streak was skipped to the end
+    assert finite == [True] * 4
+    assert all(torch.equal(b, biases[0]) for b in biases[1:]) and len(biases) == 4
 
 
 def test_resume_continues_the_log_and_refuses_what_cannot_continue(tmp_path):
@@ -337,3 +411,14 @@ def test_torchrun_restarts_a_job_whose_rank_died_and_it_resumes(tmp_path):
     assert proc.returncode == 0, err
     assert "resumed from" in out
     assert [r["step"] for r in records(tmp_path)] == list(range(1, 41))
+
+
+def test_compile_flag_compiles_the_kernels_and_reports_the_first_step(tmp_path, capsys):
+    args = ["--compile", "--steps", 3, "--log-every", 2, "--eval-every", 3, "--dim", 32, "--layers", 1, "--heads", 4,
+            "--experts", 4, "--topk", 2, "--ffn", 32, "--batch", 2, "--seq", 16, "--eval-batches", 1,
+            "--sample-tokens", 0, "--no-progress", "--threads", 1, "--out", tmp_path]
+    train_main(list(map(str, args)))
+    assert "the first step compiled the node kernels (Plan.compile)" in capsys.readouterr().out
+    assert "compile = true" in (tmp_path / "settings.toml").read_text()
+    rec = records(tmp_path)
+    assert [r["step"] for r in rec] == [2, 3] and all(r["tokens_per_s"] > 0 for r in rec)

@@ -36,7 +36,7 @@ from .files import META_FILE, check_files, checksums, resolve, staged_directory,
 
 FORMAT_VERSION = 2
 _STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState,
-                                               optim.ApplyIfFiniteState)}
+                                               optim.ApplyIfFiniteState, optim.ClipState)}
 
 
 class Checkpoint(NamedTuple):

@@ -129,6 +129,8 @@ class _Permute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         (pos_TK,) = ctx.saved_tensors
+        if triton_kernels.unpermute_fusable(grad_RD, None):  # one pass, fp32 sum over k, no [T, K, D] copy
+            return triton_kernels.gather_sum_TD(grad_RD, pos_TK), None, None, None
         T, K = pos_TK.shape
         grad_TKD = _rows_at(grad_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, grad_RD.shape[1])
         return grad_TKD.sum(1), None, None, None
@@ -158,6 +160,8 @@ def unpermute(y_RD: torch.Tensor, d: Dispatch, w_TK: torch.Tensor | None = None)
     Returns:
         ``[T, D]`` in ``y_RD``'s dtype.
     """
+    if triton_kernels.unpermute_fusable(y_RD, w_TK):
+        return triton_kernels.unpermute_TD(y_RD, w_TK, d.pos_TK, d.row_source_R, d.capacity is not None)
     return _Unpermute.apply(y_RD, w_TK, d.pos_TK, d.row_source_R, d.capacity is not None)
 
 
@@ -166,20 +170,14 @@ class _Unpermute(torch.autograd.Function):
     # at a time (no fp32 copy of the rows, no batched GEMM). Backward: every row holds
     # at most one assignment, so the rows' gradient is a gather by row_source, not the
     # index_add autograd would run for the forward gather.
-    # On CUDA with Triton both directions run as fused kernels (triton_kernels.unpermute_*:
-    # the same sums, the backward's rows and weights' gradient in one pass); the torch
-    # code below is the CPU and reference path.
+    # On CUDA with Triton, ``unpermute`` runs the fused kernels instead
+    # (triton_kernels.unpermute_TD: the same sums, the backward's rows and weights'
+    # gradient in one pass); this is the CPU and reference path.
     @staticmethod
     def forward(ctx, y_RD, w_TK, pos_TK, row_source_R, dropping):
         T, K = pos_TK.shape
         keep_rows = w_TK is not None and ctx.needs_input_grad[1]  # only the weights' gradient reads them
-        ctx.dropping, ctx.dtype, ctx.num_rows = dropping, y_RD.dtype, y_RD.shape[0]
-        ctx.fused = triton_kernels.unpermute_fusable(y_RD, w_TK)
-        if ctx.fused:
-            y_RD, pos_TK = y_RD.contiguous(), pos_TK.contiguous()
-            w_TK = None if w_TK is None else w_TK.contiguous()
-            ctx.save_for_backward(y_RD if keep_rows else None, w_TK, pos_TK, row_source_R.contiguous())
-            return triton_kernels.unpermute_fwd_TD(y_RD, w_TK, pos_TK)
+        ctx.dropping, ctx.dtype = dropping, y_RD.dtype
         y_TKD = _rows_at(y_RD, pos_TK.reshape(-1), dropping).view(T, K, y_RD.shape[1])  # (T may be 0)
         acc = upcast(y_TKD[:, 0])
         acc = acc.clone() if w_TK is None else acc * w_TK[:, :1].to(acc.dtype)
@@ -195,11 +193,6 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad_TD):
         y_RD, w_TK, pos_TK, row_source_R = ctx.saved_tensors
         T, K = pos_TK.shape
-        if ctx.fused:
-            grad_y, grad_w = triton_kernels.unpermute_bwd(
-                grad_TD.contiguous(), y_RD, w_TK, pos_TK, row_source_R, ctx.num_rows, ctx.dtype,
-                ctx.dropping, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-            return grad_y, grad_w, None, None, None
         g_up = upcast(grad_TD)
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:

@@ -177,28 +177,36 @@ def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | No
     On CUDA with Triton, ``swiglu`` (with the probabilities) runs as one fused kernel
     each way (``triton_kernels.swiglu_RF``); the torch code is the CPU and reference path.
     """
-    if cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R):
+    if fused_activation(h, cfg, row_probs_R):
         return triton_kernels.swiglu_RF(h, cfg.glu_interleave, row_probs_R)
-    a = _torch_activation(h, cfg)
-    return a if row_probs_R is None else a * row_probs_R.to(a.dtype)[:, None]
+    return torch_activation(h, cfg, row_probs_R)
 
 
-def _torch_activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def fused_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> bool:
+    """Whether ``activation`` runs the fused Triton SwiGLU kernel for these inputs."""
+    return cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R)
+
+
+def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+    """``activation`` in torch code (the CPU and reference path; what ``Plan.compile`` fuses)."""
     if cfg.activation == "relu2":
-        return F.relu(h).square()
-    gate, up = glu_halves(h, cfg.glu_interleave)
-    if cfg.activation == "swiglu":
-        return F.silu(gate) * up
-    if cfg.activation == "geglu":
-        return F.gelu(gate, approximate="tanh") * up
-    gate = gate.clamp(max=cfg.glu_limit)
-    up = up.clamp(-cfg.glu_limit, cfg.glu_limit)
-    return gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
+        a = F.relu(h).square()
+    else:
+        gate, up = glu_halves(h, cfg.glu_interleave)
+        if cfg.activation == "swiglu":
+            a = F.silu(gate) * up
+        elif cfg.activation == "geglu":
+            a = F.gelu(gate, approximate="tanh") * up
+        else:
+            gate = gate.clamp(max=cfg.glu_limit)
+            up = up.clamp(-cfg.glu_limit, cfg.glu_limit)
+            a = gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
+    return a if row_probs_R is None else a * row_probs_R.to(a.dtype)[:, None]
 
 
 def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
                row_probs_R: torch.Tensor | None = None, backend: str = "torch",
-               deferred: DeferredWgrad | None = None) -> torch.Tensor:
+               deferred: DeferredWgrad | None = None, act: Callable = activation) -> torch.Tensor:
     """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
 
     Arguments:
@@ -210,6 +218,8 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
         backend: see ``grouped_matmul``, or a name given to ``register_expert_backend``.
         deferred: collects the fc1/fc2 weight-gradient GEMMs instead of running them
             in backward (delayed wgrad); the bias gradients are not deferred.
+        act: the activation, ``activation``'s signature (``Plan.compile`` passes a
+            compiled one); registered backends use their own.
 
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
@@ -219,7 +229,7 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)
-    a = activation(h, cfg, row_probs_R)
+    a = act(h, cfg, row_probs_R)
     y = grouped_matmul(a, p["fc2"], segs, backend, deferred)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)

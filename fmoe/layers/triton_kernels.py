@@ -5,15 +5,20 @@
   backward) and, backward, three to five plus a ``cat`` to assemble fc1's ``[R, 2F]``
   gradient; here the backward writes ``grad_h`` directly, keeps only ``h``, and the
   probability's gradient is a fp32 row sum.
-- ``unpermute_fwd_TD`` / ``unpermute_bwd``: the K-way weighted gather-sum of
-  ``dispatch._Unpermute`` in fp32 registers (no fp32 copy of the rows), and its
+- ``unpermute_TD`` (``unpermute_fwd_TD`` / ``unpermute_bwd``): the K-way weighted
+  gather-sum of ``dispatch.unpermute`` in fp32 registers (no fp32 copy of the rows), and its
   backward: rows' gradient and the weights' gradient in one pass over the token's rows.
 - ``rope_BHSd``: rotary embedding of q and k in fp32 math with one read of the strided
   view and one write (eager: an upcast copy, four products, a ``cat`` and a downcast,
   and as many again backward; ~15 ms of a 150 ms step on the 1.4B benchmark model).
+- ``gather_sum_TD``: the permute's backward, ``sum_k grad[pos[t, k]]``, on the unpermute's
+  forward kernel (no ``[T, K, D]`` gather before the sum).
 
-``dispatch.py`` and ``experts.py`` call these when ``fused_kernels_available`` says so
-and keep their pure-torch code as the CPU and reference path; the results agree up to
+Each is a ``torch.library`` custom op (``fmoe::rope``, ``fmoe::swiglu``,
+``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops) with a fake (shape)
+rule and a registered backward, so ``torch.compile`` traces them as operators.
+``dispatch.py``, ``experts.py`` and ``attention.py`` call these when
+``fused_kernels_available`` says so and keep their pure-torch code as the CPU and reference path; the results agree up to
 fp32 summation order (bf16 outputs are rounded once from fp32, where the torch path
 may round intermediates). ``FMOE_FUSED_KERNELS=0`` turns the kernels off (A/B runs).
 
@@ -270,25 +275,12 @@ def _rotate(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor, ne
     return _done(out, x_BHSd.dtype)
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BHSd, cos_Sh, sin_Sh):
-        ctx.save_for_backward(cos_Sh, sin_Sh)
-        return _rotate(x_BHSd, cos_Sh, sin_Sh, negate=False)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_BHSd):
-        cos_Sh, sin_Sh = ctx.saved_tensors
-        grad = grad_BHSd if grad_BHSd.stride(-1) == 1 else grad_BHSd.contiguous()
-        return _rotate(grad, cos_Sh, sin_Sh, negate=True), None, None
-
-
 def rope_BHSd(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    """``attention.apply_rope`` in one kernel each way: reads the (strided) view once,
-    rotates in fp32, writes a contiguous result in x's dtype. Check ``rope_fusable`` first."""
+    """``attention.apply_rope`` in one kernel each way (the ``fmoe::rope`` op): reads the
+    (strided) view once, rotates in fp32, writes a contiguous result in x's dtype.
+    Check ``rope_fusable`` first."""
     cos32, sin32 = (t.to(device=x_BHSd.device, dtype=torch.float32).contiguous() for t in (cos_Sh, sin_Sh))
-    return _Rope.apply(x_BHSd, cos32, sin32)
+    return torch.ops.fmoe.rope(x_BHSd, cos32, sin32, False)
 
 
 def swiglu_fwd_RF(h_RN: torch.Tensor, prob_R: torch.Tensor | None, interleave: int) -> torch.Tensor:
@@ -324,30 +316,12 @@ def swiglu_bwd_RN(h_RN: torch.Tensor, prob_R: torch.Tensor | None, grad_RF: torc
     return _done(grad_h, h_RN.dtype), _done(grad_p, None if prob_R is None else prob_R.dtype)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_RN, prob_R, interleave):
-        h_RN = h_RN.contiguous()
-        prob_R = None if prob_R is None else prob_R.contiguous()
-        ctx.save_for_backward(h_RN, prob_R)
-        ctx.interleave = interleave
-        return swiglu_fwd_RF(h_RN, prob_R, interleave)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_RF):
-        h_RN, prob_R = ctx.saved_tensors
-        grad_RF = grad_RF.to(h_RN.dtype).contiguous()
-        grad_h, grad_p = swiglu_bwd_RN(h_RN, prob_R, grad_RF, ctx.interleave, ctx.needs_input_grad[1])
-        return grad_h, grad_p, None
-
-
 def swiglu_RF(h: torch.Tensor, interleave: int = 0, prob_R: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of fc1's output ``[.., 2F]`` (halves as ``glu_halves`` splits
     them), times ``prob_R[r]`` per row when given (``h`` then ``[R, 2F]``); fp32 math,
-    one rounding to h's dtype. Check ``swiglu_fusable`` first."""
+    one rounding to h's dtype (the ``fmoe::swiglu`` op). Check ``swiglu_fusable`` first."""
     lead, N = h.shape[:-1], h.shape[-1]
-    a = _SwiGLU.apply(h.reshape(-1, N), prob_R, interleave)
+    a = torch.ops.fmoe.swiglu(h.reshape(-1, N), prob_R, interleave)
     return a.view(*lead, N // 2)
 
 
@@ -395,3 +369,150 @@ def unpermute_bwd(grad_TD: torch.Tensor, y_RD: torch.Tensor | None, w_TK: torch.
             _zero_padding_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](
                 grad_y, row_source_R, R, D, T * K, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_NUM_WARPS)
     return _done(grad_y, dtype), _done(grad_w, None if w_TK is None else w_TK.dtype)
+
+
+def unpermute_TD(y_RD: torch.Tensor, w_TK: torch.Tensor | None, pos_TK: torch.Tensor, row_source_R: torch.Tensor,
+                 dropping: bool) -> torch.Tensor:
+    """``dispatch.unpermute`` in one kernel each way (the ``fmoe::unpermute`` op), with
+    ``dispatch.Dispatch``'s ``pos_TK`` and ``row_source_R``. Check ``unpermute_fusable`` first."""
+    return torch.ops.fmoe.unpermute(y_RD, w_TK, pos_TK, row_source_R, dropping)
+
+
+def gather_sum_TD(x_RD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k x[pos[t, k]]`` (``pos == R`` adds nothing): the permute's backward,
+    the unpermute's forward kernel without weights (``fmoe::gather_sum``, no autograd)."""
+    return torch.ops.fmoe.gather_sum(x_RD, pos_TK)
+
+
+# --- The kernels as torch operators ----------------------------------------------------
+# torch.compile sees each kernel as an operator with a shape rule (``register_fake``)
+# and a registered backward, traced like any aten op: no graph break, and the
+# gradients are the ones eager runs (a Python autograd.Function launching Triton
+# inside a compiled region lost them). Eager calls go through the same operators.
+# Outputs are always tensors (an empty one where a gradient is not wanted), as
+# custom ops require.
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _nothing(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("fmoe::rope", mutates_args=())
+def _rope_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, negate: bool) -> torch.Tensor:
+    return _rotate(x if x.stride(-1) == 1 else x.contiguous(), cos, sin, negate)
+
+
+@_rope_op.register_fake
+def _(x, cos, sin, negate):
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, negate = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.negate = negate
+
+
+def _rope_backward(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return torch.ops.fmoe.rope(grad, cos, sin, not ctx.negate), None, None, None
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+@torch.library.custom_op("fmoe::swiglu", mutates_args=())
+def _swiglu_op(h: torch.Tensor, prob: torch.Tensor | None, interleave: int) -> torch.Tensor:
+    return swiglu_fwd_RF(h.contiguous(), _contiguous(prob), interleave)
+
+
+@_swiglu_op.register_fake
+def _(h, prob, interleave):
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+@torch.library.custom_op("fmoe::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(h: torch.Tensor, prob: torch.Tensor | None, grad: torch.Tensor, interleave: int,
+                        need_grad_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_h, grad_p = swiglu_bwd_RN(h.contiguous(), _contiguous(prob), grad.to(h.dtype).contiguous(), interleave,
+                                   need_grad_prob)
+    return grad_h, _nothing(h) if grad_p is None else grad_p
+
+
+@_swiglu_backward_op.register_fake
+def _(h, prob, grad, interleave, need_grad_prob):
+    return h.new_empty(h.shape), prob.new_empty(prob.shape) if need_grad_prob and prob is not None else _nothing(h)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    h, prob, interleave = inputs
+    ctx.save_for_backward(h, prob)
+    ctx.interleave = interleave
+
+
+def _swiglu_backward(ctx, grad):
+    h, prob = ctx.saved_tensors
+    need_gp = prob is not None and ctx.needs_input_grad[1]
+    grad_h, grad_p = torch.ops.fmoe.swiglu_backward(h, prob, grad, ctx.interleave, need_gp)
+    return grad_h, grad_p if need_gp else None, None
+
+
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op("fmoe::gather_sum", mutates_args=())
+def _gather_sum_op(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return unpermute_fwd_TD(x.contiguous(), None, pos.contiguous())
+
+
+@_gather_sum_op.register_fake
+def _(x, pos):
+    return x.new_empty((pos.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("fmoe::unpermute", mutates_args=())
+def _unpermute_op(y: torch.Tensor, w: torch.Tensor | None, pos: torch.Tensor, row_source: torch.Tensor,
+                  dropping: bool) -> torch.Tensor:
+    return unpermute_fwd_TD(y.contiguous(), _contiguous(w), pos.contiguous())
+
+
+@_unpermute_op.register_fake
+def _(y, w, pos, row_source, dropping):
+    return y.new_empty((pos.shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("fmoe::unpermute_backward", mutates_args=())
+def _unpermute_backward_op(grad: torch.Tensor, y: torch.Tensor | None, w: torch.Tensor | None, pos: torch.Tensor,
+                           row_source: torch.Tensor, num_rows: int, dtype: torch.dtype, dropping: bool,
+                           need_grad_rows: bool, need_grad_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_y, grad_w = unpermute_bwd(grad.contiguous(), _contiguous(y), _contiguous(w), pos.contiguous(),
+                                   row_source.contiguous(), num_rows, dtype, dropping, need_grad_rows, need_grad_w)
+    return (_nothing(grad) if grad_y is None else grad_y), (_nothing(grad) if grad_w is None else grad_w)
+
+
+@_unpermute_backward_op.register_fake
+def _(grad, y, w, pos, row_source, num_rows, dtype, dropping, need_grad_rows, need_grad_w):
+    grad_y = grad.new_empty((num_rows, grad.shape[1]), dtype=dtype) if need_grad_rows else _nothing(grad)
+    grad_w = w.new_empty(w.shape) if need_grad_w and w is not None else _nothing(grad)
+    return grad_y, grad_w
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y, w, pos, row_source, dropping = inputs
+    # only the weights' gradient reads the rows
+    ctx.save_for_backward(None if w is None else y, w, pos, row_source)
+    ctx.num_rows, ctx.dtype, ctx.dropping = y.shape[0], y.dtype, dropping
+
+
+def _unpermute_backward(ctx, grad):
+    y, w, pos, row_source = ctx.saved_tensors
+    need_rows, need_w = ctx.needs_input_grad[0], w is not None and ctx.needs_input_grad[1]
+    grad_y, grad_w = torch.ops.fmoe.unpermute_backward(grad, y, w, pos, row_source, ctx.num_rows, ctx.dtype,
+                                                       ctx.dropping, need_rows, need_w)
+    return grad_y if need_rows else None, grad_w if need_w else None, None, None, None
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)

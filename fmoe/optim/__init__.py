@@ -7,18 +7,19 @@ Nothing is modified in place (except what ``adamw(fused=True, donate=True)`` is 
 every state is a NamedTuple of tensors.
 
 ``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
-``finite.py``: ``apply_if_finite`` (skip non-finite steps) and ``skipped_steps``;
+``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
+``last_grad_norm`` (the norm the last update computed, read from the state);
 ``optimizers.py``: ``optimizer`` and ``adamw`` (a chain, or ``fused=True``: ``fused.py``,
 torch's fused kernel over flat storage, optionally donating its inputs).
 """
 
-from .finite import ApplyIfFiniteState, apply_if_finite, skipped_steps
+from .finite import ApplyIfFiniteState, apply_if_finite, last_grad_norm, skipped_steps
 from .optimizers import adamw, optimizer
-from .transforms import (EmptyState, Optimizer, ScaleByAdamState, Schedule, ScheduleState, Transform,
+from .transforms import (ClipState, EmptyState, Optimizer, ScaleByAdamState, Schedule, ScheduleState, Transform,
                          add_decayed_weights, chain, clip_by_global_norm, freeze, global_norm, scale_by_adam,
                          scale_by_learning_rate, update_expert_bias, warmup_cosine)
 
-__all__ = ["ApplyIfFiniteState", "EmptyState", "Optimizer", "ScaleByAdamState", "Schedule", "ScheduleState",
-           "Transform", "add_decayed_weights", "apply_if_finite", "adamw", "chain", "clip_by_global_norm",
-           "freeze", "global_norm", "optimizer", "scale_by_adam", "scale_by_learning_rate", "skipped_steps",
-           "update_expert_bias", "warmup_cosine"]
+__all__ = ["ApplyIfFiniteState", "ClipState", "EmptyState", "Optimizer", "ScaleByAdamState", "Schedule",
+           "ScheduleState", "Transform", "add_decayed_weights", "apply_if_finite", "adamw", "chain",
+           "clip_by_global_norm", "freeze", "global_norm", "last_grad_norm", "optimizer", "scale_by_adam",
+           "scale_by_learning_rate", "skipped_steps", "update_expert_bias", "warmup_cosine"]

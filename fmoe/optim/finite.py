@@ -25,6 +25,11 @@ class ApplyIfFiniteState(NamedTuple):
         total_notfinite: non-finite steps in all (int64).
         applied: whether the last update was applied: finite, or given up on (bool).
         inner_state: the wrapped transform's state.
+        grad_norm: the global norm of the last update's gradients, the one the check
+            (and a clip inside sharing it) used (fp32; 0 before the first update), so
+            a training loop logs it without computing it again (``last_grad_norm``).
+            Last, with a default, so that states saved before it existed still load
+            (None until their next update).
     """
 
     notfinite_count: torch.Tensor
@@ -32,6 +37,7 @@ class ApplyIfFiniteState(NamedTuple):
     total_notfinite: torch.Tensor
     applied: torch.Tensor
     inner_state: Any
+    grad_norm: torch.Tensor | None = None
 
 
 def apply_if_finite(inner: Transform, max_skips: int, plan=None) -> Transform:
@@ -78,7 +84,8 @@ def _init_state(inner_init):
         device = _device_of(params)
         zero = torch.zeros((), dtype=torch.int64, device=device)
         yes = torch.ones((), dtype=torch.bool, device=device)
-        return ApplyIfFiniteState(zero, yes, zero.clone(), yes.clone(), inner_init(params))
+        return ApplyIfFiniteState(zero, yes, zero.clone(), yes.clone(), inner_init(params),
+                                  torch.zeros((), dtype=torch.float32, device=device))
 
     return init
 
@@ -95,7 +102,8 @@ def _skip_state(state: ApplyIfFiniteState, norm: torch.Tensor, apply: torch.Tens
     finite = torch.isfinite(norm)
     bad = (~finite).long()
     return ApplyIfFiniteState(notfinite_count=(state.notfinite_count + bad) * bad, last_finite=finite,
-                              total_notfinite=state.total_notfinite + bad, applied=apply, inner_state=inner_state)
+                              total_notfinite=state.total_notfinite + bad, applied=apply, inner_state=inner_state,
+                              grad_norm=norm)
 
 
 def _decide(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int,
@@ -144,3 +152,38 @@ def skipped_steps(opt_state) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("skipped_steps: the optimizer state holds no apply_if_finite state "
                          "(build the optimizer with skip_nonfinite=n or wrap it in apply_if_finite)")
     return found[0].notfinite_count, found[0].total_notfinite
+
+
+def _states(opt_state):
+    """Every NamedTuple state in an optimizer state, outermost first (pre-order)."""
+    if isinstance(opt_state, tuple) and hasattr(opt_state, "_fields"):
+        yield opt_state
+    if isinstance(opt_state, (tuple, list)):
+        for part in opt_state:
+            yield from _states(part)
+    elif isinstance(opt_state, dict):
+        for part in opt_state.values():
+            yield from _states(part)
+
+
+def last_grad_norm(opt_state) -> torch.Tensor:
+    """The global gradient norm the optimizer computed in its last update, read from
+    its state: the outermost state with a ``grad_norm`` (``apply_if_finite``'s, else
+    ``clip_by_global_norm``'s), so a loop that logs the norm needs no second reduction.
+
+    Arguments:
+        opt_state: the state after an update of an optimizer that computes the norm
+            (``fmoe.adamw`` with ``max_grad_norm`` or ``skip_nonfinite``, or any chain
+            holding ``clip_by_global_norm`` or ``apply_if_finite``).
+
+    Returns:
+        A 0-dim fp32 device tensor: the norm of the gradients before clipping, NaN or
+        inf for a skipped step (reading it is a host sync; read it when the loop syncs
+        anyway, e.g. when it logs).
+    """
+    for state in _states(opt_state):
+        norm = getattr(state, "grad_norm", None)
+        if isinstance(norm, torch.Tensor):
+            return norm
+    raise ValueError("last_grad_norm: the optimizer state records no gradient norm (build the optimizer with "
+                     "max_grad_norm or skip_nonfinite, or compute fmoe.global_norm(grads) yourself)")

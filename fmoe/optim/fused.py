@@ -21,7 +21,7 @@ import optree
 import torch
 
 from .finite import _init_state, _skip_decision, _skip_state
-from .transforms import ScaleByAdamState, ScheduleState, _decays, _trainable, global_norm
+from .transforms import ClipState, ScaleByAdamState, ScheduleState, _decays, _trainable, global_norm
 
 
 def _storage(t: torch.Tensor):
@@ -174,6 +174,8 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         new_state = list(state)
         new_state[at] = ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m), treedef.unflatten(new_v))
         new_state[at + 2] = ScheduleState(schedule.count + advance)
+        if clipping and apply is None:  # the chain's clip records the norm (apply_if_finite does, when skipping)
+            new_state[0] = ClipState(norm)
         return treedef.unflatten(new_p), tuple(new_state)
 
     def update(grads, state, params):

@@ -61,6 +61,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             an inf leaves params and state unchanged, bit for bit, and is counted
             (``fmoe.optim.skipped_steps``); the (n+1)-th such step in a row is applied.
             The gradient norm is computed once per step for this check and the clipping.
+            With either on, the state keeps that norm: ``fmoe.optim.last_grad_norm(state)``
+            reads it (for a log) without a second reduction.
 
         donate: with ``fused=True`` only. False (default): the update is pure; it
             copies each flat buffer of params and moments (and of grads, when
@@ -90,7 +92,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
     if max_grad_norm is not None or skip_nonfinite:
         _check_norm_scope(plan, "adamw")
     norm = _StepNorm(plan)  # read by both the finite check and the clipping
-    parts = [] if max_grad_norm is None else [_clip(max_grad_norm, norm)]
+    # the norm is kept in the state once: by apply_if_finite when skipping, else by the clip
+    parts = [] if max_grad_norm is None else [_clip(max_grad_norm, norm, record=not skip_nonfinite)]
     parts += [scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr), freeze()]
     transform = chain(*parts)
     if fused:

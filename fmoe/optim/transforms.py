@@ -44,6 +44,15 @@ class ScheduleState(NamedTuple):
     count: torch.Tensor
 
 
+class ClipState(NamedTuple):
+    """State of ``clip_by_global_norm``: the global norm of the last gradients it saw
+    (a 0-dim fp32 device tensor, 0 before the first update), before clipping. A
+    training loop logs it (``fmoe.optim.last_grad_norm``) instead of computing it again.
+    """
+
+    grad_norm: torch.Tensor
+
+
 def _map(fn, *trees):
     return optree.tree_map(fn, *trees)
 
@@ -174,18 +183,32 @@ def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
     Arguments:
         max_norm: the largest global norm let through (finite, > 0).
         plan: the Plan the gradients are laid out by (needed on several ranks).
+
+    Returns:
+        A Transform whose state is a ``ClipState``: the norm it computed, kept so that
+        nobody computes it again (``fmoe.optim.last_grad_norm``).
     """
     _check_finite("clip_by_global_norm", "max_norm", max_norm, positive=True)
     _check_norm_scope(plan, "clip_by_global_norm")
-    return _clip(max_norm, _StepNorm(plan))
+    return _clip(max_norm, _StepNorm(plan), record=True)
 
 
-def _clip(max_norm: float, norm_of: _StepNorm) -> Transform:
+def _clip(max_norm: float, norm_of: _StepNorm, record: bool) -> Transform:
+    """``clip_by_global_norm`` over a shared norm. ``record``: keep the norm in a
+    ``ClipState``; False (state ``EmptyState``) where an ``apply_if_finite`` around it
+    records the same norm already."""
+
+    def init(params):
+        if not record:
+            return EmptyState()
+        return ClipState(torch.zeros((), dtype=torch.float32, device=_device_of(params)))
+
     def update(grads, state, params=None):
-        scale = (max_norm / (norm_of(grads) + 1e-6)).clamp(max=1.0)
-        return _map(lambda g: g * scale, grads), state
+        norm = norm_of(grads)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return _map(lambda g: g * scale, grads), (ClipState(norm) if record else state)
 
-    return Transform(lambda params: EmptyState(), update)
+    return Transform(init, update)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> Transform:
@@ -302,7 +325,8 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> S
     return schedule
 
 
-def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float) -> dict:
+def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, donate: bool = False,
+                       applied: torch.Tensor | None = None) -> dict:
     """Aux-loss-free balancing: nudge each layer's ``expert_bias`` toward even load.
 
     ``bias_e += rate * sign(mean(counts) - counts_e)``: under-loaded experts become
@@ -312,15 +336,30 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float) -
         params: the parameter pytree.
         expert_counts: ``[layers, E]`` tokens per expert (``out.metrics["expert_counts"]``).
         rate: step size (``ModelConfig.expert_bias_rate``).
+        donate: False (default): pure, the new biases are new tensors. True: as
+            ``adamw(donate=True)``, the new biases are written into the ``expert_bias``
+            leaves passed in (their storage, bit for bit what the pure form computes)
+            and ``params`` itself is returned: params from ``fmoe.init`` stay views into
+            their flat buffers, so the next ``fmoe.step`` uses those without copying a
+            unit. The old bias values are gone: pass only params you will not read again.
+        applied: None, or a 0-dim device bool (``ApplyIfFiniteState.applied``): where
+            it is False the biases are kept bit for bit, so an optimizer step that was
+            skipped changes no parameter, with no host read to find out.
 
     Returns:
-        A new pytree sharing every other leaf with ``params``.
+        A new pytree sharing every other leaf with ``params``; with ``donate``, ``params``.
     """
+    _check("update_expert_bias", "donate", donate, isinstance(donate, bool), "must be True or False")
     counts = expert_counts.float()
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
     layers = []
     for layer, d in zip(params["layers"], delta):
         bias = layer["moe"]["expert_bias"]  # [E], or a row shard [0 or 1, E]
-        moe = dict(layer["moe"], expert_bias=bias + d.to(bias).expand_as(bias))
-        layers.append(dict(layer, moe=moe))
-    return dict(params, layers=layers)
+        new = bias + d.to(bias).expand_as(bias)
+        if applied is not None:
+            new = torch.where(applied, new, bias)  # not bias + 0: a skip keeps the old bits
+        if donate:
+            bias.copy_(new)
+        else:
+            layers.append(dict(layer, moe=dict(layer["moe"], expert_bias=new)))
+    return params if donate else dict(params, layers=layers)

@@ -29,7 +29,8 @@ from ..shard import lifecycle as lc
 from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
-from .nodes import (EAGER, Attended, Kernels, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
+from .compiled import kernels_for
+from .nodes import (Attended, Kernels, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
                     member_of_node, node_names, uses_param)
 from .program import Action, double_buffer_slots, max_live_units
 
@@ -178,7 +179,8 @@ def _forward(state, a: Action, flow: _Flow):
     elif kind == "head":
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
-        objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps)
+        objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps,
+                                      mb, flow.kernels)
         flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
         result = (objective.detach(), ce_sum)
     elif kind == "attn":
@@ -281,17 +283,18 @@ def _wgrad(state, a: Action, flow: _Flow):
 
 
 def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
-            total_targets: int, slots: dict | None = None, kernels: Kernels = EAGER) -> Executed:
+            total_targets: int, slots: dict | None = None, kernels: Kernels | None = None) -> Executed:
     """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
 
     ``slots`` come from ``check_program`` (double buffering), which ``step`` calls
-    before its first collective; ``kernels`` are the functions the layer nodes call.
+    before its first collective; ``kernels`` are the functions the layer nodes call
+    (None: compiled or eager as ``plan.compile`` says).
     """
     spec = shard_spec(plan)
     if slots is None:
         slots = check_program(plan, program)
     state = lc.start(plan, spec, mesh, lc.build_shards(params_named, spec, plan, mesh), max_live_units(plan), slots)
-    flow = _Flow(plan, mesh, tokens, total_targets, kernels)
+    flow = _Flow(plan, mesh, tokens, total_targets, kernels_for(plan) if kernels is None else kernels)
     ce_sum = torch.zeros((), device=tokens.device)
     objective = torch.zeros((), device=tokens.device)
     stats: dict = {}

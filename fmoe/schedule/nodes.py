@@ -84,7 +84,14 @@ def nest(flat: dict, prefix: str) -> dict:
     return out
 
 
-def _at_any_site(fn: Callable) -> Callable:
+def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``."""
+    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ head_weight(weights)
+    return torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), targets_BS.flatten(), reduction="sum")
+
+
+def at_any_site(fn: Callable) -> Callable:
+    """``fn`` as a Kernels entry: called with a site first, which it ignores."""
     return lambda site, *args: fn(*args)
 
 
@@ -100,11 +107,14 @@ class Kernels(NamedTuple):
         router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
         experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, backend, deferred) -> y_RD``,
             as ``expert_mlp``.
+        head: ``(site, weights, h_BSD, targets_BS, eps) -> ce_sum``, as ``head_loss_sum``
+            (``site = ("head", microbatch)``).
     """
 
-    attn: Callable = _at_any_site(attention_half)
-    router: Callable = _at_any_site(route)
-    experts: Callable = _at_any_site(expert_mlp)
+    attn: Callable = at_any_site(attention_half)
+    router: Callable = at_any_site(route)
+    experts: Callable = at_any_site(expert_mlp)
+    head: Callable = at_any_site(head_loss_sum)
 
 
 EAGER = Kernels()
@@ -158,9 +168,8 @@ def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tens
     return h_BSD + moe_output(y_RD, routed.dispatch, probs_TK, shared_TD).view_as(h_BSD)
 
 
-def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float):
+def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float,
+              mb: int = 0, kernels: Kernels = EAGER):
     """``(objective, ce_sum)``: summed next-token cross-entropy over ``total_targets``."""
-    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ head_weight(weights)
-    ce_sum = torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), tokens_mb[:, 1:].flatten(),
-                                               reduction="sum")
+    ce_sum = kernels.head(("head", mb), weights, h_BSD, tokens_mb[:, 1:], eps)
     return ce_sum / total_targets, ce_sum.detach()

@@ -14,7 +14,7 @@ from ..checkpoint import load, save
 from ..data import heldout_batches, sample_batch, unigram_cross_entropy
 from ..flat import init
 from ..generate import generate, load_tokenizer
-from ..optim import adamw, global_norm, skipped_steps, update_expert_bias, warmup_cosine
+from ..optim import adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
 from ..params import flat_shapes, train_flops_per_token
 from ..shard.gather import gather_full
 from ..step import eval_loss, step
@@ -116,12 +116,54 @@ def _sample(run: Run, params) -> None:
     tqdm.write(f"sample: {text}")
 
 
+def _logged(step_num: int, s: dict, last: int) -> bool:
+    """Whether the loop reads step ``step_num``'s metrics to the host and logs them:
+    every ``log_every`` steps, and at the steps that wait for the device anyway (a
+    held-out evaluation, a checkpoint, the last step)."""
+    return (step_num % s["log_every"] == 0 or step_num % s["eval_every"] == 0 or step_num == last
+            or bool(s["save_every"]) and step_num % s["save_every"] == 0)
+
+
+def _to_host(values: dict) -> dict:
+    """``values``' tensors read to the host in one transfer (one sync): 0-dim ones as
+    floats, 1-D ones as lists of floats (fp32 and int64 values come back exactly)."""
+    flat = torch.cat([v.detach().reshape(-1).double() for v in values.values()]).tolist()
+    out, at = {}, 0
+    for key, v in values.items():
+        out[key] = flat[at] if v.dim() == 0 else flat[at:at + v.numel()]
+        at += v.numel()
+    return out
+
+
+class _Window:
+    """Wall time and steps since the last logged step: tokens/s and MFU on a logged step
+    are averages over them. The host read of a logged step waits for the device, so the
+    time from one such read to the next is the device's time for the steps between;
+    what the loop does after a read (evaluation, log, checkpoint) is left out by
+    ``restart`` after it."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def seconds_per_step(self) -> float:
+        """The wall time per step since ``restart``; call it right after a host read."""
+        return (time.perf_counter() - self.start) / max(self.steps, 1)
+
+
 def train(run: Run) -> dict:
     """Train as ``run`` says; returns a summary (losses, throughput, checkpoint path).
 
-    Stops early, with a checkpoint, when SIGTERM or SIGINT arrives (``stopped`` in the
-    summary names the signal); raises SystemExit, keeping the last good checkpoint,
-    when ``max_skips`` steps in a row have non-finite gradients.
+    Reads values back to the host only on logged steps (``_logged``: every
+    ``log_every`` steps, evaluations, checkpoints, the last step); the steps between
+    queue on the device. Stops early, with a checkpoint, when SIGTERM or SIGINT
+    arrives (``stopped`` in the summary names the signal): after the step in flight on
+    one process, after the next logged step on several (they agree on it there).
+    Raises SystemExit, keeping the last good checkpoint, when ``max_skips`` steps in a
+    row have non-finite gradients, seen at the next logged step; every one of them is
+    skipped on the device meanwhile.
     """
     s, plan, world, corpus = run.settings, run.plan, run.world, run.corpus
     cfg = plan.model
@@ -134,8 +176,14 @@ def train(run: Run) -> dict:
         if corpus.tokenizer is not None:
             shutil.copyfile(corpus.tokenizer, run.out / "tokenizer.json")  # for fmoe.generate
     schedule = warmup_cosine(s["lr"], s["warmup"], s["steps"], floor=s["min_lr_ratio"])
+    # The job, not the optimizer, gives up on non-finite steps: it stops at the first
+    # logged step that sees max_skips of them in a row, which may come up to log_every - 1
+    # steps later. Until then every one must be skipped, so the optimizer is told to give
+    # up only after more of them in a row than the run has steps.
     opt = adamw(schedule, weight_decay=s["weight_decay"], max_grad_norm=s["clip"] or None, plan=plan,
-                fused=s["fused_optimizer"], donate=s["fused_optimizer"], skip_nonfinite=s["max_skips"])
+                fused=s["fused_optimizer"], donate=s["fused_optimizer"],
+                skip_nonfinite=s["steps"] + s["max_skips"] if s["max_skips"] else 0)
+    norm_in_state = bool(s["clip"] or s["max_skips"])  # the optimizer computes the norm and keeps it
     params, opt_state, first = _start(run, opt)
     last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
     heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
@@ -167,24 +215,48 @@ def train(run: Run) -> dict:
     train_loss = heldout_loss = float("nan")
     step_times, stopped, done = [], None, first - 1
     start = time.perf_counter()
+    window = _Window()
     try:
         for step_num in bar:
-            t0 = time.perf_counter()
             batch = sample_batch(corpus.train, s["batch"], s["seq"], s["seed"], step_num, world.rank, world.size)
             out = stepper(params, batch)
-            grad_norm = global_norm(out.grads, plan)
+            # On one process a signal is a Python flag; several agree on it with a host
+            # read, so only on the steps that read anyway. A stop is logged.
+            logged = _logged(step_num, s, last)
+            stop = signals.agreed(plan.device) if logged or world.size == 1 else False
+            logged = logged or stop
+            reads = {"loss": out.loss, "aux_loss": out.metrics["aux_loss"],
+                     "dropped_tokens": out.metrics["dropped_tokens"],
+                     "expert_load": expert_load(out.metrics["expert_counts"])} if logged else None
+            if logged and not norm_in_state:
+                reads["grad_norm"] = global_norm(out.grads, plan)  # before a donated update reuses the grads
             params, opt_state = opt.update(out.grads, opt_state, params)
-            train_loss = float(out.loss)  # the step's host sync; the metrics below are read after it
-            in_a_row, skipped = (int(n) for n in skipped_steps(opt_state)) if s["max_skips"] else (0, 0)
-            if not in_a_row:  # a skipped step changes no parameter, the expert biases included
-                params = update_expert_bias(params, out.metrics["expert_counts"], cfg.expert_bias_rate)
-            step_s = time.perf_counter() - t0
+            if cfg.expert_bias_rate:  # a skipped step changes no parameter, the expert biases included
+                params = update_expert_bias(params, out.metrics["expert_counts"], cfg.expert_bias_rate, donate=True,
+                                            applied=opt_state.applied if s["max_skips"] else None)
+            window.steps += 1
+            done = step_num
+            if step_num == first and plan.compile:  # say what the first step's wait was
+                float(out.loss)
+                _say(run, f"the first step compiled the node kernels (Plan.compile): "
+                          f"{time.perf_counter() - window.start:.1f}s")
+                if not logged:  # the next logged step's rate leaves the compilation out
+                    window.restart()
+            if not logged:
+                continue  # nothing read to the host: the next step queues behind this one
+            if norm_in_state:
+                reads["grad_norm"] = last_grad_norm(opt_state)
+            if s["max_skips"]:
+                reads["in_a_row"], reads["skipped_steps"] = skipped_steps(opt_state)
+            got = _to_host(reads)  # the one sync of a logged step
+            step_s = window.seconds_per_step()
             step_times.append(step_s)
-            record = {"step": step_num, "loss": train_loss, "grad_norm": float(grad_norm),
-                      "lr": float(schedule(step_num - 1)), "aux_loss": float(out.metrics["aux_loss"]),
-                      "tokens_per_s": tokens_per_step / step_s, "skipped_steps": skipped,
-                      "expert_load": expert_load(out.metrics["expert_counts"]),
-                      "dropped_tokens": int(out.metrics["dropped_tokens"]), "elapsed_s": time.perf_counter() - start}
+            train_loss, in_a_row = got["loss"], int(got.get("in_a_row", 0))
+            record = {"step": step_num, "loss": train_loss, "grad_norm": got["grad_norm"],
+                      "lr": float(schedule(step_num - 1)), "aux_loss": got["aux_loss"],
+                      "tokens_per_s": tokens_per_step / step_s, "skipped_steps": int(got.get("skipped_steps", 0)),
+                      "expert_load": got["expert_load"], "dropped_tokens": int(got["dropped_tokens"]),
+                      "elapsed_s": time.perf_counter() - start}
             record["max_load"] = max(record["expert_load"])
             if peak:
                 record["mfu"] = flops_per_step / step_s / world.size / (peak * 1e12)
@@ -200,13 +272,14 @@ def train(run: Run) -> dict:
                 _say(run, f"step {step_num:5d}  train {train_loss:.4f}  held-out {heldout_loss:.4f}  "
                           f"(unigram {baseline:.4f})")
             log.write(record)
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", skipped=skipped)
-            done = step_num
-            if signals.agreed(plan.device):
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            skipped=record["skipped_steps"])
+            if stop:
                 stopped = signals.received or "a signal on another rank"
                 break
             if s["save_every"] and step_num % s["save_every"] == 0 and step_num < last:
                 checkpoint(step_num)
+            window.restart()  # after the evaluation, log and checkpoint: they are not training
     finally:
         signals.restore()
         bar.close()
@@ -218,6 +291,7 @@ def train(run: Run) -> dict:
                   f"command and --resume.")
     else:
         _sample(run, params)
+    # each entry is a logged step's average over the steps since the one before
     median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
     summary = {"unigram": baseline, "train_loss": train_loss, "heldout_loss": heldout_loss, "wall_s": wall,
                "steps": done, "checkpoint": str(ckpt), "tokens_per_s": tokens_per_step / median,
@@ -225,6 +299,6 @@ def train(run: Run) -> dict:
     if not stopped:
         _say(run, f"done in {wall:.1f}s: train {train_loss:.4f}, held-out {heldout_loss:.4f} nats/token "
                   f"vs unigram {baseline:.4f} ({heldout_loss / baseline:.0%} of baseline); "
-                  f"{summary['tokens_per_s']:.0f} tokens/s (median step)"
+                  f"{summary['tokens_per_s']:.0f} tokens/s (median over the logged steps)"
                   + (f", MFU {summary['mfu']:.1%}" if peak else "") + f"; checkpoint {ckpt}")
     return summary

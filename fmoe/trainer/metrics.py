@@ -1,5 +1,6 @@
-"""What the main job records: one JSON line per step, TensorBoard scalars when the
-``tensorboard`` package is installed, and throughput / MFU."""
+"""What the main job records: one JSON line per logged step (every ``--log-every``
+steps), TensorBoard scalars when the ``tensorboard`` package is installed, and
+throughput / MFU."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ def peak_tflops(device: str, dtype: str, override: float = 0.0) -> float | None:
     return next((v for k, v in MEASURED_PEAK_TFLOPS.items() if k in name), None)
 
 
-def expert_load(counts_LE: torch.Tensor) -> list[float]:
-    """Per layer, the busiest expert's tokens over the mean (1.0 is perfectly even)."""
+def expert_load(counts_LE: torch.Tensor) -> torch.Tensor:
+    """Per layer, the busiest expert's tokens over the mean (1.0 is perfectly even): a
+    ``[layers]`` device tensor, read to the host with the step's other metrics."""
     counts = counts_LE.float()
-    return (counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)).tolist()
+    return counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)
 
 
 def _records_through(path: Path, step: int) -> list[str]:

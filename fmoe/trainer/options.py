@@ -40,6 +40,8 @@ RUN_OPTIONS = (
     ("data", str, "", "a directory written by `python -m fmoe.data prepare` (default: the embedded corpus)"),
     ("heldout_fraction", float, 0.05, "the tail of the tokens held out for evaluation"),
     ("init_from_hf", str, "", "start from this Hugging Face checkpoint directory (fine-tuning)"),
+    ("log_every", int, 1, "read the step's metrics to the host and log them every N steps (and at evaluations, "
+                          "checkpoints and the last step); the steps between queue on the device without a sync"),
     ("eval_every", int, 200, "evaluate the held-out loss every N steps"),
     ("eval_batches", int, 8, "held-out batches per evaluation"),
     ("out", str, "runs/fmoe-lm", "folder for metrics.jsonl, TensorBoard events and the checkpoint"),

@@ -1,8 +1,9 @@
 """Surviving a long run: preemption signals, kept checkpoints, failed collectives.
 
 - ``StopSignals``: SIGTERM (a scheduler preempting the job) and SIGINT (Ctrl-C) ask
-  the loop to stop after the step in flight; the ranks agree on it with one small
-  all-reduce per step, so all of them save the same step and exit together.
+  the loop to stop after the step in flight (one process), or after the next logged
+  step (several: the ranks agree on it with one small all-reduce on each logged step,
+  so all of them save the same step and exit together).
 - ``CheckpointDir``: each checkpoint is ``checkpoint-<step>`` under the run folder and
   ``checkpoint`` is a symlink to the newest complete one, switched atomically after
   it is written; only then are checkpoints beyond the newest ``keep`` removed.
@@ -39,10 +40,12 @@ class StopSignals:
         self.received = signal.Signals(signum).name
 
     def agreed(self, device) -> bool:
-        """Whether any rank received a signal (a collective on several ranks)."""
+        """Whether any rank received a signal: a collective and a host read on several
+        ranks (so the loop asks on the steps it reads metrics anyway); on one, neither."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received is not None
         flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def restore(self) -> None:

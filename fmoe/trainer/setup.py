@@ -17,7 +17,7 @@ from ..runtime import check_device_and_backend
 from . import options
 from .launch import World, rank_device, world_from_env
 
-_POSITIVE = ("steps", "batch", "seq", "eval_every", "eval_batches", "keep")
+_POSITIVE = ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches", "keep")
 _NON_NEGATIVE = ("warmup", "save_every", "stop_after", "threads", "sample_tokens", "max_skips")
 
 

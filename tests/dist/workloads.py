@@ -404,3 +404,17 @@ def flat_storage_steps(rank, world, dp, ep, sharding):
         runs[name] = {"losses": torch.stack(losses), "grads": grads, "params": params, "state": state,
                       "in_place": in_place, "kept_storage": kept}
     return runs
+
+
+COMPILE_CASES = {
+    "zero1": dict(sharding="optim"),
+    "zero3_1f1b_delay": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True),
+}
+
+
+def compiled_configs(rank, world, dp, ep):
+    """``{(case, compile): train(...)}``: each case eager and with ``Plan.compile``, 2 microbatches."""
+    tokens = rank_rows(global_batch(), rank, world)
+    return {(case, compiled): train(fmoe.Plan(model=CFG, dp=dp, ep=ep, microbatches=2, compile=compiled, **kw),
+                                    tokens, steps=2)
+            for case, kw in COMPILE_CASES.items() for compiled in (False, True)}

@@ -1,0 +1,73 @@
+"""``Plan.compile``: the layer nodes' kernels through ``torch.compile``.
+
+The schedule, the lifecycle and the exchanges stay plain Python; what is compiled is
+the pure compute inside a node, where fusion pays:
+
+- ``attn``: both norms, the q/k/v projection, q/k norms, RoPE, SDPA, the output
+  projection and the residual add (eager: a dozen elementwise kernels around the GEMMs);
+- ``router``: fp32 logits, softmax or sigmoid, top-k, the counts and the aux losses;
+- ``head``: the final norm, logits and the fp32 cross-entropy (the upcast happens in
+  registers instead of a ``[tokens, vocab]`` fp32 copy);
+- ``experts``: the activation between the two grouped GEMMs, when it is torch code
+  (biases, GeGLU, ReLU^2, or no Triton); the fused SwiGLU kernel and the grouped GEMMs
+  already run as single kernels, so they stay eager (and delayed wgrad keeps working).
+
+The Triton kernels are ``torch.library`` custom ops (``fmoe::rope``, ``fmoe::swiglu``,
+...) with fake shapes and registered backwards, so compiled graphs call them without
+a graph break. Every region is compiled with ``fullgraph=True``: a break is an error,
+not a silent slowdown. Shapes inside ``attn``, ``router`` and ``head`` are fixed by
+the batch; the experts' row count changes with routing, so the activation is compiled
+for a dynamic row count up front (no recompile after the first step).
+
+Compiled and eager agree up to floating-point reassociation inside fused kernels (see
+``tests/test_compile.py`` for the tolerances and why).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..config import Plan
+from ..layers.experts import activation, expert_mlp, fused_activation, torch_activation
+from ..layers.model import attention_half
+from ..layers.router import route
+from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
+
+
+def _compile(fn):
+    return torch.compile(fn, fullgraph=True)
+
+
+def _compiled_activation():
+    compiled = _compile(torch_activation)
+
+    def act(h: torch.Tensor, cfg, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+        if fused_activation(h, cfg, row_probs_R):  # one Triton kernel each way already
+            return activation(h, cfg, row_probs_R)
+        # routing changes the row count every step: one graph for all of them
+        torch._dynamo.maybe_mark_dynamic(h, 0)
+        if row_probs_R is not None:
+            torch._dynamo.maybe_mark_dynamic(row_probs_R, 0)
+        return compiled(h, cfg, row_probs_R)
+
+    return act
+
+
+@functools.cache
+def compiled_kernels() -> Kernels:
+    """The Kernels ``Plan(compile=True)`` runs (built once per process; ``torch.compile``
+    compiles each on its first call and keeps one graph per shape and config)."""
+    act = _compiled_activation()
+
+    def experts(site, p, x_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
+        return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
+
+    return Kernels(attn=at_any_site(_compile(attention_half)), router=at_any_site(_compile(route)),
+                   experts=experts, head=at_any_site(_compile(head_loss_sum)))
+
+
+def kernels_for(plan: Plan) -> Kernels:
+    """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager."""
+    return compiled_kernels() if plan.compile else EAGER
