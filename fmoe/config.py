@@ -7,6 +7,7 @@ tensor exists; everything downstream may trust these objects.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .units import check_units
@@ -22,6 +23,32 @@ DTYPES = ("float32", "bfloat16")
 EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
+# The fields with a fixed set of values (what the main job's --help lists).
+CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
+           "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
+           "dtype": DTYPES, "expert_backend": EXPERT_BACKENDS, "gather_buffers": GATHER_BUFFERS}
+
+
+def field_docs(cls) -> dict:
+    """``{field: its text}`` from the ``Arguments:`` section of a config class's
+    docstring (entries ``name, other: text`` with indented continuation lines), so
+    that the command line's help is the docstring, not a second copy."""
+    docs, names = {}, []
+    lines = (cls.__doc__ or "").split("Arguments:", 1)[-1].splitlines()
+    for line in lines[1:]:
+        stripped = line.strip()
+        if not stripped:
+            continue
+        indent = len(line) - len(stripped)
+        head, sep, text = stripped.partition(": ")
+        if sep and indent <= 8 and all(n.isidentifier() for n in head.split(", ")):
+            names = head.split(", ")
+            for n in names:
+                docs[n] = text
+        elif names:
+            for n in names:
+                docs[n] += " " + stripped
+    return {n: t.replace("``", "") for n, t in docs.items()}
 
 
 def _fail(owner: str, field: str, value, allowed: str):
@@ -40,10 +67,17 @@ def _check_choice(owner, name, value, choices):
         _fail(owner, name, value, "allowed: " + ", ".join(repr(c) for c in choices))
 
 
-def _check_positive(owner, name, value, allow_zero=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive(owner, name, value, allow_zero=False, allow_inf=False):
+    # NaN compares false with everything, so it is refused explicitly, as is inf where
+    # it means nothing (a NaN rate or eps trains a broken model with a finite loss).
+    ok = _is_number(value) and not math.isnan(value) and (allow_inf or not math.isinf(value))
     if not ok or value < 0 or (value == 0 and not allow_zero):
-        _fail(owner, name, value, "must be a number " + (">= 0" if allow_zero else "> 0"))
+        _fail(owner, name, value, "must be a finite number " + (">= 0" if allow_zero else "> 0")
+              + (", or inf" if allow_inf else ""))
 
 
 def _check_bool(owner, name, value):
@@ -64,7 +98,8 @@ class ModelConfig:
         glu_interleave: 0 keeps fc1's GLU halves as ``[gate | up]``; n > 0 stores them as
             blocks of n columns alternating gate, up (``ffn`` divisible by n).
         glu_limit, glu_offset: quick_geglu clamps gate to ``<= limit`` and up to
-            ``[-limit, limit]`` and computes ``gate * sigmoid(1.702 gate) * (up + offset)``.
+            ``[-limit, limit]`` and computes ``gate * sigmoid(1.702 gate) * (up + offset)``
+            (``glu_limit = inf``: no clamp; every other float field must be finite).
         score_func: router scores, ``softmax`` or ``sigmoid`` (computed in fp32).
         norm_topk_prob: renormalise the top-k probabilities to sum to 1.
         prob_placement: ``output`` scales each expert's output by its probability;
@@ -141,12 +176,13 @@ class ModelConfig:
         _check_choice(own, "pad_multiple", self.pad_multiple, PAD_MULTIPLES)
         _check_bool(own, "norm_topk_prob", self.norm_topk_prob)
         _check_bool(own, "expert_biases", self.expert_biases)
-        for name in ("glu_limit", "rope_theta", "norm_eps", "init_std"):
+        _check_positive(own, "glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
+        for name in ("rope_theta", "norm_eps", "init_std"):
             _check_positive(own, name, getattr(self, name))
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
             _check_positive(own, name, getattr(self, name), allow_zero=True)
-        if not isinstance(self.glu_offset, (int, float)) or isinstance(self.glu_offset, bool):
-            _fail(own, "glu_offset", self.glu_offset, "must be a number")
+        if not _is_number(self.glu_offset) or not math.isfinite(self.glu_offset):
+            _fail(own, "glu_offset", self.glu_offset, "must be a finite number")
         if self.topk > self.experts:
             _fail(own, "topk", self.topk, f"must be <= experts ({self.experts})")
         if self.head_size == 0 and self.dim % self.heads:

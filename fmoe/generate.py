@@ -225,6 +225,12 @@ def main(argv=None) -> str:
     args = ap.parse_args(argv)
     try:
         check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device={args.device!r} is not a device (allowed: cpu, cuda, cuda:N)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device={args.device!r}, but CUDA is not available here (allowed: cpu)")
         checkpoint = Path(args.checkpoint)
         tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(checkpoint))
         prompt = torch.tensor([tokenizer.encode(args.prompt)], device=args.device)

@@ -20,6 +20,8 @@ come from the adapters: ``python -m interop.train`` takes the same flags and add
 
 from __future__ import annotations
 
+import os
+
 from .config import Plan
 from .trainer import launch, loop, setup
 
@@ -47,8 +49,11 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     ``adapters`` (``python -m interop.train`` hands them in) enable ``--cuda-graph``
     and ``--expert-backend te``.
 
-    A collective that fails (another rank died, or did not answer within ``--timeout``)
-    ends this rank with an error naming it, instead of a hang: torchrun then stops the
+    A ValueError or OSError raised after setup (a truncated checkpoint, a missing
+    file, a held-out split shorter than a batch, an unwritable folder) ends the job
+    with one line naming it and a non-zero exit; ``FMOE_DEBUG=1`` re-raises it with its
+    traceback. A collective that fails (another rank died, or did not answer within
+    ``--timeout``) ends this rank with an error naming it, instead of a hang: torchrun then stops the
     others, and ``--max-restarts`` with ``--resume`` picks the run up again.
     """
     run = parse_args(argv, adapters)
@@ -56,12 +61,17 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     try:
         return loop.train(run)
     except Exception as err:
-        if run.world.size == 1 or not launch.is_collective_failure(err):
+        if run.world.size > 1 and launch.is_collective_failure(err):
+            raise SystemExit(f"fmoe.train: rank {run.world.rank} of {run.world.size}: a collective failed "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); another rank "
+                             "has probably died or hung. The last checkpoint is "
+                             f"{run.out / 'checkpoint'}; restart with --resume") from None
+        if not isinstance(err, (ValueError, OSError)) or os.environ.get("FMOE_DEBUG") == "1":
             raise
-        raise SystemExit(f"fmoe.train: rank {run.world.rank} of {run.world.size}: a collective failed "
-                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); another rank "
-                         "has probably died or hung. The last checkpoint is "
-                         f"{run.out / 'checkpoint'}; restart with --resume") from None
+        # a file, setting or datum found wrong after setup: one line, not a traceback
+        where = f"rank {run.world.rank} of {run.world.size}: " if run.world.size > 1 else ""
+        raise SystemExit(f"fmoe.train: {where}{type(err).__name__}: {err} (FMOE_DEBUG=1 shows the traceback)") \
+            from None
     finally:
         launch.stop()
 

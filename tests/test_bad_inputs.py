@@ -132,7 +132,7 @@ CASES = [
     ("model.tie_embeddings", lambda c: CFG.replace(tie_embeddings=1), V,
      "ModelConfig.tie_embeddings=1 is invalid: must be True or False"),
     ("model.capacity_factor", lambda c: CFG.replace(capacity_factor=-1.0), V,
-     "ModelConfig.capacity_factor=-1.0 is invalid: must be a number >= 0"),
+     "ModelConfig.capacity_factor=-1.0 is invalid: must be a finite number >= 0"),
     # Plan
     ("plan.sharding", lambda c: fmoe.Plan(model=CFG, sharding="zero3"), V,
      "Plan.sharding='zero3' is invalid: allowed: 'no_shard', 'optim', 'optim_grads', 'optim_grads_params'"),

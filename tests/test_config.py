@@ -101,3 +101,22 @@ def test_params_of_another_model_are_rejected():
     shared = fmoe.init(fmoe.Plan(model=plan.model.replace(shared_ffn=8)), seed=0)
     with pytest.raises(ValueError, match="differing leaves"):
         fmoe.step(shared, {"tokens": torch.zeros(2, 5, dtype=torch.long)}, plan)
+
+
+FLOAT_FIELDS = [f.name for f in __import__("dataclasses").fields(fmoe.ModelConfig) if f.type == "float"]
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_every_float_field_refuses_nan_and_inf_by_name(name, value):
+    if name == "glu_limit" and value == float("inf"):  # documented: no clamp
+        assert fmoe.ModelConfig(glu_limit=value).glu_limit == value
+        return
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{name}={value!r} is invalid: must be a finite number"):
+        fmoe.ModelConfig(**{name: value})
+
+
+def test_a_nan_expert_bias_rate_is_refused_by_update_expert_bias():
+    params = fmoe.init(fmoe.Plan(model=fmoe.ModelConfig(vocab=32, dim=16, heads=2, experts=4, ffn=16)), seed=0)
+    with pytest.raises(ValueError, match="update_expert_bias rate=nan is invalid: must be a finite number"):
+        fmoe.update_expert_bias(params, torch.ones(2, 4, dtype=torch.long), float("nan"))

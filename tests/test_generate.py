@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.generate import empty_cache, forward_cached, generate, sample_next
+from fmoe.generate import empty_cache, forward_cached, generate, main, sample_next
 from fmoe.layers import forward
 
 from . import reference as ref
@@ -96,3 +96,11 @@ def test_cli_samples_from_an_fmoe_checkpoint_and_a_hugging_face_directory(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "fmoe.generate", "--checkpoint", str(tmp_path / "nope"),
                           "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "fmoe.generate:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is missing")
+def test_cli_refuses_a_cuda_device_without_cuda(tmp_path):
+    with pytest.raises(SystemExit, match=r"fmoe.generate: --device='cuda', but CUDA is not available here"):
+        main(["--checkpoint", str(tmp_path), "--prompt", "hi", "--device", "cuda"])
+    with pytest.raises(SystemExit, match=r"--device='gpu' is not a device"):
+        main(["--checkpoint", str(tmp_path), "--prompt", "hi", "--device", "gpu"])

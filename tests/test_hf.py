@@ -212,3 +212,13 @@ def test_a_write_failure_leaves_the_old_directory_and_no_temporary(tmp_path, mon
         fmoe.hf.save(tmp_path / "m", fmoe.init(plan, seed=1), plan)
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    model = hf_model("mixtral")
+    model.save_pretrained(tmp_path)
+    cfg = fmoe.hf.config(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(ValueError, match=rf"{weights}: not a readable safetensors file"):
+        fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg))

@@ -306,3 +306,39 @@ def test_model_loss_matches_reference(extra):
         return ref.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, cfg)[0]
 
     assert_same_fwd_bwd(fast, slow, leaves)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
+def test_embed_grad_sums_duplicate_ids_like_a_per_token_loop(dtype):
+    V, D = 9, 6
+    w = torch.randn(V, D).to(dtype)
+    tokens = torch.randint(0, V - 2, (3, 50))  # many duplicates; ids V-2 and V-1 never occur
+    tokens[0, :20] = 3  # one id many times over
+    g = torch.randn(3, 50, D).to(dtype)
+    leaf = w.clone().requires_grad_(True)
+    h = layers.embed(leaf, tokens)
+    assert h.dtype == dtype and torch.equal(h, w[tokens])
+    h.backward(g)
+    ref_grad = torch.zeros(V, D, dtype=F64)
+    for t, row in zip(tokens.flatten().tolist(), g.reshape(-1, D).double()):
+        ref_grad[t] += row
+    assert leaf.grad.dtype == dtype  # as autograd returns it; the sum ran in (at least) fp32
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -8, atol=1e-2),
+           F64: dict(rtol=1e-12, atol=1e-12)}[dtype]
+    torch.testing.assert_close(leaf.grad.double(), ref_grad, **tol)
+    assert not leaf.grad[V - 2:].any()
+
+
+def test_embed_grad_does_not_depend_on_threads():
+    w = torch.randn(64, 128, requires_grad=True)
+    tokens = torch.randint(0, 64, (4096,))  # past the size where autograd's index_put goes parallel
+    g = torch.randn(4096, 128)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 2, 2):
+            torch.set_num_threads(n)
+            results.append(torch.autograd.grad(layers.embed(w, tokens), w, g)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)

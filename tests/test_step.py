@@ -168,3 +168,24 @@ def test_training_with_adamw_reduces_loss():
         out = fmoe.step(params, batch, plan)
         params, state = opt.update(out.grads, state, params)
     assert out.loss < 0.2 * first
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_repeated_steps_are_bitwise_identical_with_two_threads(tied):
+    # B * S * D = 32768 elements per microbatch: large enough that autograd's rule for
+    # the embedding gather (a parallel atomic index_put on CPU) varied from call to call.
+    cfg = fmoe.ModelConfig(vocab=64, dim=128, layers=1, heads=2, experts=4, topk=2, ffn=32,
+                           tie_embeddings=tied)
+    plan = fmoe.Plan(model=cfg, microbatches=2)
+    params, batch = fmoe.init(plan, seed=0), random_batch(B=8, S=64, vocab=64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = [fmoe.step(params, batch, plan) for _ in range(6)]
+    finally:
+        torch.set_num_threads(threads)
+    for out in runs[1:]:
+        assert torch.equal(out.loss, runs[0].loss)
+        for path, a, b in zip(optree.tree_paths(out.grads), optree.tree_leaves(out.grads),
+                              optree.tree_leaves(runs[0].grads)):
+            assert torch.equal(a, b), path

@@ -3,6 +3,7 @@ Hugging Face initialisation, preemption, a dead rank, non-finite steps."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,6 +147,13 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     ("", ["--vocab", "100"], "vocab"),
     ("", ["--cuda-graph", "attn"], "--cuda-graph='attn' is invalid: it needs fmoe's adapters: run python -m interop"),
     ("", ["--data", "/nonexistent/tokens"], "/nonexistent/tokens"),
+    ("", ["--data", ""], "--data='' is invalid: an empty path"),
+    ("", ["--init-from-hf", ""], "--init-from-hf='' is invalid: an empty path"),
+    ("", ["--config", ""], "--config='' is invalid: an empty path"),
+    ("", ["--overwrite", "--auto-resume"], "--overwrite=True is invalid: contradicts --resume / --auto-resume"),
+    ("rope_theta = nan\n", [], "ModelConfig.rope_theta=nan is invalid: must be a finite number > 0"),
+    ("", ["--expert-bias-rate", "nan"], "ModelConfig.expert_bias_rate=nan is invalid"),
+    ("", ["--norm-eps", "inf"], "ModelConfig.norm_eps=inf is invalid"),
 ])
 def test_bad_settings_fail_before_any_work(tmp_path, toml, flags, needle):
     (tmp_path / "c.toml").write_text(toml)
@@ -219,13 +227,16 @@ def test_non_finite_steps_stop_the_job_and_keep_the_last_good_checkpoint(tmp_pat
     # step's gradients are NaN, so updates are skipped until the job gives up
     args = ["--steps", 20, "--batch", 4, "--seq", 16, "--lr", 1e30, "--warmup", 0, "--max-skips", 3,
             "--save-every", 1, "--keep", 5, "--expert-bias-rate", 0.01, "--no-progress", "--out", tmp_path]
-    with pytest.raises(SystemExit, match=r"3 steps in a row \(to step 4\) had non-finite gradients"):
+    with pytest.raises(SystemExit, match=r"3 steps in a row \(to step 4\) had non-finite gradients") as err:
         train_main(list(map(str, args)))
+    # the real last good checkpoint, and divergence (not a setting) as the cause
+    assert f"The last good checkpoint is {tmp_path / 'checkpoint-00000003'}" in str(err.value)
+    assert "try a lower --lr" in str(err.value)
     rec = records(tmp_path)
     assert [r["skipped_steps"] for r in rec] == [0, 1, 2, 3]
     assert fmoe.checkpoint.read_meta(tmp_path / "checkpoint")[1]["step"] == 3
     # a skipped step changes no parameter: not even the expert biases, which get no gradient
-    plan = train.build_plan(train.parse_args(list(map(str, args))))
+    plan = train.build_plan(train.parse_args(list(map(str, args[:-1] + [tmp_path / "elsewhere"]))))
     one, three = (fmoe.load(tmp_path / f"checkpoint-{n:08d}", plan).params for n in (1, 3))
     for a, b in zip(optree.tree_leaves(one), optree.tree_leaves(three)):
         assert torch.equal(a, b)
@@ -422,3 +433,137 @@ def test_compile_flag_compiles_the_kernels_and_reports_the_first_step(tmp_path, 
     assert "compile = true" in (tmp_path / "settings.toml").read_text()
     rec = records(tmp_path)
     assert [r["step"] for r in rec] == [2, 3] and all(r["tokens_per_s"] > 0 for r in rec)
+
+
+
+SMALL = ["--steps", 3, "--batch", 2, "--seq", 16, "--dim", 32, "--layers", 1, "--experts", 4, "--ffn", 32,
+         "--eval-every", 3, "--eval-batches", 1, "--sample-tokens", 0, "--no-progress", "--threads", 1]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under ``folder`` with its bytes (links as their targets)."""
+    return {str(p.relative_to(folder)): (os.readlink(p) if p.is_symlink() else p.read_bytes())
+            for p in sorted(folder.rglob("*")) if p.is_symlink() or p.is_file()}
+
+
+def test_a_folder_holding_a_run_is_refused_and_left_as_it_was(tmp_path):
+    train_main(list(map(str, SMALL + ["--out", tmp_path])))
+    before = snapshot(tmp_path)
+    assert "metrics.jsonl" in before and "settings.toml" in before
+    with pytest.raises(SystemExit, match=r"--out=.* holds a run \(.*metrics\.jsonl.*\): add --resume to continue "
+                                         r"it, --overwrite to remove it"):
+        train_main(list(map(str, SMALL + ["--steps", 2, "--out", tmp_path])))
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_removes_the_old_run_and_says_what(tmp_path, capsys):
+    train_main(list(map(str, SMALL + ["--save-every", 1, "--keep", 3, "--out", tmp_path])))
+    assert (tmp_path / "checkpoint-00000001").is_dir()
+    train_main(list(map(str, SMALL + ["--steps", 2, "--overwrite", "--out", tmp_path])))
+    said = capsys.readouterr().out
+    assert "--overwrite: removed checkpoint, checkpoint-00000001, checkpoint-00000002, checkpoint-00000003" in said
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-00000002"]
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p.write_text("x") and p, "it is a file; name a folder"),
+    (lambda p: (p.mkdir(), p.chmod(0o500), p / "run")[2], "is not writable"),
+])
+def test_out_must_be_a_writable_folder(tmp_path, make, needle):
+    if needle == "is not writable" and os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    out = make(tmp_path / "place")
+    with pytest.raises(SystemExit, match=needle):
+        train_main(list(map(str, SMALL + ["--out", out])))
+
+
+def test_an_empty_out_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--out='' is invalid: an empty path"):
+        train_main(list(map(str, SMALL)) + ["--out", ""])
+
+
+def test_print_config_refuses_what_would_be_refused():
+    with pytest.raises(SystemExit, match=r"ModelConfig.dim=30 is invalid"):
+        train_main(["--dim", "30", "--heads", "4", "--print-config"])
+
+
+def test_a_refused_resume_leaves_the_settings_file_alone_and_a_moved_corpus_resumes(corpus, tmp_path):
+    data = tmp_path / "tokens"
+    shutil.copytree(corpus / "tokens", data)
+    out = tmp_path / "run"
+    args = SMALL + ["--steps", 4, "--save-every", 2, "--data", data, "--out", out]
+    train_main(list(map(str, args + ["--stop-after", 2])))
+    settings = (out / "settings.toml").read_bytes()
+    with pytest.raises(SystemExit, match="--seq=32, but the checkpoint was trained with 16"):
+        train_main(list(map(str, args + ["--resume", "--seq", 32])))
+    assert (out / "settings.toml").read_bytes() == settings
+    other = tmp_path / "other"  # another corpus: refused by content, whatever its path
+    prepare.prepare([ROOT / "README.md"], other, quiet=True)
+    with pytest.raises(SystemExit, match="--data gives a corpus of '.* tokens, vocab 256, blake2b"):
+        train_main(list(map(str, args[:-4] + ["--data", other, "--out", out, "--resume"])))
+    moved = tmp_path / "moved"
+    data.rename(moved)  # the same corpus elsewhere, named by another spelling of its path
+    (out / ".checkpoint-00000004.tmp-0123abcd").mkdir()  # what a save killed by SIGKILL leaves
+    train_main(list(map(str, args[:-4] + ["--data", f"{moved}/../moved/", "--out", out, "--resume"])))
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+    assert not list(out.glob(".checkpoint-*"))
+
+
+def test_non_finite_from_the_first_step_blames_a_setting_and_says_no_checkpoint_exists(tmp_path):
+    args = SMALL + ["--steps", 6, "--init-std", 1e30, "--max-skips", 2, "--save-every", 0, "--out", tmp_path]
+    with pytest.raises(SystemExit) as err:
+        train_main(list(map(str, args)))
+    text = str(err.value)
+    assert "2 steps in a row (to step 2) had non-finite gradients" in text
+    assert "No checkpoint was saved before them" in text and "a setting is the likely cause" in text
+
+
+def test_errors_found_after_setup_are_one_line_and_leave_no_run_behind(tmp_path):
+    # a held-out split shorter than one batch is found when the job builds its batches
+    with pytest.raises(SystemExit) as err:
+        train_main(list(map(str, SMALL + ["--batch", 64, "--seq", 512, "--heldout-fraction", 0.01,
+                                          "--out", tmp_path / "a"])))
+    assert str(err.value).startswith("fmoe.train: ValueError: the held-out split of") and "\n" not in str(err.value)
+    assert not (tmp_path / "a").exists()
+    # a checkpoint truncated on disk, found when resuming
+    train_main(list(map(str, SMALL + ["--out", tmp_path / "b"])))
+    shard = max((p for p in (tmp_path / "b" / "checkpoint").resolve().rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:100])
+    settings = (tmp_path / "b" / "settings.toml").read_bytes()
+    with pytest.raises(SystemExit) as err:
+        train_main(list(map(str, SMALL + ["--steps", 5, "--resume", "--out", tmp_path / "b"])))
+    assert str(err.value).startswith("fmoe.train: ") and shard.name in str(err.value), str(err.value)
+    assert "\n" not in str(err.value) and (tmp_path / "b" / "settings.toml").read_bytes() == settings
+
+
+def test_help_gives_every_field_its_meaning_choices_and_default():
+    text = options.parser().format_help()
+    flat = " ".join(text.split())  # argparse wraps help lines
+    docs = {**fmoe.config.field_docs(fmoe.ModelConfig), **fmoe.config.field_docs(fmoe.Plan)}
+    for name in [*options.MODEL_FIELDS, *options.PLAN_FIELDS]:
+        assert options._flag(name) in text, name
+        assert " ".join(docs[name].split()[:6]) in flat, name  # the docstring's words, not a second copy
+    assert "One of: no_shard, optim, optim_grads, optim_grads_params. (default: 'no_shard')" in flat
+    dim_help = flat.split("--dim INT token vocabulary", 1)[1].split(" --", 1)[0]
+    assert dim_help.endswith("(default: 128)")  # the main job's default: the cpu preset's, not the field's 256
+    for preset in options.presets():
+        assert f"  {preset}: " in text
+    assert "qwen3-moe-medium: 2,641.7M params, 478.5M active at vocab 32000" in text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--sample", "5"], "unrecognized arguments: --sample 5\n  --sample: did you mean"),
+    (["--dimm", "3"], "--dimm: did you mean --dim"),
+])
+def test_abbreviations_and_typos_are_refused_with_the_nearest_flags(argv, needle, capsys):
+    with pytest.raises(SystemExit) as err:
+        options.resolve(argv)
+    assert err.value.code == 2
+    said = capsys.readouterr().err
+    assert needle in said and "usage:" not in said
+
+
+def test_the_adapters_main_job_is_named_so_in_its_help():
+    assert options.parser("python -m interop.train").format_usage().startswith("usage: python -m interop.train")

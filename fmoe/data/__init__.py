@@ -15,6 +15,7 @@ from .embedded import corpus_bytes, random_windows, tiled_windows, train_heldout
 from .tokens import (
     TokenCorpus,
     check_vocab,
+    corpus_fingerprint,
     embedded_corpus,
     heldout_batches,
     open_corpus,
@@ -22,6 +23,6 @@ from .tokens import (
     unigram_cross_entropy,
 )
 
-__all__ = ["TokenCorpus", "check_vocab", "corpus_bytes", "embedded_corpus", "heldout_batches", "open_corpus",
+__all__ = ["TokenCorpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus", "heldout_batches", "open_corpus",
            "prepare", "random_windows", "sample_batch", "tiled_windows", "train_heldout_split",
            "unigram_cross_entropy"]

@@ -16,6 +16,7 @@ uninterrupted one draws at the same step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -45,6 +46,18 @@ class TokenCorpus(NamedTuple):
     tokenizer: Path | None
     eos_id: int | None
     source: str
+
+
+def corpus_fingerprint(corpus: TokenCorpus) -> str:
+    """What identifies a corpus by content, wherever it lives: its token count, vocabulary
+    and a BLAKE2b digest of every id (train and held-out, in order). A resumed run
+    compares this, not the path it was given by."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (corpus.train, corpus.heldout):
+        flat = np.ascontiguousarray(part).reshape(-1)
+        for start in range(0, len(flat), 1 << 24):  # 16M ids at a time: memory-mapped corpora stay on disk
+            digest.update(flat[start:start + (1 << 24)].astype("<i8", copy=False).tobytes())
+    return f"{len(corpus.train) + len(corpus.heldout)} tokens, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
 
 
 def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:

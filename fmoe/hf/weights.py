@@ -103,7 +103,10 @@ class SafetensorsDir:
         path = self.directory / name
         if not path.exists():
             raise ValueError(f"{self.directory}: safetensors file {name} (named by the index) is missing")
-        return safetensors_torch("hf").safe_open(str(path), framework="pt")
+        try:
+            return safetensors_torch("hf").safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors' own error type: truncated or not a safetensors file
+            raise ValueError(f"{path}: not a readable safetensors file ({type(err).__name__}: {err})") from None
 
     def slice(self, key: str):
         if key not in self.file_of:

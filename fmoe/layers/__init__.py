@@ -2,6 +2,7 @@
 
 from .attention import apply_rope, attend, attention, project_qkv, rope_tables
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
+from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch, from_experts, plan_exchange, to_experts
 from .experts import (DeferredWgrad, activation, add_expert_bias, dense_mlp, expert_mlp, glu_halves,
                       grouped_matmul)
@@ -14,7 +15,7 @@ from .triton_kernels import fused_kernels_available
 __all__ = [
     "DeferredWgrad", "Dispatch", "ExpertParallel", "MoEStats", "Routed", "Routing", "activation",
     "add_expert_bias", "apply_rope", "attend", "attention", "block", "capacity_rows", "cast_for_compute", "combine",
-    "dense_mlp", "dispatch", "expert_mlp", "forward", "from_experts", "fused_kernels_available", "glu_halves",
+    "dense_mlp", "dispatch", "embed", "expert_mlp", "forward", "from_experts", "fused_kernels_available", "glu_halves",
     "grouped_matmul", "head_weight",
     "lm_loss_sum", "make_dispatch", "moe", "moe_experts", "moe_output", "moe_route", "permute",
     "plan_exchange", "project_qkv", "rms_norm", "rope_tables", "route", "row_weights", "stack_stats", "to_experts",

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .attention import attention
+from .embedding import embed
 from .moe import MoEStats, moe
 from .norm import rms_norm
 from .precision import FP32_LEAVES, upcast
@@ -64,7 +65,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
     Returns:
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
     """
-    h = params["embed"][tokens_BS]
+    h = embed(params["embed"], tokens_BS)
     stats = []
     for p in params["layers"]:
         h, s = block(p, h, cfg, backend)

@@ -350,6 +350,7 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
         A new pytree sharing every other leaf with ``params``; with ``donate``, ``params``.
     """
     _check("update_expert_bias", "donate", donate, isinstance(donate, bool), "must be True or False")
+    _check_finite("update_expert_bias", "rate", rate, positive=False)
     counts = expert_counts.float()
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
     layers = []

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import ModelConfig, Plan
+from ..layers.embedding import embed
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import attention_half, head_weight
@@ -132,7 +133,7 @@ class Attended(NamedTuple):
 
 
 def embed_node(weights: dict, tokens_mb: torch.Tensor) -> torch.Tensor:
-    return weights["embed"][tokens_mb[:, :-1]]
+    return embed(weights["embed"], tokens_mb[:, :-1])
 
 
 def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world: int,

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from .. import hf
 from ..checkpoint import load, save
-from ..data import heldout_batches, sample_batch, unigram_cross_entropy
+from ..data import corpus_fingerprint, heldout_batches, sample_batch, unigram_cross_entropy
 from ..flat import init
 from ..generate import generate, load_tokenizer
 from ..optim import adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
@@ -20,11 +20,13 @@ from ..shard.gather import gather_full
 from ..step import eval_loss, step
 from . import options
 from .metrics import MetricsLog, expert_load, peak_tflops
-from .resilience import CheckpointDir, StopSignals
+from .resilience import CheckpointDir, StopSignals, is_staging, remove, run_contents
 from .setup import Run
 
-# What the data a step sees depends on: a resumed run must agree on them.
-_DATA_KEYS = ("seed", "batch", "seq", "data", "heldout_fraction")
+# What the data a step sees depends on: a resumed run must agree on them. The corpus is
+# compared by content (``corpus_fingerprint``), so a moved corpus or another spelling of
+# its path resumes; ``data`` (its path) is kept in checkpoints for people to read.
+_DATA_KEYS = ("seed", "batch", "seq", "corpus", "heldout_fraction")
 # Settings whose being on or off shapes the optimizer state: a resumed run must agree.
 _STATE_SWITCHES = ("clip", "max_skips")
 # The end-of-run sample gathers the whole fp32 model on the main rank; beyond this it
@@ -59,15 +61,20 @@ class _Stepper:
         return lambda p, b: step(p, b, plan)
 
 
-def _start(run: Run, opt):
-    """``(params, opt_state, first step)``: fresh, from a Hugging Face checkpoint, or resumed."""
+def _start(run: Run, opt, data: dict):
+    """``(params, opt_state, first step)``: fresh, from a Hugging Face checkpoint, or resumed
+    (``data``: this run's ``_DATA_KEYS`` values, which a resumed checkpoint must share)."""
     s, plan = run.settings, run.plan
     if s["resume"]:
         ck = load(run.out / "checkpoint", plan)
+        if "corpus" not in ck.extra and "data" in ck.extra and ck.extra["data"] != run.corpus.source:
+            raise SystemExit(f"fmoe.train: cannot resume: --data={run.corpus.source!r}, but the checkpoint (saved by "
+                             f"an older fmoe, which kept only the path) was trained with {ck.extra['data']!r}")
         for key in _DATA_KEYS:
-            if key in ck.extra and ck.extra[key] != _data_setting(run, key):
-                raise SystemExit(f"fmoe.train: cannot resume: --{key.replace('_', '-')}={_data_setting(run, key)!r}, "
-                                 f"but the checkpoint was trained with {ck.extra[key]!r}")
+            if key in ck.extra and ck.extra[key] != data[key]:
+                what = "--data gives a corpus of " if key == "corpus" else f"--{key.replace('_', '-')}="
+                raise SystemExit(f"fmoe.train: cannot resume: {what}{data[key]!r}, but the checkpoint was trained "
+                                 f"with {ck.extra[key]!r}")
         for key, was_on in ck.extra.get("state_switches", {}).items():
             if bool(s[key]) != was_on:
                 raise SystemExit(f"fmoe.train: cannot resume: --{key.replace('_', '-')}={s[key]!r} turns "
@@ -88,8 +95,37 @@ def _start(run: Run, opt):
     return params, opt.init(params), 1
 
 
-def _data_setting(run: Run, key: str):
-    return run.corpus.source if key == "data" else run.settings[key]
+def _nonfinite_stop(in_a_row: int, step_num: int, first: int, loss: float, checkpoints: CheckpointDir) -> str:
+    """The message of the non-finite stop: the real last good checkpoint (or that there
+    is none) and the likely cause."""
+    if checkpoints.latest.exists():
+        where = f"The last good checkpoint is {checkpoints.latest.resolve()}: --resume from it"
+    else:
+        where = "No checkpoint was saved before them"
+    if step_num - in_a_row + 1 <= first:  # non-finite from this run's first step on
+        cause = ("they began at the run's first step, so a setting is the likely cause (the model config, "
+                 "--init-from-hf weights or the data), not the learning rate")
+    else:
+        cause = "after finite steps, so the likely cause is divergence: try a lower --lr or --clip"
+    return (f"fmoe.train: {in_a_row} steps in a row (to step {step_num}) had non-finite gradients (loss {loss}); "
+            f"stopping without applying them. {where}; {cause}")
+
+
+def _prepare_out(run: Run) -> None:
+    """The run folder, once every check has passed (main rank): with ``--overwrite`` the
+    old run removed, a killed save's staging removed, then the settings (and the
+    corpus's tokenizer, for ``fmoe.generate``) written."""
+    s = run.settings
+    if s["overwrite"] and (old := run_contents(run.out)):
+        remove(old)
+        _say(run, f"--overwrite: removed {', '.join(p.name for p in old)} from {run.out}")
+    elif stale := [p for p in run_contents(run.out) if is_staging(p)]:
+        remove(stale)
+        _say(run, f"removed {len(stale)} staging folder(s) left in {run.out} by an interrupted save")
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "settings.toml").write_text(options.to_toml(options.resolved(s, run.plan)))
+    if run.corpus.tokenizer is not None:
+        shutil.copyfile(run.corpus.tokenizer, run.out / "tokenizer.json")
 
 
 def _sample(run: Run, params) -> None:
@@ -170,11 +206,6 @@ def train(run: Run) -> dict:
     if s["threads"]:
         torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
-    if world.is_main:
-        run.out.mkdir(parents=True, exist_ok=True)
-        (run.out / "settings.toml").write_text(options.to_toml(options.resolved(s, plan)))
-        if corpus.tokenizer is not None:
-            shutil.copyfile(corpus.tokenizer, run.out / "tokenizer.json")  # for fmoe.generate
     schedule = warmup_cosine(s["lr"], s["warmup"], s["steps"], floor=s["min_lr_ratio"])
     # The job, not the optimizer, gives up on non-finite steps: it stops at the first
     # logged step that sees max_skips of them in a row, which may come up to log_every - 1
@@ -184,9 +215,13 @@ def train(run: Run) -> dict:
                 fused=s["fused_optimizer"], donate=s["fused_optimizer"],
                 skip_nonfinite=s["steps"] + s["max_skips"] if s["max_skips"] else 0)
     norm_in_state = bool(s["clip"] or s["max_skips"])  # the optimizer computes the norm and keeps it
-    params, opt_state, first = _start(run, opt)
-    last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
     heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
+    data = {key: s[key] for key in _DATA_KEYS if key != "corpus"}
+    data["corpus"] = corpus_fingerprint(corpus)
+    params, opt_state, first = _start(run, opt, data)
+    if world.is_main:  # every check has passed: now the folder changes
+        _prepare_out(run)
+    last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
     baseline = unigram_cross_entropy(corpus.train, corpus.heldout, cfg.vocab)
     n_params = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
     _say(run, f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
@@ -202,7 +237,7 @@ def train(run: Run) -> dict:
     signals = StopSignals()
 
     def checkpoint(step_num):
-        extra = {key: _data_setting(run, key) for key in _DATA_KEYS}
+        extra = dict(data, data=corpus.source)
         extra["state_switches"] = {key: bool(s[key]) for key in _STATE_SWITCHES}
         extra.update(samples_seen=step_num * s["batch"], eos_id=corpus.eos_id)
         save(checkpoints.path_for(step_num), plan, params, opt_state=opt_state, step=step_num, extra=extra)
@@ -262,10 +297,7 @@ def train(run: Run) -> dict:
                 record["mfu"] = flops_per_step / step_s / world.size / (peak * 1e12)
             if s["max_skips"] and in_a_row >= s["max_skips"]:
                 log.write(record)
-                raise SystemExit(
-                    f"fmoe.train: {in_a_row} steps in a row (to step {step_num}) had non-finite gradients "
-                    f"(loss {train_loss}); stopping without saving them. The last good checkpoint is "
-                    f"{checkpoints.latest}: --resume from it, e.g. with a lower --lr")
+                raise SystemExit(_nonfinite_stop(in_a_row, step_num, first, train_loss, checkpoints))
             if step_num % s["eval_every"] == 0 or step_num == last:
                 heldout_loss = sum(float(eval_loss(params, b, plan)) for b in heldout) / len(heldout)
                 record["heldout_loss"] = heldout_loss

@@ -15,10 +15,11 @@ import argparse
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 from pathlib import Path
 
-from ..config import ModelConfig, Plan
+from ..config import CHOICES, ModelConfig, Plan, field_docs
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -48,6 +49,8 @@ RUN_OPTIONS = (
     ("save_every", int, 250, "checkpoint every N steps (0: only at the end)"),
     ("keep", int, 1, "checkpoints to keep (the newest; one is removed only after a newer one is complete)"),
     ("resume", bool, False, "continue from the checkpoint in --out"),
+    ("overwrite", bool, False, "start afresh in an --out that holds a run: its settings, metrics, events and "
+                               "checkpoints are removed (and listed) first"),
     ("auto_resume", bool, False, "continue from the checkpoint in --out if there is one, else start "
                                  "(for torchrun --max-restarts)"),
     ("stop_after", int, 0, "end this run after that step, with a checkpoint (0: run to --steps)"),
@@ -61,6 +64,7 @@ RUN_OPTIONS = (
     ("no_tensorboard", bool, False, "no TensorBoard events even when tensorboard is installed"),
 )
 RUN_DEFAULTS = {name: default for name, _, default, _ in RUN_OPTIONS}
+UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded corpus / random weights
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
@@ -83,19 +87,61 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def parser() -> argparse.ArgumentParser:
-    """Every setting as a flag; nothing has a default here, so the namespace holds
-    exactly the flags given (merging happens in ``resolve``)."""
-    ap = argparse.ArgumentParser(prog="python -m fmoe.train", argument_default=argparse.SUPPRESS,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Presets: " + ", ".join(presets()))
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistyped flag gets one line with the nearest flags, not the usage."""
+
+    def error(self, message: str):
+        unknown = [a.split("=", 1)[0] for a in message.split(": ", 1)[-1].split() if a.startswith("--")]
+        hints = []
+        for flag in unknown if message.startswith("unrecognized arguments") else []:
+            close = difflib.get_close_matches(flag, [o for o in self._option_string_actions if o.startswith("--")],
+                                              n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {' or '.join(close)}?")
+        self.exit(2, f"{self.prog}: error: {message}" + "".join(f"\n  {h}" for h in hints)
+                  + f"\n(see {self.prog} --help)\n")
+
+
+def preset_summary(name: str) -> str:
+    """One line of ``--help``: the preset's size (computed from its model, at a 32k
+    vocabulary where the preset leaves the vocabulary to the data), shape and device."""
+    from ..params import active_param_count, flat_shapes
+
+    own = read_toml(name)[0]
+    settings = {**_defaults(), **own}
+    cfg = model_config(settings, **({} if "vocab" in own or name == "cpu" else {"vocab": 32000}))
+    total = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
+    return (f"  {name}: {total / 1e6:,.1f}M params, {active_param_count(cfg) / 1e6:,.1f}M active at vocab "
+            f"{cfg.vocab}; D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}; "
+            f"{settings['device']}, {settings['dtype']}")
+
+
+def _shown(value) -> str:
+    return "unset" if value == "" else repr(value)
+
+
+def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
+    """Every setting as a flag, each with its meaning (the dataclass docstrings for
+    ModelConfig and Plan fields), its allowed values and the main job's default;
+    nothing has a default in the namespace, so it holds exactly the flags given
+    (merging happens in ``resolve``). No abbreviations: ``--sample`` is an error."""
+    ap = _Parser(prog=prog, argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="Presets (--config NAME; the cpu preset holds the defaults shown above):\n"
+                        + "\n".join(preset_summary(p) for p in presets()))
+    defaults = _defaults()
     groups = (("run", {n: t for n, t, _, _ in RUN_OPTIONS}, {n: h for n, _, _, h in RUN_OPTIONS}),
-              ("model (fmoe.ModelConfig fields)", MODEL_FIELDS, {}),
-              ("plan (fmoe.Plan fields)", PLAN_FIELDS, {}))
+              ("model (fmoe.ModelConfig fields)", MODEL_FIELDS, field_docs(ModelConfig)),
+              ("plan (fmoe.Plan fields)", PLAN_FIELDS, field_docs(Plan)))
     for title, fields, helps in groups:
         group = ap.add_argument_group(title)
         for name, kind in fields.items():
-            help_ = helps.get(name)
+            help_ = helps.get(name, "")
+            if name in CHOICES:
+                help_ += " One of: " + ", ".join(map(str, CHOICES[name])) + "."
+            if name not in ("config", "print_config"):
+                help_ += f" (default: {_shown(defaults[name])})"
+            help_ = help_.replace("%", "%%")
             if kind is bool and title == "run":
                 group.add_argument(_flag(name), action="store_true", help=help_)
             elif kind is bool:
@@ -140,17 +186,24 @@ def read_toml(source: str) -> tuple[dict, str]:
     return {k: _check_value(k, v, where) for k, v in data.items()}, where
 
 
-def resolve(argv=None) -> tuple[dict, set]:
+def _defaults() -> dict:
+    """Every setting's value before ``--config`` and the flags: the fields' defaults,
+    then the ``cpu`` preset."""
+    settings = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
+                **{f.name: f.default for f in dataclasses.fields(Plan) if f.name != "model"}, **RUN_DEFAULTS}
+    settings["units"] = ""
+    settings.update(read_toml("cpu")[0])
+    return settings
+
+
+def resolve(argv=None, prog: str = "python -m fmoe.train") -> tuple[dict, set]:
     """The merged settings and the keys set explicitly (by ``--config`` or a flag).
 
     Returns:
         ``(settings, explicit)``: every key of ``KNOWN`` with its value.
     """
-    flags = vars(parser().parse_args(argv))
-    settings = {**{n: f.default for n, f in ((f.name, f) for f in dataclasses.fields(ModelConfig))},
-                **{f.name: f.default for f in dataclasses.fields(Plan) if f.name != "model"}, **RUN_DEFAULTS}
-    settings["units"] = ""
-    settings.update(read_toml("cpu")[0])
+    flags = vars(parser(prog).parse_args(argv))
+    settings = _defaults()
     explicit = set()
     if flags.get("config"):
         from_file, _ = read_toml(flags["config"])
@@ -187,12 +240,16 @@ def resolved(settings: dict, plan: Plan) -> dict:
 
 
 def to_toml(settings: dict) -> str:
-    """The settings as a flat TOML document (what ``--print-config`` shows)."""
+    """The settings as a flat TOML document (what ``--print-config`` shows and
+    ``settings.toml`` holds), usable as a ``--config``: paths left unset (``data``,
+    ``init_from_hf``) are comments, since an empty path is refused, and ``overwrite``
+    is left out, so reusing a file never removes a run."""
     lines = []
-    for title, names in (("run", [n for n, _, _, _ in RUN_OPTIONS if n not in ("config", "print_config")]),
-                         ("model", list(MODEL_FIELDS)), ("plan", list(PLAN_FIELDS))):
+    run_keys = [n for n, _, _, _ in RUN_OPTIONS if n not in ("config", "print_config", "overwrite")]
+    for title, names in (("run", run_keys), ("model", list(MODEL_FIELDS)), ("plan", list(PLAN_FIELDS))):
         lines.append(f"# {title}")
         for name in names:
             value = settings[name]
-            lines.append(f"{name} = {json.dumps(value) if not isinstance(value, float) else repr(value)}")
+            line = f"{name} = {json.dumps(value) if not isinstance(value, float) else repr(value)}"
+            lines.append(f"# {line}  (unset)" if name in UNSET_PATHS and not value else line)
     return "\n".join(lines) + "\n"

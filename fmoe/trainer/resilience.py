@@ -23,6 +23,33 @@ import torch.distributed as dist
 from ..checkpoint import read_meta
 
 _STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+# What a killed save leaves: a collective save's staging folder (checkpoint/files.py)
+# and the link being switched (CheckpointDir.publish).
+_STAGING = re.compile(r"^\.(checkpoint-\d+\.tmp-[0-9a-f]+|checkpoint-link-\d+)$")
+# What a run writes into its folder besides checkpoints.
+RUN_FILES = ("settings.toml", "metrics.jsonl", "tokenizer.json", "tensorboard", "checkpoint")
+
+
+def run_contents(out: Path) -> list[Path]:
+    """The files and folders of a run in ``out`` (settings, metrics, events, checkpoints),
+    staging left by a killed save included; [] for a folder holding none."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir()
+                  if p.name in RUN_FILES or _STEP_DIR.match(p.name) or _STAGING.match(p.name))
+
+
+def is_staging(path: Path) -> bool:
+    return bool(_STAGING.match(path.name))
+
+
+def remove(paths: list[Path]) -> None:
+    """Delete files, links and folders (a link is removed, never followed)."""
+    for p in paths:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
 
 
 class StopSignals:

@@ -5,6 +5,7 @@ naming the setting (or file) when it cannot work."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -16,6 +17,7 @@ from ..layers.experts import registered_backend
 from ..runtime import check_device_and_backend
 from . import options
 from .launch import World, rank_device, world_from_env
+from .resilience import is_staging, run_contents
 
 _POSITIVE = ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches", "keep")
 _NON_NEGATIVE = ("warmup", "save_every", "stop_after", "threads", "sample_tokens", "max_skips")
@@ -76,6 +78,19 @@ def check_run_options(s: dict) -> None:
         _bad("stop_after", s["stop_after"], f"must be <= --steps ({s['steps']}) or 0")
 
 
+def check_paths(s: dict, explicit: set) -> None:
+    """Paths given explicitly may not be empty: an empty ``--data`` would mean the
+    embedded corpus, ``--init-from-hf`` random weights, ``--out`` the current folder,
+    each silently."""
+    for name in ("out", "data", "init_from_hf", "config"):
+        if name in explicit and not str(s[name]).strip():
+            default = {"out": f"(the default is {options.RUN_DEFAULTS['out']})",
+                       "data": "(leave it out for the embedded corpus)",
+                       "init_from_hf": "(leave it out to start from random weights)",
+                       "config": "(leave it out for the cpu preset)"}[name]
+            _bad(name, s[name], f"an empty path; name a path {default}")
+
+
 _ADAPTERS_NEEDED = "it needs fmoe's adapters: run python -m interop.train with the same settings"
 
 
@@ -128,10 +143,14 @@ def prepare(argv=None, adapters: Adapters | None = None) -> Run | str:
     Raises:
         ValueError: naming the setting, key or file that cannot work.
     """
-    s, explicit = options.resolve(argv)
-    if s["print_config"]:
-        return options.to_toml(s)
+    prog = "python -m interop.train" if adapters is not None else "python -m fmoe.train"
+    s, explicit = options.resolve(argv, prog)
     check_run_options(s)
+    check_paths(s, explicit)
+    if s["print_config"]:  # what it prints would run: the model and plan fields are checked too
+        options.plan_for(s, options.model_config(s))
+        preset = f"# preset{options.preset_summary(s['config'])[1:]}\n" if s["config"] in options.presets() else ""
+        return preset + options.to_toml(s)
     world = world_from_env()
     if "dp" not in explicit:
         s["dp"] = max(1, world.size // s["ep"])
@@ -154,4 +173,27 @@ def prepare(argv=None, adapters: Adapters | None = None) -> Run | str:
         s["resume"] = True
     if s["resume"] and not checkpoint.exists():
         raise ValueError(f"--resume, but there is no checkpoint at {checkpoint}")
+    check_out(s)
     return Run(s, world, corpus, plan, scopes, adapters)
+
+
+def check_out(s: dict) -> None:
+    """``--out`` can take this run: a writable folder (or a place to make one), and,
+    unless the run resumes or ``--overwrite`` says so, not holding another run, which
+    would be overwritten. ``--auto-resume`` without a checkpoint replaces a run that
+    never saved one (a job restarted before its first checkpoint)."""
+    out = Path(s["out"])
+    if out.exists() and not out.is_dir():
+        _bad("out", s["out"], "it is a file; name a folder")
+    if s["overwrite"] and (s["resume"] or s["auto_resume"]):
+        _bad("overwrite", True, "contradicts --resume / --auto-resume: choose one")
+    existing = out
+    while not existing.exists():  # the folder is made later: its nearest existing parent must be writable
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        _bad("out", s["out"], f"{existing} is not writable")
+    held = [p.name for p in run_contents(out) if not is_staging(p)]
+    if held and not (s["resume"] or s["auto_resume"] or s["overwrite"]):
+        shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
+        raise ValueError(f"--out={s['out']!r} holds a run ({shown}): add --resume to continue it, --overwrite "
+                         "to remove it and start afresh, or name another --out")
