@@ -32,7 +32,7 @@ LOGIT_TOL = dict(rtol=1e-5, atol=1e-5)
 
 def hf_model(family, seed=0, **overrides):
     config_cls, model_cls, extra = FAMILIES[family]
-    cfg = getattr(transformers, config_cls)(**COMMON, **dict(extra, **overrides))
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # every weight random: norms away from 1, biases away from 0
@@ -222,3 +222,49 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
     weights.write_bytes(weights.read_bytes()[:200])
     with pytest.raises(ValueError, match=rf"{weights}: not a readable safetensors file"):
         fmoe.hf.load(tmp_path, fmoe.Plan(model=cfg))
+
+
+def test_export_of_a_fine_tuned_run_keeps_the_source_config_and_loads_in_transformers(tmp_path):
+    from fmoe.hf.export import main as export_main
+    from fmoe.train import main as train_main
+
+    # a source whose config says what fmoe does not model: token ids, context length,
+    # an aux-loss coefficient it was trained with, Qwen3's dense intermediate_size
+    source = tmp_path / "hf"
+    model = hf_model("qwen3_moe", vocab_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                     max_position_embeddings=4096, router_aux_loss_coef=0.002, intermediate_size=48)
+    model.save_pretrained(source)
+    (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    run = tmp_path / "run"
+    train_main(["--init-from-hf", str(source), "--steps", "2", "--batch", "4", "--seq", "16", "--eval-every", "2",
+                "--eval-batches", "1", "--no-progress", "--sample-tokens", "0", "--threads", "1", "--out", str(run)])
+    out = export_main(["export", str(run / "checkpoint"), "--out", str(tmp_path / "export"), "--dtype", "float32"])
+    got = json.loads((out / "config.json").read_text())
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "router_aux_loss_coef",
+                "intermediate_size", "moe_intermediate_size", "head_dim", "vocab_size"):
+        assert got[key] == model.config.to_dict()[key], key
+    assert (out / "tokenizer_config.json").is_file() and (out / "generation_config.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    # transformers reads it, and computes what fmoe computes with the trained weights
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    cfg = fmoe.checkpoint.read_config(run / "checkpoint")
+    params = fmoe.load(run / "checkpoint", fmoe.Plan(model=cfg)).params
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = loaded(tokens).logits
+    torch.testing.assert_close(theirs, fmoe_logits(params, tokens, cfg), **LOGIT_TOL)
+
+
+def test_the_main_jobs_default_run_exports_and_a_trained_expert_bias_says_what_to_change(tmp_path):
+    from fmoe.hf.export import main as export_main
+    from fmoe.train import main as train_main
+
+    common = ["--steps", "2", "--batch", "2", "--seq", "16", "--dim", "32", "--eval-every", "2", "--eval-batches", "1",
+              "--no-progress", "--sample-tokens", "0", "--threads", "1"]
+    train_main(common + ["--out", str(tmp_path / "a")])  # the defaults: balanced by the aux loss
+    out = export_main(["export", str(tmp_path / "a" / "checkpoint"), "--out", str(tmp_path / "a-hf")])
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mixtral"
+    transformers.AutoModelForCausalLM.from_pretrained(out)
+    train_main(common + ["--expert-bias-rate", "0.01", "--out", str(tmp_path / "b")])
+    with pytest.raises(SystemExit, match=r"fmoe.hf export: .*expert_bias is non-zero.*train with expert_bias_rate=0"):
+        export_main(["export", str(tmp_path / "b" / "checkpoint"), "--out", str(tmp_path / "b-hf")])

@@ -3,6 +3,7 @@
     cfg = fmoe.hf.config(hf_dir)            # a ModelConfig
     params = fmoe.hf.load(hf_dir, plan)     # this rank's part under plan
     fmoe.hf.save(out_dir, params, plan)     # collective; config.json + safetensors
+    python -m fmoe.hf export runs/x/checkpoint --out hf/x   # + tokenizer, generation config
 """
 
 from .api import config, load, save

@@ -112,11 +112,35 @@ def _check_expert_bias(named: dict, plan: Plan) -> None:
     Group.world().all_reduce(local).wait()
     used = [p for p, total in zip(biases, local.tolist()) if total > 0]
     if used:
-        raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the Hugging Face MoE families select experts "
-                         "without a bias; train with ModelConfig.expert_bias_rate=0 to export")
+        raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the Hugging Face MoE families fmoe writes "
+                         "(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) select experts without a bias, and DeepSeek-V3's, "
+                         "which has one, needs its MLA attention; train with expert_bias_rate=0 (balancing with "
+                         "aux_loss_coef > 0, as the main job's default does) to export")
 
 
-def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_bytes: int = 4 << 30) -> Path:
+def kept_from_source(mine: dict, cfg: ModelConfig, source) -> dict:
+    """``mine`` (a ``config.json`` fmoe wrote for ``cfg``) over the source checkpoint's
+    own ``config.json``: every key fmoe did not change keeps the source's value (its
+    token ids, ``max_position_embeddings``, ``router_aux_loss_coef``, Qwen3's dense
+    ``intermediate_size`` ...). A key counts as unchanged when fmoe writes the same
+    value for ``cfg`` as for the source's own ModelConfig."""
+    source = Path(source)
+    raw, source_cfg = _read_config_json(source), config(source)
+    as_fmoe_writes_it = to_hf_config(source_cfg, family_of(source_cfg, str(source)), mine["dtype"])
+    out = dict(raw) if raw.get("model_type") == mine["model_type"] else {}
+    for key, value in mine.items():
+        unchanged = key in raw and key in as_fmoe_writes_it and as_fmoe_writes_it[key] == value
+        if key in _ALWAYS_MINE or not unchanged:
+            out[key] = value
+    return out
+
+
+# What the written files are, whatever the source's were.
+_ALWAYS_MINE = ("architectures", "model_type", "dtype", "torch_dtype")
+
+
+def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_bytes: int = 4 << 30,
+         source=None) -> Path:
     """Write ``params`` as a Hugging Face checkpoint that ``from_pretrained`` reads.
 
     A collective: every rank passes its params; units are gathered one at a time and
@@ -130,6 +154,8 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
         plan: the Plan.
         dtype: the files' dtype, ``float32 | bfloat16 | float16``.
         max_shard_bytes: start a new safetensors file beyond this many bytes.
+        source: the Hugging Face directory the model was loaded from, if any: its
+            ``config.json``'s keys that fmoe did not change are kept (``kept_from_source``).
 
     Returns:
         The directory's Path.
@@ -144,6 +170,9 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
     if directory.exists() and any(directory.iterdir()) and not (directory / "config.json").exists():
         raise ValueError(f"fmoe.hf.save: {directory} exists and is not a Hugging Face model directory; "
                          "refusing to replace it")
+    hf_config = to_hf_config(cfg, family, dtype)
+    if source is not None:
+        hf_config = kept_from_source(hf_config, cfg, source)
     named = named_leaves(params)
     _check_expert_bias(named, plan)
     world = Group.world()
@@ -164,7 +193,7 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
         def finish():
             if failed:
                 raise failed[0]
-            writer.finish(to_hf_config(cfg, family, dtype))
+            writer.finish(hf_config)
 
         publish(finish)
     return directory
