@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import optree
 import pytest
 import torch
@@ -567,3 +568,20 @@ def test_abbreviations_and_typos_are_refused_with_the_nearest_flags(argv, needle
 
 def test_the_adapters_main_job_is_named_so_in_its_help():
     assert options.parser("python -m interop.train").format_usage().startswith("usage: python -m interop.train")
+
+
+def test_ids_beyond_the_vocabulary_found_at_a_step_name_the_corpus(tmp_path):
+    data = tmp_path / "tokens"
+    prepare.prepare([ROOT / "README.md"], data, quiet=True)
+    meta = json.loads((data / "meta.json").read_text())
+    ids = np.fromfile(data / "tokens.bin", dtype=meta["dtype"])
+    ids[::50] = 255  # a corrupted corpus: ids beyond the vocabulary its meta.json states
+    ids.tofile(data / "tokens.bin")
+    args = SMALL + ["--data", data, "--out", tmp_path / "run"]
+    meta.update(vocab=200, max_id=199)
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit) as err:
+        train_main(list(map(str, args)))
+    text = str(err.value)
+    assert text.startswith("fmoe.train: ValueError: step 1, a batch of ") and str(data) in text
+    assert "holds ids in [" in text and "\n" not in text

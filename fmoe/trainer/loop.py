@@ -254,7 +254,10 @@ def train(run: Run) -> dict:
     try:
         for step_num in bar:
             batch = sample_batch(corpus.train, s["batch"], s["seq"], s["seed"], step_num, world.rank, world.size)
-            out = stepper(params, batch)
+            try:
+                out = stepper(params, batch)
+            except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
+                raise ValueError(f"step {step_num}, a batch of {corpus.source}: {err}") from None
             # On one process a signal is a Python flag; several agree on it with a host
             # read, so only on the steps that read anyway. A stop is logged.
             logged = _logged(step_num, s, last)
