@@ -1,6 +1,7 @@
 """fmoe.data: preparing token corpora (byte-level and with a real tokenizer), reading
 them back, deterministic batches, and the errors that name the file or key."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from fmoe.data import (check_vocab, corpus_bytes, embedded_corpus, heldout_batches, open_corpus, sample_batch,
                        tiled_windows, train_heldout_split, unigram_cross_entropy)
+import fmoe.data.prepare as prepare_module
 from fmoe.data.prepare import prepare
 
 DOCS = {"a.txt": "Hello, world.\n", "sub/b.md": "Ünïcode and\nlines\n", "sub/c.rst": "third document"}
@@ -136,6 +138,123 @@ def test_inputs_and_tokenizers_that_cannot_be_read(texts, monkeypatch):
     with pytest.raises(ValueError, match=r"pip install tokenizers \(or the extra fmoe\[data\]\)"):
         prepare([texts / "in"], texts / "out", tokenizer=texts / "tokenizer.json", quiet=True)
     assert not (texts / "out").exists()
+
+
+# every kind of input prepare reads, as the bytes of each file: several documents per
+# batch and batches per file, non-ASCII, invalid UTF-8, CRLF, blank files, jsonl blank lines
+VARIED = {
+    "a.txt": "Hello, world.\n".encode(),
+    "b/ünï.md": "Ünïcode — ✓ and\r\nCRLF lines\r\n".encode(),
+    "b/bad.rst": b"invalid \xff\xfe utf-8 \xc3(\n",
+    "b/blank.txt": b" \n\t\n",
+    "b/empty.py": b"",
+    "c.jsonl": b"".join(json.dumps({"text": t}).encode() + b"\n" + (b"\n \n" if i % 4 == 0 else b"")
+                        for i, t in enumerate(["one", "   ", "two\nlines", "ünï ✓", "\u2028", "", "x" * 300,
+                                               "zzz"] * 6)),
+    "d.py": "".join(f"def f{i}(x):\n    return x * {i}  # ünï {i % 7}\n\n" for i in range(300)).encode(),
+}
+# sha256 of tokens.bin for VARIED, byte-level, written by prepare before it was made
+# faster (issue 22): the output must not change
+VARIED_BYTES_SHA256 = "956e0cdf3b5f28fb38b185415357d753cccc6ff6df48f5885e0bc09da2da572c"
+
+
+def write_varied(root):
+    for name, data in VARIED.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def reference_tokens(files, tok=None, eos_id=None, dtype=np.uint16):
+    """tokens.bin and ``(tokens, documents, max_id)`` as prepare wrote them before issue 22
+    (its code, one document at a time through ``encode_batch``): the reference the faster
+    prepare must match byte for byte."""
+    docs = []
+    for path in files:
+        if path.suffix != ".jsonl":
+            docs.append(path.read_bytes().decode("utf-8", errors="replace"))
+            continue
+        with open(path, "rb") as f:
+            for raw in f:
+                line = raw.decode("utf-8", errors="replace")
+                if line.strip():
+                    docs.append(json.loads(line)["text"])
+    docs = [d for d in docs if d.strip()]
+    if tok is None:
+        ids = [np.frombuffer((d + "\n\n").encode("utf-8"), dtype=np.uint8) for d in docs]
+    elif eos_id is None:
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch([d + "\n\n" for d in docs])]
+    else:
+        ids = [np.asarray(e.ids + [eos_id], dtype=np.int64) for e in tok.encode_batch(docs)]
+    data = b"".join(i.astype(dtype).tobytes() for i in ids)
+    return data, (sum(map(len, ids)), len(docs), max((int(i.max(initial=0)) for i in ids), default=0))
+
+
+@pytest.mark.parametrize("batches", [None, (2, 64, 3)], ids=["default-batches", "tiny-batches"])
+def test_tokens_are_bit_identical_to_the_one_document_at_a_time_reference(tmp_path, monkeypatch, batches):
+    if batches:  # many batches, several in flight: the order and the counts must not change
+        for name, value in zip(("_BATCH_DOCS", "_BATCH_BYTES", "_IN_FLIGHT"), batches):
+            monkeypatch.setattr(prepare_module, name, value)
+    root = write_varied(tmp_path / "in")
+    files = prepare_module.find_inputs([root])
+    assert len(files) == len(VARIED)  # the blank and empty files are read too, and hold no document
+
+    def check(out, expected, **kwargs):
+        meta = prepare([root], tmp_path / out, quiet=True, **kwargs)
+        data, counts = expected
+        assert (tmp_path / out / "tokens.bin").read_bytes() == data
+        assert (meta["tokens"], meta["documents"], meta["max_id"]) == counts
+        return meta, hashlib.sha256(data).hexdigest()
+
+    meta, sha = check("bytes", reference_tokens(files))
+    assert sha == VARIED_BYTES_SHA256 and meta["documents"] == 3 + 5 * 6 + 1
+    tok = bpe_tokenizer(tmp_path / "tokenizer.json")
+    eos = tok.token_to_id("<|endoftext|>")
+    meta, _ = check("eos", reference_tokens(files, tok, eos), tokenizer=tmp_path / "tokenizer.json")
+    assert meta["eos_id"] == eos
+    meta, _ = check("no_eos", reference_tokens(files, tok), tokenizer=tmp_path / "tokenizer.json", eos="")
+    assert meta["eos_id"] is None and meta["separator"] == "\n\n"
+    # uint32 ids, and documents ("zzz") that encode to nothing but their end-of-document token
+    tokenizers = pytest.importorskip("tokenizers")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "x": 69_999, "one": 65_536, "</s>": 7},
+                                                             unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.normalizer = tokenizers.normalizers.Replace("zzz", "")
+    words.save(str(tmp_path / "words.json"))
+    meta, _ = check("uint32", reference_tokens(files, words, 7, np.uint32), tokenizer=tmp_path / "words.json")
+    assert (meta["dtype"], meta["eos_id"], meta["max_id"]) == ("uint32", 7, 69_999)
+
+
+def test_the_progress_bar_counts_the_input_bytes_batch_by_batch(tmp_path, monkeypatch, capsys):
+    bars = []
+
+    class Recorder(prepare_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.updates, self.shown = [], not self.disable  # close() disables a bar
+            bars.append(self)
+
+        def update(self, n=1):
+            self.updates.append(n)
+            return super().update(n)
+
+    monkeypatch.setattr(prepare_module, "tqdm", Recorder)
+    monkeypatch.setattr(prepare_module, "_BATCH_BYTES", 256)
+    root = write_varied(tmp_path / "in")
+    size = sum(map(len, VARIED.values()))  # blank files and jsonl blank lines included
+    bpe_tokenizer(tmp_path / "tokenizer.json")
+    for kwargs in ({}, {"tokenizer": tmp_path / "tokenizer.json"}):
+        bars.clear()
+        prepare([root], tmp_path / "out", overwrite=True, **kwargs)
+        (bar,) = bars
+        assert (bar.total, bar.n, sum(bar.updates)) == (size, size, size)
+        assert (bar.unit, bar.unit_scale, bar.shown) == ("B", True, True)
+        # an update per batch of about _BATCH_BYTES (d.py is one batch), not one at the end
+        assert len(bar.updates) >= (size - len(VARIED["d.py"])) // 512 >= 5 and min(bar.updates) > 0
+    assert "tokenize" in capsys.readouterr().err
+    bars.clear()
+    prepare([root], tmp_path / "out", overwrite=True, quiet=True)
+    assert not bars[0].shown
 
 
 def test_batches_are_deterministic_per_step_and_split_by_rank():

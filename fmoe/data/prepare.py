@@ -15,8 +15,10 @@ default the tokenizer's ``<|endoftext|>``, ``</s>`` or ``<|im_end|>``. Without o
 (byte-level, the default: ids are UTF-8 bytes, vocab 256; or ``--eos ''``) every
 document is followed by a blank line, ``"\\n\\n"``, encoded with it.
 
-The corpus is streamed: documents are encoded in batches and appended to
-``tokens.bin`` in a temporary sibling directory, renamed into place when complete.
+The corpus is streamed: documents are encoded in batches of a few MB (several at once,
+each spread over the tokenizer's threads, while the next is read) and appended to
+``tokens.bin`` in a temporary sibling directory, renamed into place when complete. The
+progress bar counts the input's bytes, batch by batch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ import os
 import shutil
 import sys
 import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -39,9 +44,12 @@ from .tokens import FORMAT, VERSION
 GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|im_end|>")
 SEPARATOR = "\n\n"  # after each document when there is no end-of-document token
-# a batch is encoded when it holds this many documents or bytes: bounded memory, and
-# encode_batch has enough work to spread over its threads
-_BATCH_DOCS, _BATCH_BYTES = 1024, 16 << 20
+# a batch is encoded when it holds this many documents or bytes: enough work for
+# encode_batch to spread over its threads, bounded memory, and a progress bar that moves.
+# _IN_FLIGHT batches are encoded at once (the tokenizer releases the GIL), so that a
+# batch's last long document, or a batch of one long document, leaves no thread idle
+_BATCH_DOCS, _BATCH_BYTES = 4096, 2 << 20
+_IN_FLIGHT = min(8, max(2, os.cpu_count() or 2))
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -67,7 +75,8 @@ def find_inputs(paths, globs=GLOBS) -> list[Path]:
 
 def documents(path: Path) -> Iterator[tuple[str, int]]:
     """A file's documents, each with the bytes it took: the whole file, or each
-    ``.jsonl`` line's ``"text"`` (ValueError naming the file and line)."""
+    ``.jsonl`` line's ``"text"`` (ValueError naming the file and line; a blank line is
+    an empty document, so that the bytes add up to the file's size)."""
     if path.suffix != ".jsonl":
         raw = path.read_bytes()
         yield raw.decode("utf-8", errors="replace"), len(raw)
@@ -76,6 +85,7 @@ def documents(path: Path) -> Iterator[tuple[str, int]]:
         for number, raw in enumerate(f, 1):
             line = raw.decode("utf-8", errors="replace")
             if not line.strip():
+                yield "", len(raw)
                 continue
             try:
                 row = json.loads(line)
@@ -87,12 +97,27 @@ def documents(path: Path) -> Iterator[tuple[str, int]]:
 
 
 class Encoder(NamedTuple):
-    """Documents -> ids, each document's ids ending with its separator."""
+    """A batch of documents -> their ids, concatenated, each document's ending with its
+    separator."""
 
-    encode: Callable[[list[str]], list[np.ndarray]]
+    encode: Callable[[list[str]], np.ndarray]  # of ``dtype``
     vocab: int
     eos_id: int | None
     tokenizer: Path | None  # the tokenizer.json, or None for UTF-8 bytes
+
+    @property
+    def dtype(self) -> np.dtype:
+        return _dtype(self.vocab)
+
+
+def _dtype(vocab: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
+
+
+def _encode_bytes(docs: list[str]) -> np.ndarray:
+    if not docs:
+        return np.empty(0, np.uint16)
+    return np.frombuffer((SEPARATOR.join(docs) + SEPARATOR).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
 def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
@@ -101,8 +126,7 @@ def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
     if tokenizer is None:
         if eos:
             raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
-        return Encoder(lambda docs: [np.frombuffer((d + SEPARATOR).encode("utf-8"), dtype=np.uint8) for d in docs],
-                       256, None, None)
+        return Encoder(_encode_bytes, 256, None, None)
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -118,45 +142,76 @@ def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
     eos_id = tok.token_to_id(names[0]) if names and names[0] else None
     if eos and eos_id is None:
         raise ValueError(f"--eos {eos!r} is not a token of {tokenizer}")
+    # the same ids as encode_batch; _fast (tokenizers >= 0.20) skips the character
+    # offsets, about half of encode_batch's work
+    encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    after = () if eos_id is None else (eos_id,)
+    dtype = _dtype(vocab)
 
-    def encode(docs: list[str]) -> list[np.ndarray]:
-        if eos_id is None:
-            return [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch([d + SEPARATOR for d in docs])]
-        return [np.asarray(e.ids + [eos_id], dtype=np.int64) for e in tok.encode_batch(docs)]
+    def encode(docs: list[str]) -> np.ndarray:
+        encodings = encode_batch(docs if eos_id is not None else [d + SEPARATOR for d in docs])
+        count = sum(map(len, encodings)) + len(after) * len(encodings)
+        # one pass from the lists of ids into the corpus dtype (ids < vocab fit it)
+        return np.fromiter(chain.from_iterable(ids for e in encodings for ids in (e.ids, after)), dtype, count)
 
     return Encoder(encode, vocab, eos_id, Path(tokenizer))
 
 
-def _write_tokens(files: list[Path], enc: Encoder, dtype, path: Path, quiet: bool) -> tuple[int, int, int]:
-    """Stream the documents of ``files`` through ``enc`` into ``path``.
+def _batches(files: list[Path]) -> Iterator[tuple[list[str], int]]:
+    """The documents of ``files`` that are not blank, in batches, each with the bytes it
+    took (blank documents included: the batches' bytes add up to the files' sizes)."""
+    docs: list[str] = []
+    nbytes = 0
+    for f in files:
+        for doc, n in documents(f):
+            nbytes += n
+            if doc and not doc.isspace():  # not blank: a blank document would add only a separator
+                docs.append(doc)
+                if len(docs) >= _BATCH_DOCS or nbytes >= _BATCH_BYTES:
+                    yield docs, nbytes
+                    docs, nbytes = [], 0
+    if docs or nbytes:
+        yield docs, nbytes
+
+
+def _write_tokens(files: list[Path], enc: Encoder, path: Path, quiet: bool) -> tuple[int, int, int]:
+    """Stream the documents of ``files`` through ``enc`` into ``path``: batches are read
+    here while up to ``_IN_FLIGHT`` earlier ones are encoded in threads, and written in
+    order. The progress bar advances by each written batch's input bytes.
 
     Returns:
         ``(tokens, documents, max_id)``.
     """
     count = n_docs = max_id = 0
-    pending: list[str] = []
-    pending_bytes = 0
-    with open(path, "wb") as sink, tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
-                                        desc="tokenize", disable=quiet, file=sys.stderr) as bar:
-        def flush():
-            nonlocal count, n_docs, max_id, pending_bytes
-            for ids in enc.encode(pending):
-                max_id = max(max_id, int(ids.max(initial=0)))
-                ids.astype(dtype).tofile(sink)
-                count += len(ids)
-            n_docs += len(pending)
-            bar.update(pending_bytes)
-            pending.clear()
-            pending_bytes = 0
+    total = sum(f.stat().st_size for f in files)
+    with open(path, "wb") as sink, tqdm(total=total, unit="B", unit_scale=True, desc="tokenize",
+                                        disable=quiet, file=sys.stderr) as bar, \
+            ThreadPoolExecutor(_IN_FLIGHT, thread_name_prefix="fmoe-prepare") as pool:
+        queue: deque = deque()
 
-        for f in files:
-            for doc, nbytes in documents(f):
-                pending_bytes += nbytes
-                if doc.strip():  # a blank document would add only a separator
-                    pending.append(doc)
-                if len(pending) >= _BATCH_DOCS or pending_bytes >= _BATCH_BYTES:
-                    flush()
-        flush()
+        def write_oldest():
+            nonlocal count, n_docs, max_id
+            future, n, nbytes = queue.popleft()
+            if future is not None:
+                ids = future.result()
+                max_id = max(max_id, int(ids.max(initial=0)))
+                sink.write(memoryview(ids).cast("B"))
+                count += len(ids)
+            n_docs += n
+            bar.update(nbytes)
+
+        try:
+            for docs, nbytes in _batches(files):
+                queue.append((pool.submit(enc.encode, docs) if docs else None, len(docs), nbytes))
+                if len(queue) >= _IN_FLIGHT:
+                    write_oldest()
+            while queue:
+                write_oldest()
+        except BaseException:
+            for future, _, _ in queue:  # a bad input midway: do not encode what is queued
+                if future is not None:
+                    future.cancel()
+            raise
         sink.flush()
         os.fsync(sink.fileno())
     return count, n_docs, max_id
@@ -194,12 +249,12 @@ def prepare(inputs, out, tokenizer=None, eos: str | None = None, overwrite: bool
                          "refusing to replace it")
     files = find_inputs(inputs, globs)
     enc = load_encoder(tokenizer, eos)
-    dtype = np.dtype(np.uint16 if enc.vocab <= 2**16 else np.uint32)
+    dtype = enc.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        count, n_docs, max_id = _write_tokens(files, enc, dtype, tmp / "tokens.bin", quiet)
+        count, n_docs, max_id = _write_tokens(files, enc, tmp / "tokens.bin", quiet)
         if count == 0:
             raise ValueError(f"the inputs hold no text ({len(files)} file(s) under {', '.join(map(str, inputs))})")
         if enc.tokenizer is not None:
