@@ -11,6 +11,7 @@ from .moe import MoEStats, Routed, moe, moe_experts, moe_output, moe_route
 from .norm import rms_norm
 from .router import Routing, route
 from .triton_kernels import fused_kernels_available
+from . import kernel_ops  # noqa: F401  (registers the fmoe:: custom ops the kernels run as)
 
 __all__ = [
     "DeferredWgrad", "Dispatch", "ExpertParallel", "MoEStats", "Routed", "Routing", "activation",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import tomllib
@@ -102,6 +103,7 @@ class _Parser(argparse.ArgumentParser):
                   + f"\n(see {self.prog} --help)\n")
 
 
+@functools.cache  # the parser of every run lists them; the shipped files do not change
 def preset_summary(name: str) -> str:
     """One line of ``--help``: the preset's size (computed from its model, at a 32k
     vocabulary where the preset leaves the vocabulary to the data), shape and device."""

@@ -188,8 +188,10 @@ def check_out(s: dict) -> None:
     if s["overwrite"] and (s["resume"] or s["auto_resume"]):
         _bad("overwrite", True, "contradicts --resume / --auto-resume: choose one")
     existing = out
-    while not existing.exists():  # the folder is made later: its nearest existing parent must be writable
+    while not existing.exists():  # the folder is made later: its nearest existing parent must take it
         existing = existing.parent
+    if not existing.is_dir():
+        _bad("out", s["out"], f"{existing} is a file, so no folder can be made in it")
     if not os.access(existing, os.W_OK | os.X_OK):
         _bad("out", s["out"], f"{existing} is not writable")
     held = [p.name for p in run_contents(out) if not is_staging(p)]
