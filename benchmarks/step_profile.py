@@ -2,6 +2,8 @@
 
     python benchmarks/step_profile.py                              # coarse fine qwen3-moe-medium, compiled
     python benchmarks/step_profile.py --shapes fine --no-compile   # eager
+    python benchmarks/step_profile.py --trace /tmp/traces          # + a Chrome trace per shape
+    python benchmarks/trace_gaps.py /tmp/traces/coarse.json        # where the GPU waits for the host
 
 The shapes are ``vs_peer.py``'s (8 x 2048 tokens, bf16, one GPU, ``no_shard``,
 ``adamw(fused=True, donate=True)``). After 3 warm-up steps, one step and its update
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import time
 
 import torch
@@ -23,7 +26,7 @@ from kernel_time import union
 from vs_peer import SHAPES
 
 
-def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int) -> None:
+def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | None = None) -> None:
     plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compiled)
     batch = {"tokens": torch.randint(0, cfg.vocab, (8, 2049), generator=torch.Generator().manual_seed(0)).cuda()}
     params = fmoe.init(plan, seed=0)
@@ -41,11 +44,16 @@ def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int) -> None:
         wall = (time.perf_counter() - t0) * 1e3
     spans, ms, calls = [], collections.Counter(), collections.Counter()
     for e in prof.events():
-        if e.device_type.name == "CUDA":
+        # kernels only: the program's named ranges show up on the GPU too, spanning its gaps
+        if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) \
+                and not e.name.startswith("fmoe "):
             spans.append((e.time_range.start, e.time_range.end))
             ms[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3
             calls[e.name[:90]] += 1
     busy = sum(e - s for s, e in union(spans)) / 1e3
+    if trace:  # the program's actions are named ranges ("fmoe forward layers.0.attn mb0")
+        prof.export_chrome_trace(trace)
+        print(f"trace: {trace}")
     print(f"wall {wall:.1f} ms, GPU busy {busy:.1f} ms, {len(spans)} kernels; top kernels:")
     for name, t in ms.most_common(top):
         print(f"  {t:7.2f} ms  x{calls[name]:4d}  {name}")
@@ -56,12 +64,17 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=tuple(SHAPES))
     ap.add_argument("--no-compile", action="store_true", help="profile the eager step")
     ap.add_argument("--top", type=int, default=28)
+    ap.add_argument("--trace", metavar="DIR", help="write each shape's Chrome trace to DIR/<shape>.json")
     args = ap.parse_args()
     torch.cuda.set_device(0)
     for name in args.shapes:
         print(f"\n## {name} ({'eager' if args.no_compile else 'compile=True'}), "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-        profile_step(fmoe.ModelConfig(**SHAPES[name]()), not args.no_compile, args.top)
+        trace = None
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            trace = os.path.join(args.trace, f"{name}.json")
+        profile_step(fmoe.ModelConfig(**SHAPES[name]()), not args.no_compile, args.top, trace)
         torch.cuda.empty_cache()
 
 

@@ -1,7 +1,9 @@
 """fmoe vs an independent plain-PyTorch MoE LM (``benchmarks/peer.py``), side by side
 in one process: same model, batches, learning rate and precision. For each shape:
 the peer eager, the peer with each block ``torch.compile``d (as torchtitan), then fmoe
-(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``).
+(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``; on one GPU also
+with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
+``--fmoe-graph off``).
 
     python benchmarks/vs_peer.py                                        # 1 GPU, --shape coarse
     python benchmarks/vs_peer.py --shapes coarse fine qwen3-moe-medium  # 1 GPU, three shapes
@@ -59,6 +61,7 @@ import torch.distributed as dist
 
 import fmoe
 import peer
+from interop.cuda_graph import capture_step
 from fsdp_step import lm_parser
 
 PEAK_TFLOPS = 789.0  # dense bf16 GEMM ceiling of one H100/H200 (the other benchmarks' figure)
@@ -93,6 +96,8 @@ def parse():
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off"),
                     help="auto: fmoe also with Plan(compile=True) where Plan has that field")
+    ap.add_argument("--fmoe-graph", default="auto", choices=("auto", "off"),
+                    help="auto: on one GPU, fmoe also with its whole step captured as a CUDA graph")
     ap.add_argument("--check", action="store_true",
                     help="CPU fp32: the peer with fmoe's weights gives fmoe's loss; compiled peer = eager")
     ap.set_defaults(**{name: None for name in MODEL_FLAGS})  # unset: the shape's value
@@ -112,6 +117,12 @@ def shape_config(name: str, args, toy: bool) -> fmoe.ModelConfig:
 
 def fmoe_has_compile(args) -> bool:
     return args.fmoe_compile == "auto"
+
+
+def fmoe_graphs(args, bench) -> bool:
+    """``--fmoe-graph auto``: fmoe also as a whole-step CUDA graph, on one GPU (a
+    dropless exchange over several ranks reads split sizes on the host)."""
+    return args.fmoe_graph == "auto" and bench.device == "cuda" and bench.world == 1
 
 
 def fmoe_optimizer(plan: fmoe.Plan, lr: float) -> fmoe.Optimizer:
@@ -211,7 +222,10 @@ def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     # the model and its optimizer go with this frame; the caller frees the memory
 
 
-def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool) -> dict:
+def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool, graph: bool = False) -> dict:
+    """fmoe's step + fused AdamW; ``graph``: the step replayed from one CUDA graph
+    (``interop.capture_step``, captured on the first batch) that reads the params'
+    buffers, which the donating optimizer updates in place."""
     args = bench.args
     dp, ep = mesh_of(mesh_name, bench.world)
     sharding = "no_shard" if bench.world == 1 else "optim_grads_params"
@@ -223,14 +237,18 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool)
     held["state"] = opt.init(held["params"])
 
     def step(tokens):
-        out = fmoe.step(held["params"], {"tokens": tokens}, plan)
+        batch = {"tokens": tokens}
+        if graph and "graph" not in held:
+            held["graph"] = capture_step(held["params"], batch, plan, donate=True)
+        out = held["graph"](held["params"], batch) if graph else fmoe.step(held["params"], batch, plan)
         held["params"], held["state"] = opt.update(out.grads, held["state"], held["params"])
         return out.loss
 
     bench.fresh_memory()
     step_s, first_s, loss = bench.timed(step)
     mesh = f"dp{dp}" + (f" x ep{ep}" if ep > 1 else "") + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
-    return dict(system="fmoe, compile=True" if compile else "fmoe", mesh=mesh, mesh_name=mesh_name, step_s=step_s,
+    system = "fmoe" + (", compile=True" if compile else "") + (" + step graph" if graph else "")
+    return dict(system=system, mesh=mesh, mesh_name=mesh_name, step_s=step_s,
                 first_s=first_s, peak=bench.peak_gib(), loss=float(loss), compiled=compile)
 
 
@@ -254,6 +272,8 @@ def run_shape(bench: Bench, name: str) -> dict:
     rows = [freed(bench, run_peer(bench, cfg, compile=c)) for c in (False, True)]
     for compile in (False, True) if fmoe_has_compile(args) else (False,):
         rows += [freed(bench, run_fmoe(bench, cfg, m, compile)) for m in args.meshes]
+    if fmoe_graphs(args, bench):
+        rows += [freed(bench, run_fmoe(bench, cfg, m, fmoe_has_compile(args), graph=True)) for m in args.meshes]
 
     tokens = args.batch * args.seq  # per GPU per step
     flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
@@ -285,8 +305,8 @@ def run_shape(bench: Bench, name: str) -> dict:
 
 def summary(bench: Bench, results: list[dict]):
     on_gpu = bench.args.device == "cuda"
-    both = len(results[0]["fmoe"]) > 1  # fmoe eager and compiled
-    per = " (eager / compiled)" if both else ""
+    variants = [r["system"].removeprefix("fmoe").lstrip(", ") or "eager" for r in results[0]["fmoe"]]
+    per = f" ({' / '.join(variants)})" if len(variants) > 1 else ""
     bench.say(f"\n## Summary (tokens/s per GPU; fmoe on mesh {bench.args.meshes[0]}; first step = compile time)\n")
     bench.say(f"| shape | eager peer tok/s | compiled peer tok/s | fmoe tok/s{per} | fmoe MFU{per} "
               f"| fmoe / compiled peer{per} | peak GiB (peer compiled, fmoe{per}) "

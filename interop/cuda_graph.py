@@ -118,11 +118,16 @@ class GraphedStep:
                              f"{list(self.static_tokens.shape)} (capture another for a new shape)")
         with torch.no_grad():
             for new, static in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
-                if new is not static:
+                if not _same_memory(new, static):  # an optimizer that donated updated them in place
                     static.copy_(new)
             self.static_tokens.copy_(tokens)
         self.graph.replay()
         return self.out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+                      and a.stride() == b.stride())
 
 
 def _warm_up(run, iters: int) -> None:
@@ -137,13 +142,18 @@ def _warm_up(run, iters: int) -> None:
     torch.cuda.synchronize()
 
 
-def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2) -> GraphedStep:
+def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate: bool = False) -> GraphedStep:
     """Capture ``fmoe.step(params, batch, plan)`` as one CUDA graph.
 
     Arguments:
         params, batch, plan: as for ``fmoe.step``; every rank captures together
             (the collectives are part of the graph). Their shapes are fixed from now on.
         warmup: eager steps run on a side stream before the capture.
+        donate: the graph reads ``params``' own flat buffers (``fmoe.flat``) instead of
+            a copy of them. Pair it with an optimizer that updates those buffers in place
+            (``adamw(fused=True, donate=True)``): each call then finds the new params
+            where the graph reads them and copies nothing. Params passed later that live
+            elsewhere are copied into these buffers, overwriting them.
 
     Returns:
         A GraphedStep: ``graphed(params, batch)`` replays the step on new values.
@@ -154,8 +164,9 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2) -> Grap
     """
     check_capturable(plan, ("step",))
     prepared = prepare_step(params, batch, plan)
-    # The graph's own copy, in flat storage: replays read it as it is (no per-step copy into shards).
-    static_params = as_flat(optree.tree_map(lambda t: t.detach().clone(), params), plan)
+    # In flat storage, the graph's own copy unless donated: replays read it as it is
+    # (no per-step copy into shards).
+    static_params = as_flat(params if donate else optree.tree_map(lambda t: t.detach().clone(), params), plan)
     prepared = prepared._replace(tokens=prepared.tokens.clone())
     _warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()

@@ -145,3 +145,21 @@ def test_cuda_compiled_step_with_triton_kernels_matches_eager(dtype):
         e, c = leaf_errors(eager.grads, exact.grads), leaf_errors(compiled.grads, exact.grads)
         worse = {p: (c[p], e[p]) for p in e if c[p] > 2 * e[p]}
         assert not worse, f"compiled bf16 gradients further from fp32 than 2x eager's: {worse}"
+
+
+@pytest.mark.parametrize("pad_multiple,capacity", [(0, None), (0, 5), (4, None)], ids=["dropless", "capacity",
+                                                                                     "padded"])
+def test_compiled_dispatch_is_bitwise_make_dispatch(pad_multiple, capacity):
+    # Index arithmetic only: compiled or not, every index and count is exact. Padded
+    # dropless routing reads its row count on the host, so it stays eager.
+    from fmoe.layers.dispatch import make_dispatch
+    from fmoe.schedule.compiled import compiled_kernels
+
+    dispatch = compiled_kernels().dispatch
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):  # a second routing of the same shape reuses the graph
+        indices = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(20)])
+        want = make_dispatch(indices, 8, pad_multiple, capacity)
+        got = dispatch((0, 0), indices, 8, pad_multiple, capacity)
+        for name, a, b in zip(want._fields, got, want):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name

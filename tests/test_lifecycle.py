@@ -130,3 +130,14 @@ def test_trace_exports_to_chrome_json(tmp_path):
 def test_bad_units_are_rejected(kw):
     with pytest.raises(ValueError, match="Plan.units"):
         fmoe.Plan(model=CFG, **kw)
+
+
+def test_profiler_traces_name_the_program_actions():
+    plan = zero3(microbatches=2)
+    params = fmoe.init(plan, seed=0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fmoe.step(params, {"tokens": TOKENS}, plan)
+    names = {e.name for e in prof.events()}
+    for label in ("fmoe gather layers.0", "fmoe forward layers.0.attn mb1", "fmoe backward layers.1.experts mb0",
+                  "fmoe reduce layers.1 mb1", "fmoe forward head mb0"):
+        assert label in names, label

@@ -58,15 +58,16 @@ def _crosses_ranks(ep: ExpertParallel | None) -> bool:
 
 
 def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None,
-              router=route) -> Routed:
-    """Route (with ``router``, ``route``'s signature) and permute ``x_TD``; with expert
+              router=route, dispatcher=make_dispatch) -> Routed:
+    """Route (with ``router``, ``route``'s signature) and permute ``x_TD`` (the
+    permutation from ``dispatcher``, ``make_dispatch``'s signature); with expert
     parallelism also plan the exchange (for dropless routing, a small all-to-all of
     counts and one host read of split sizes)."""
     T, K = x_TD.shape[0], cfg.topk
     r = router(p, x_TD, cfg)
     capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
         if cfg.capacity_factor else None
-    d = make_dispatch(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+    d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
     rows_RD = permute(x_TD, d)
     row_probs_R = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
     ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None

@@ -138,7 +138,16 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         m_leaves = _moments_like(p_leaves, buffers, treedef.flatten_up_to(adam.mu))
         v_leaves = _moments_like(p_leaves, buffers, treedef.flatten_up_to(adam.nu))
         new_p, new_m, new_v = list(p_leaves), list(m_leaves), list(v_leaves)
-        work = {c: ([], [], [], []) for c in ((True, True), (True, False), (False, False))}
+        step = (adam.count + 1).to(device=device, dtype=torch.float32)
+
+        def run(work: dict) -> None:
+            """The kernel on ``{class: (params, grads, mus, nus)}``. Issued per buffer as
+            soon as it is ready, so the GPU updates one while the host sorts out the next
+            (the kernel is elementwise: how the tensors are grouped changes no value)."""
+            for (trainable, decay), (ps, gs, ms, vs) in work.items():
+                torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if trainable else 0.0,
+                                    beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
+                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
 
         def own(t):  # what the kernel may write into
             return t if donate else t.clone()
@@ -150,26 +159,25 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
                 continue
             p, m, v = own(buf.base), own(_aligned(buf, m_leaves)), own(_aligned(buf, v_leaves))
             g = own(g_base) if clipping else g_base
+            work = {}
             for lo, hi, cls in _runs(buf, p_leaves, classes):
                 # frozen leaves keep their params: the kernel updates a scratch copy
                 p_run = p[lo:hi] if cls[0] else p[lo:hi].clone()
-                for lst, t in zip(work[cls], (p_run, g[lo:hi], m[lo:hi], v[lo:hi])):
+                for lst, t in zip(work.setdefault(cls, ([], [], [], [])), (p_run, g[lo:hi], m[lo:hi], v[lo:hi])):
                     lst.append(t)
+            run(work)
             for base, out in ((p, new_p), (m, new_m), (v, new_v)):
                 _views(base, buf, p_leaves, out)
+        work = {}
         for i in alone:  # leaves outside flat storage: one copy each, never donated
             p_copy = p_leaves[i].clone()
             new_m[i], new_v[i] = m_leaves[i].clone(), v_leaves[i].clone()
-            for lst, t in zip(work[classes[i]], (p_copy, g_leaves[i].to(torch.float32, copy=True), new_m[i], new_v[i])):
+            lists = work.setdefault(classes[i], ([], [], [], []))
+            for lst, t in zip(lists, (p_copy, g_leaves[i].to(torch.float32, copy=True), new_m[i], new_v[i])):
                 lst.append(t)
             if classes[i][0]:
                 new_p[i] = p_copy
-        step = (adam.count + 1).to(device=device, dtype=torch.float32)
-        for (trainable, decay), (ps, gs, ms, vs) in work.items():
-            if ps:
-                torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if trainable else 0.0,
-                                    beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
-                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        run(work)
         advance = 1 if apply is None else apply.long()  # a skipped step leaves the counts too
         new_state = list(state)
         new_state[at] = ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m), treedef.unflatten(new_v))

@@ -8,6 +8,9 @@ the pure compute inside a node, where fusion pays:
 - ``router``: fp32 logits, softmax or sigmoid, top-k, the counts and the aux losses;
 - ``head``: the final norm, logits and the fp32 cross-entropy (the upcast happens in
   registers instead of a ``[tokens, vocab]`` fp32 copy);
+- ``dispatch``: the permutation's index arithmetic (sort, counts, scans, scatters:
+  about twenty small kernels eager, whose launches the host pays every layer), unless
+  padded dropless routing reads its row count on the host;
 - ``experts``: the activation between the two grouped GEMMs, when it is torch code
   (biases, GeGLU, ReLU^2, or no Triton); the fused SwiGLU kernel and the grouped GEMMs
   already run as single kernels, so they stay eager (and delayed wgrad keeps working).
@@ -30,6 +33,7 @@ import functools
 import torch
 
 from ..config import Plan
+from ..layers.dispatch import make_dispatch
 from ..layers.experts import activation, expert_mlp, fused_activation, torch_activation
 from ..layers.model import attention_half
 from ..layers.router import route
@@ -55,6 +59,17 @@ def _compiled_activation():
     return act
 
 
+def _compiled_dispatch():
+    compiled = _compile(make_dispatch)
+
+    def dispatch(indices_TK, num_experts, pad_multiple=0, capacity=None):
+        if pad_multiple and capacity is None:  # the padded row count is read on the host
+            return make_dispatch(indices_TK, num_experts, pad_multiple, capacity)
+        return compiled(indices_TK, num_experts, pad_multiple, capacity)
+
+    return dispatch
+
+
 @functools.cache
 def compiled_kernels() -> Kernels:
     """The Kernels ``Plan(compile=True)`` runs (built once per process; ``torch.compile``
@@ -65,7 +80,8 @@ def compiled_kernels() -> Kernels:
         return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
 
     return Kernels(attn=at_any_site(_compile(attention_half)), router=at_any_site(_compile(route)),
-                   experts=experts, head=at_any_site(_compile(head_loss_sum)))
+                   experts=experts, head=at_any_site(_compile(head_loss_sum)),
+                   dispatch=at_any_site(_compiled_dispatch()))
 
 
 def kernels_for(plan: Plan) -> Kernels:

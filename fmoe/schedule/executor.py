@@ -16,6 +16,7 @@ threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -282,6 +283,15 @@ def _wgrad(state, a: Action, flow: _Flow):
     return lc.accumulate_grads(state, a.unit, {paths[id(w)]: g for w, g in deferred.run()})
 
 
+def _profiled(a: Action):
+    """A ``torch.profiler`` range named after the action (its op, node or unit, microbatch),
+    entered only while a profiler records: traces show the program, not bare kernels."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    mb = f" mb{a.mb}" if a.mb >= 0 else ""
+    return torch.profiler.record_function(f"fmoe {a.op} {a.node or a.unit}{mb}")
+
+
 def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
             total_targets: int, slots: dict | None = None, kernels: Kernels | None = None) -> Executed:
     """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
@@ -300,34 +310,35 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     stats: dict = {}
     for a in program:
         t0 = now()
-        if a.op == "gather":
-            state = lc.gather(state, a.unit)
-        elif a.op == "wait":
-            state = lc.wait(state, a.unit)
-        elif a.op == "release":
-            state = lc.release(state, a.unit)
-        elif a.op == "reduce":
-            state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
-        elif a.op in ("forward", "backward", "wgrad"):
-            if a.op == "forward":
-                state, res = _forward(state, a, flow)
-                if isinstance(res, Attended):
-                    stats.setdefault(a.mb, []).append(res.stats)
-                    if res.objective is not None:
-                        objective += res.objective.detach()
-                elif res is not None:
-                    objective += res[0]
-                    ce_sum += res[1]
-            elif a.op == "backward":
-                state = _backward(state, a, flow)
+        with _profiled(a):
+            if a.op == "gather":
+                state = lc.gather(state, a.unit)
+            elif a.op == "wait":
+                state = lc.wait(state, a.unit)
+            elif a.op == "release":
+                state = lc.release(state, a.unit)
+            elif a.op == "reduce":
+                state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
+            elif a.op in ("forward", "backward", "wgrad"):
+                if a.op == "forward":
+                    state, res = _forward(state, a, flow)
+                    if isinstance(res, Attended):
+                        stats.setdefault(a.mb, []).append(res.stats)
+                        if res.objective is not None:
+                            objective += res.objective.detach()
+                    elif res is not None:
+                        objective += res[0]
+                        ce_sum += res[1]
+                elif a.op == "backward":
+                    state = _backward(state, a, flow)
+                else:
+                    state = _wgrad(state, a, flow)
+                split = [dataclasses.replace(e, node=a.node, mb=a.mb) for e in flow.ep_events]
+                state = lc.record(state, *split, *flow.events, Event(a.op, a.unit, a.node, a.mb, t0, now()))
+                flow.ep_events.clear()
+                flow.events.clear()
             else:
-                state = _wgrad(state, a, flow)
-            split = [dataclasses.replace(e, node=a.node, mb=a.mb) for e in flow.ep_events]
-            state = lc.record(state, *split, *flow.events, Event(a.op, a.unit, a.node, a.mb, t0, now()))
-            flow.ep_events.clear()
-            flow.events.clear()
-        else:
-            raise ValueError(f"unknown program op {a.op!r}")
+                raise ValueError(f"unknown program op {a.op!r}")
     trained = any(a.op == "backward" for a in program)
     state = lc.finish(state, trained)
     grads = {}

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import ModelConfig, Plan
+from ..layers.dispatch import make_dispatch
 from ..layers.embedding import embed
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
 from ..layers.expert_parallel import ExpertParallel
@@ -110,12 +111,15 @@ class Kernels(NamedTuple):
             as ``expert_mlp``.
         head: ``(site, weights, h_BSD, targets_BS, eps) -> ce_sum``, as ``head_loss_sum``
             (``site = ("head", microbatch)``).
+        dispatch: ``(site, indices_TK, experts, pad_multiple, capacity) -> Dispatch``, as
+            ``make_dispatch`` (index arithmetic only: no weights, no gradient).
     """
 
     attn: Callable = at_any_site(attention_half)
     router: Callable = at_any_site(route)
     experts: Callable = at_any_site(expert_mlp)
     head: Callable = at_any_site(head_loss_sum)
+    dispatch: Callable = at_any_site(make_dispatch)
 
 
 EAGER = Kernels()
@@ -140,9 +144,10 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
               ep: ExpertParallel | None, mb: int = 0, kernels: Kernels = EAGER) -> Attended:
     """Attention half of layer ``layer`` and the MoE up to the rows leaving for their experts."""
     cfg = plan.model
-    p = nest(weights, f"layers.{layer}")
-    h_BSD, x_TD = kernels.attn((layer, mb), p, h_BSD, cfg)
-    routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, (layer, mb)))
+    p, site = nest(weights, f"layers.{layer}"), (layer, mb)
+    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg)
+    routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, site),
+                       functools.partial(kernels.dispatch, site))
     shared = dense_mlp(p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
     stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None

@@ -12,8 +12,9 @@ are equal, as ``all_gather_into_tensor`` needs.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Element alignment of every parameter start and of the shard size: 16-byte aligned
 # for fp32 and bf16 (what torch._grouped_mm and vectorised kernels want), and more.
@@ -66,19 +67,35 @@ class FlatLayout:
     slots: tuple[Slot, ...]
     group_size: int
     shard_size: int
+    # local_slots per rank, computed once: every step asks for them per leaf
+    _local: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def full_size(self) -> int:
         return self.group_size * self.shard_size
 
-    def local_slots(self, rank: int):
+    @functools.cached_property
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` ranges of the full buffer that no parameter covers (padding)."""
+        out, pos = [], 0
+        for s in sorted(self.slots, key=lambda s: s.start):
+            if s.start > pos:
+                out.append((pos, s.start))
+            pos = max(pos, s.end)
+        if self.full_size > pos:
+            out.append((pos, self.full_size))
+        return tuple(out)
+
+    def local_slots(self, rank: int) -> tuple:
         """``(slot, first_row, last_row, offset_in_shard)`` for each parameter on ``rank``."""
-        out = []
-        for s in self.slots:
-            first, last = s.local_rows(rank, self.shard_size)
-            offset = s.start + first * s.cols - rank * self.shard_size if last > first else 0
-            out.append((s, first, last, offset))
-        return out
+        if rank not in self._local:
+            out = []
+            for s in self.slots:
+                first, last = s.local_rows(rank, self.shard_size)
+                offset = s.start + first * s.cols - rank * self.shard_size if last > first else 0
+                out.append((s, first, last, offset))
+            self._local[rank] = tuple(out)
+        return self._local[rank]
 
 
 def _place(sizes, group_size: int, shard_size: int):

@@ -229,8 +229,8 @@ def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
     """Add ``{path: grad}`` (any dtype, full shapes) into ``unit``'s fp32 full-layout grads."""
     spec, ustate = _unit_spec(state, unit), state.units[unit]
     full, views, written = ustate.grad_full, ustate.grad_views, ustate.grad_written
-    if full is None:
-        full = {g: torch.zeros(layout.full_size, dtype=torch.float32, device=state.plan.device)
+    if full is None:  # uninitialised: every value is written here or zeroed by _zero_unwritten
+        full = {g: torch.empty(layout.full_size, dtype=torch.float32, device=state.plan.device)
                 for g, layout in spec.groups.items()}
         views, written = {}, frozenset()
         for g, layout in spec.groups.items():
@@ -243,6 +243,17 @@ def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
         torch._foreach_copy_([views[p] for p in firsts], [grads[p] for p in firsts])
         written |= frozenset(firsts)
     return _with(state, unit, grad_full=full, grad_views=views, grad_written=written)
+
+
+def _zero_unwritten(full: dict, layouts: dict, views: dict, written: frozenset) -> None:
+    """Zero what ``accumulate_grads`` never wrote: the padding between leaves (the fused
+    AdamW's finite check reads it) and leaves that got no gradient. One multi-tensor
+    kernel instead of zero-filling every buffer before it is overwritten."""
+    holes = [views[path] for path in views if path not in written]
+    for key, layout in layouts.items():
+        holes += [full[key][lo:hi] for lo, hi in layout.gaps]
+    if holes:
+        torch._foreach_zero_(holes)
 
 
 def defer_wgrad(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
@@ -301,6 +312,7 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
     issued = now()
     full = ustate.grad_full
     layouts = _unit_spec(state, unit).groups
+    _zero_unwritten(full, layouts, ustate.grad_views, ustate.grad_written)
     results, works, kinds = {}, [], set()
     for key, grads in full.items():
         if _shared(state, key):

@@ -54,7 +54,8 @@ class _Stepper:
     def _build(self, params, batch):
         plan, scopes, adapters = self.run.plan, self.run.scopes, self.run.adapters
         if scopes == ("step",):
-            return adapters.capture_step(params, batch, plan)
+            # the fused optimizer updates the params' buffers in place: the graph reads them there
+            return adapters.capture_step(params, batch, plan, donate=self.run.settings["fused_optimizer"])
         if scopes:
             kernels = adapters.capture_scopes(params, batch, plan, scopes)
             return lambda p, b: step(p, b, plan, kernels)
