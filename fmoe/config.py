@@ -23,10 +23,12 @@ DTYPES = ("float32", "bfloat16")
 EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
+REMATS = ("none", "full")
 # The fields with a fixed set of values (what the main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
-           "dtype": DTYPES, "expert_backend": EXPERT_BACKENDS, "gather_buffers": GATHER_BUFFERS}
+           "dtype": DTYPES, "expert_backend": EXPERT_BACKENDS, "gather_buffers": GATHER_BUFFERS,
+           "remat": REMATS}
 
 
 def field_docs(cls) -> dict:
@@ -268,6 +270,15 @@ class Plan:
             the experts' torch-code activation) through ``torch.compile``
             (``fmoe/schedule/compiled.py``); the first step compiles. Same results as
             eager up to the reassociation of fused floating-point sums.
+        remat: activation recomputation, ``none | full``. ``full``: a layer's forward
+            keeps only its input (and what routing decided; under expert parallelism
+            also the rows that crossed ranks, so no all-to-all runs twice) and a
+            ``recompute`` action re-runs the layer right before its backward. Same
+            results, bitwise; less activation memory for about a third more compute.
+        loss_chunk: tokens per piece of the head's loss (0: all of a microbatch at
+            once). Each piece's logits are computed, used and dropped, in the forward
+            and again in the backward, so the ``[tokens, vocab]`` logits never exist
+            whole.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -284,6 +295,8 @@ class Plan:
     prefetch: int = 1
     gather_buffers: str = "dynamic"
     compile: bool = False
+    remat: str = "none"
+    loss_chunk: int = 0
 
     def __post_init__(self):
         own = "Plan"
@@ -297,6 +310,8 @@ class Plan:
         _check_choice(own, "expert_backend", self.expert_backend, EXPERT_BACKENDS)
         _check_bool(own, "delay_wgrad", self.delay_wgrad)
         _check_bool(own, "compile", self.compile)
+        _check_choice(own, "remat", self.remat, REMATS)
+        _check_int(own, "loss_chunk", self.loss_chunk, 0)
         _check_int(own, "prefetch", self.prefetch, 0)
         _check_choice(own, "gather_buffers", self.gather_buffers, GATHER_BUFFERS)
         if self.gather_buffers == "double" and self.prefetch > 1:

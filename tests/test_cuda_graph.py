@@ -142,3 +142,17 @@ def test_donated_graphed_step_with_compiled_kernels_is_bitwise_the_compiled_eage
                 assert new.data_ptr() == static.data_ptr()
     assert len(set(float(x) for x in losses["eager"])) == len(batches)  # the updates change the loss
     assert torch.equal(torch.stack(losses["graph"]), torch.stack(losses["eager"]))
+
+
+@pytest.mark.gpu
+def test_graphed_scopes_under_full_remat_are_bitwise_the_eager_remat_step():
+    # The forward replays each scope's graph without autograd, the recompute replays
+    # it again with autograd: the same kernels, the same values, twice.
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, remat="full", **BF16)
+    params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch().cuda()}
+    graphed = capture_scopes(params, batch, plan, ("attn", "router", "experts"))
+    want = fmoe.step(params, batch, plan)
+    got = fmoe.step(params, batch, plan, graphed)
+    assert torch.equal(got.loss, want.loss)
+    for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
+        assert torch.equal(a, b)

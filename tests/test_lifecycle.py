@@ -141,3 +141,16 @@ def test_profiler_traces_name_the_program_actions():
     for label in ("fmoe gather layers.0", "fmoe forward layers.0.attn mb1", "fmoe backward layers.1.experts mb0",
                   "fmoe reduce layers.1 mb1", "fmoe forward head mb0"):
         assert label in names, label
+
+
+@pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
+def test_zero3_holds_the_tied_embed_head_unit_beside_the_layers(schedule):
+    # Tied embeddings make embed and head one unit, in use from the first compute to
+    # the last: under ZeRO-3 it is live beside each layer's unit and the prefetched
+    # one (the live-unit limit counted one unit in use and refused the program).
+    cfg = CFG.replace(tie_embeddings=True)
+    plan = fmoe.Plan(model=cfg, sharding="optim_grads_params", schedule=schedule, microbatches=2)
+    params = fmoe.init(plan, seed=0)
+    got = fmoe.step(params, {"tokens": TOKENS}, plan)
+    want = fmoe.step(params, {"tokens": TOKENS}, plan.replace(sharding="no_shard"))
+    assert torch.equal(got.loss, want.loss)

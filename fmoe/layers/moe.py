@@ -58,20 +58,28 @@ def _crosses_ranks(ep: ExpertParallel | None) -> bool:
 
 
 def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None,
-              router=route, dispatcher=make_dispatch) -> Routed:
+              router=route, dispatcher=make_dispatch, decided: Routed | None = None) -> Routed:
     """Route (with ``router``, ``route``'s signature) and permute ``x_TD`` (the
     permutation from ``dispatcher``, ``make_dispatch``'s signature); with expert
     parallelism also plan the exchange (for dropless routing, a small all-to-all of
-    counts and one host read of split sizes)."""
+    counts and one host read of split sizes).
+
+    ``decided``: a Routed from an earlier run on the same inputs (a recomputation):
+    its permutation and exchange plan are reused, so nothing is exchanged or read on
+    the host again; the router still runs, for its differentiable probabilities."""
     T, K = x_TD.shape[0], cfg.topk
     r = router(p, x_TD, cfg)
-    capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
-        if cfg.capacity_factor else None
-    d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+    if decided is not None:
+        d, ex, segments = decided.dispatch, decided.exchange, decided.segments
+    else:
+        capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
+            if cfg.capacity_factor else None
+        d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+        ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
+        segments = d if ex is None else ex.segments
     rows_RD = permute(x_TD, d)
     row_probs_R = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
-    ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
-    return Routed(rows_RD, row_probs_R, r.probs_TK, d, ex, d if ex is None else ex.segments, r)
+    return Routed(rows_RD, row_probs_R, r.probs_TK, d, ex, segments, r)
 
 
 def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,

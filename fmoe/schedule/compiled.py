@@ -7,7 +7,8 @@ the pure compute inside a node, where fusion pays:
   projection and the residual add (eager: a dozen elementwise kernels around the GEMMs);
 - ``router``: fp32 logits, softmax or sigmoid, top-k, the counts and the aux losses;
 - ``head``: the final norm, logits and the fp32 cross-entropy (the upcast happens in
-  registers instead of a ``[tokens, vocab]`` fp32 copy);
+  registers instead of a ``[tokens, vocab]`` fp32 copy); with ``Plan.loss_chunk`` the
+  loss runs eager, piece by piece;
 - ``dispatch``: the permutation's index arithmetic (sort, counts, scans, scatters:
   about twenty small kernels eager, whose launches the host pays every layer), unless
   padded dropless routing reads its row count on the host;
@@ -59,8 +60,21 @@ def _compiled_activation():
     return act
 
 
+def _compiled_head():
+    compiled = _compile(head_loss_sum)
+
+    def head(weights, h_BSD, targets_BS, eps, chunk=0):
+        if chunk and chunk < targets_BS.numel():  # its pieces run autograd inside their own backward
+            return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk)
+        return compiled(weights, h_BSD, targets_BS, eps)
+
+    return head
+
+
 def _compiled_dispatch():
-    compiled = _compile(make_dispatch)
+    # One graph per token count (fixed by the batch): traced with a symbolic count,
+    # inductor 2.13's pattern passes fail on the capacity's index arithmetic.
+    compiled = torch.compile(make_dispatch, fullgraph=True, dynamic=False)
 
     def dispatch(indices_TK, num_experts, pad_multiple=0, capacity=None):
         if pad_multiple and capacity is None:  # the padded row count is read on the host
@@ -80,7 +94,7 @@ def compiled_kernels() -> Kernels:
         return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
 
     return Kernels(attn=at_any_site(_compile(attention_half)), router=at_any_site(_compile(route)),
-                   experts=experts, head=at_any_site(_compile(head_loss_sum)),
+                   experts=experts, head=at_any_site(_compiled_head()),
                    dispatch=at_any_site(_compiled_dispatch()))
 
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 from typing import NamedTuple
 
+import optree
 import torch
 
 from ..config import Plan
@@ -124,6 +125,10 @@ class _Flow:
         self.records: dict = {}
         self.routed: dict = {}
         self.deferred: dict = {}
+        # Plan.remat='full': layer forwards keep only what their layer's recompute
+        # needs (``kept[(mb, "layers.i")]``); their autograd graphs are dropped at once
+        self.remat = self.train and plan.remat == "full"
+        self.kept: dict = {}
         self.events: list = []
         self.previous = {}
         order = [n for n in node_names(plan.model) if kind_of(n) in ("embed", "attn", "head")]
@@ -162,16 +167,26 @@ class _Flow:
         return self.grads.setdefault((mb, node), {})
 
 
+def _weights(state, unit: str, node: str, flow: _Flow, what: str) -> dict:
+    """Leaves viewing the gathered weights ``node`` computes with (raises unless gathered)."""
+    views = lc.require_gathered(state, unit, what)
+    return {p: v.detach().requires_grad_(flow.train) for p, v in views.items() if uses_param(node, p, flow.plan.model)}
+
+
+def _detached(tree):
+    """``tree`` with every tensor detached. A forward whose layer is recomputed runs
+    under autograd like any other (the same kernels: a compiled region's inference
+    graph would round differently) and keeps none of it: once its outputs are
+    detached, nothing holds the graph and what it saved."""
+    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
+
+
 def _forward(state, a: Action, flow: _Flow):
     """Run one node's forward; returns ``(state, Attended | head result | None)``."""
     plan, train, mb, node = flow.plan, flow.train, a.mb, a.node
     kind = kind_of(node)
     layer = int(node.split(".")[1]) if node.startswith("layers.") else -1
-    weights = {}
-    if a.unit is not None:
-        views = lc.require_gathered(state, a.unit, f"forward {node} (microbatch {mb})")
-        weights = {p: v.detach().requires_grad_(train) for p, v in views.items()
-                   if uses_param(node, p, plan.model)}
+    weights = {} if a.unit is None else _weights(state, a.unit, node, flow, f"forward {node} (microbatch {mb})")
     result = None
     if kind == "embed":
         h = embed_node(weights, flow.tokens_mb[mb])
@@ -181,15 +196,20 @@ def _forward(state, a: Action, flow: _Flow):
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
         objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps,
-                                      mb, flow.kernels)
+                                      mb, flow.kernels, plan.loss_chunk)
         flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
         result = (objective.detach(), ce_sum)
     elif kind == "attn":
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
         result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
+        if flow.remat:
+            result = _detached(result)
         flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
-        flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
+        if flow.remat:
+            flow.kept[(mb, member_of_node(node))] = {"h": h.detach()}
+        else:
+            flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
         if train:
             flow.routed[(mb, member_of_node(node))] = result.routed
     elif kind == "dispatch":
@@ -205,12 +225,13 @@ def _forward(state, a: Action, flow: _Flow):
         routed = flow.values[(mb, f"layers.{layer}.attn")]["routed"]
         rows = _leaf(flow.resolve(sent["rows"]), train)
         probs = _leaf(flow.resolve(sent["row_probs"]), train)
-        deferred = DeferredWgrad() if train and plan.delay_wgrad else None
-        y = experts_node(weights, rows, probs, routed, plan, layer, deferred, mb, flow.kernels)
-        flow.values[(mb, node)] = {"y": y}
-        flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
-        if deferred is not None:
-            flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
+        if flow.remat:
+            y = experts_node(weights, rows, probs, routed, plan, layer, None, mb, flow.kernels)
+            flow.values[(mb, node)] = {"y": y.detach()}
+            if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
+                flow.kept[(mb, member_of_node(node))].update(rows=rows.detach(), row_probs=probs)
+        else:
+            _run_experts(flow, mb, node, weights, rows, probs, routed)
     elif kind == "combine":
         y = flow.take(flow.values, mb, f"layers.{layer}.experts", f"forward {node}")["y"]
         attn = flow.values.pop((mb, f"layers.{layer}.attn"))
@@ -223,15 +244,62 @@ def _forward(state, a: Action, flow: _Flow):
     return state, result
 
 
+def _run_experts(flow: _Flow, mb: int, node: str, weights: dict, rows, probs, routed) -> torch.Tensor:
+    """The experts' forward under autograd, its record kept for the backward."""
+    plan = flow.plan
+    deferred = DeferredWgrad() if flow.train and plan.delay_wgrad else None
+    y = experts_node(weights, rows, probs, routed, plan, int(node.split(".")[1]), deferred, mb, flow.kernels)
+    flow.values[(mb, node)] = {"y": y}
+    flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
+    if deferred is not None:
+        flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
+    return y
+
+
 def _complete_combine(flow: _Flow, mb: int, node: str, y, attn: dict) -> torch.Tensor:
     """The combine's landing: wait for the rows, unpermute, add the residual."""
-    inputs = {"y": _leaf(flow.resolve(y), flow.train)}
+    y = flow.resolve(y)
+    if flow.remat:
+        if attn["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
+            flow.kept[(mb, member_of_node(node))]["y"] = y.detach()
+        return _combine(flow, mb, node, y, attn, record=False).detach()
+    return _combine(flow, mb, node, y, attn)
+
+
+def _combine(flow: _Flow, mb: int, node: str, y: torch.Tensor, attn: dict, record: bool = True) -> torch.Tensor:
+    inputs = {"y": _leaf(y, flow.train)}
     inputs.update({name: _leaf(attn[name], flow.train) for name in ("h", "probs_TK", "shared")})
     routed = attn["routed"]
     probs = inputs["probs_TK"] if routed.row_probs_R is None else None
     h = combine_output(inputs["y"], inputs["h"], probs, inputs["shared"], routed)
-    flow.save(mb, node, _Computed(inputs, {"h": h}, {}))
+    if record:
+        flow.save(mb, node, _Computed(inputs, {"h": h}, {}))
     return h
+
+
+def _recompute(state, a: Action, flow: _Flow):
+    """``Plan.remat='full'``: re-run layer ``a.node``'s attn, experts and combine from
+    what its forward kept, under autograd this time, leaving the records its backward
+    actions read. The routing comes from the forward, and under expert parallelism so
+    do the rows that crossed ranks: nothing is exchanged or read on the host again.
+    Same inputs, same kernels: the same values as the forward, bit for bit."""
+    plan, mb, layer = flow.plan, a.mb, a.node
+    what = f"recompute {layer} (microbatch {mb})"
+    kept = flow.take(flow.kept, mb, layer, what)
+    routed = flow.routed[(mb, layer)]
+    attn, experts, combine = (f"{layer}.{kind}" for kind in ("attn", "experts", "combine"))
+    h = _leaf(kept["h"], True)
+    weights = _weights(state, a.unit, attn, flow, what)
+    res = attn_node(weights, h, plan, int(layer.split(".")[1]), flow.mesh.world.size, flow.ep, mb, flow.kernels,
+                    decided=routed)
+    flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective))
+    crossed = routed.exchange is not None
+    rows, probs = (kept["rows"], kept["row_probs"]) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
+    y = _run_experts(flow, mb, experts, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
+                     _leaf(probs, True), routed)
+    del flow.values[(mb, experts)]  # the forward's y went on long ago; only the record is wanted
+    _combine(flow, mb, combine, kept["y"] if crossed else y.detach(), dict(res.outputs, routed=routed))
+    return state
 
 
 def _backward(state, a: Action, flow: _Flow):
@@ -319,7 +387,7 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
                 state = lc.release(state, a.unit)
             elif a.op == "reduce":
                 state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
-            elif a.op in ("forward", "backward", "wgrad"):
+            elif a.op in ("forward", "backward", "wgrad", "recompute"):
                 if a.op == "forward":
                     state, res = _forward(state, a, flow)
                     if isinstance(res, Attended):
@@ -331,6 +399,8 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
                         ce_sum += res[1]
                 elif a.op == "backward":
                     state = _backward(state, a, flow)
+                elif a.op == "recompute":
+                    state = _recompute(state, a, flow)
                 else:
                     state = _wgrad(state, a, flow)
                 split = [dataclasses.replace(e, node=a.node, mb=a.mb) for e in flow.ep_events]

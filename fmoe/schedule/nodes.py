@@ -26,11 +26,11 @@ from ..config import ModelConfig, Plan
 from ..layers.dispatch import make_dispatch
 from ..layers.embedding import embed
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
+from ..layers.loss import linear_cross_entropy_sum
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import attention_half, head_weight
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
-from ..layers.precision import upcast
 from ..layers.router import route
 
 LAYER_NODES = ("attn", "dispatch", "experts", "combine")
@@ -86,10 +86,12 @@ def nest(flat: dict, prefix: str) -> dict:
     return out
 
 
-def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float) -> torch.Tensor:
-    """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``."""
-    logits = rms_norm(h_BSD, weights["final_norm"], eps) @ head_weight(weights)
-    return torch.nn.functional.cross_entropy(upcast(logits).flatten(0, 1), targets_BS.flatten(), reduction="sum")
+def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float,
+                  chunk: int = 0) -> torch.Tensor:
+    """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``
+    (``chunk`` tokens at a time: ``Plan.loss_chunk``)."""
+    x_TD = rms_norm(h_BSD, weights["final_norm"], eps).flatten(0, 1)
+    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk)
 
 
 def at_any_site(fn: Callable) -> Callable:
@@ -109,8 +111,8 @@ class Kernels(NamedTuple):
         router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
         experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, backend, deferred) -> y_RD``,
             as ``expert_mlp``.
-        head: ``(site, weights, h_BSD, targets_BS, eps) -> ce_sum``, as ``head_loss_sum``
-            (``site = ("head", microbatch)``).
+        head: ``(site, weights, h_BSD, targets_BS, eps, chunk) -> ce_sum``, as
+            ``head_loss_sum`` (``site = ("head", microbatch)``).
         dispatch: ``(site, indices_TK, experts, pad_multiple, capacity) -> Dispatch``, as
             ``make_dispatch`` (index arithmetic only: no weights, no gradient).
     """
@@ -141,13 +143,15 @@ def embed_node(weights: dict, tokens_mb: torch.Tensor) -> torch.Tensor:
 
 
 def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world: int,
-              ep: ExpertParallel | None, mb: int = 0, kernels: Kernels = EAGER) -> Attended:
-    """Attention half of layer ``layer`` and the MoE up to the rows leaving for their experts."""
+              ep: ExpertParallel | None, mb: int = 0, kernels: Kernels = EAGER,
+              decided: Routed | None = None) -> Attended:
+    """Attention half of layer ``layer`` and the MoE up to the rows leaving for their
+    experts (``decided``: the routing of the forward this run recomputes)."""
     cfg = plan.model
     p, site = nest(weights, f"layers.{layer}"), (layer, mb)
     h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg)
     routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, site),
-                       functools.partial(kernels.dispatch, site))
+                       functools.partial(kernels.dispatch, site), decided)
     shared = dense_mlp(p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
     stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None
@@ -175,7 +179,7 @@ def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tens
 
 
 def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float,
-              mb: int = 0, kernels: Kernels = EAGER):
+              mb: int = 0, kernels: Kernels = EAGER, chunk: int = 0):
     """``(objective, ce_sum)``: summed next-token cross-entropy over ``total_targets``."""
-    ce_sum = kernels.head(("head", mb), weights, h_BSD, tokens_mb[:, 1:], eps)
+    ce_sum = kernels.head(("head", mb), weights, h_BSD, tokens_mb[:, 1:], eps, chunk)
     return ce_sum / total_targets, ce_sum.detach()

@@ -15,9 +15,11 @@ from .nodes import LAYER_NODES, is_comm, member_of_node, node_names
 
 
 class Action(NamedTuple):
-    """``op`` is ``gather | wait | release | reduce`` (on ``unit``) or
+    """``op`` is ``gather | wait | release | reduce`` (on ``unit``),
     ``forward | backward | wgrad`` (of ``node`` for microbatch ``mb``; ``unit`` is
-    the node's FSDP unit, None for the communication nodes)."""
+    the node's FSDP unit, None for the communication nodes), or ``recompute``
+    (``Plan.remat='full'``: re-run the layer ``node``, e.g. ``layers.3``, before its
+    backward)."""
 
     op: str
     unit: str | None = None
@@ -26,7 +28,8 @@ class Action(NamedTuple):
 
 
 class Use(NamedTuple):
-    """One node run in a schedule's order: ``op`` is ``forward``, ``backward`` or ``wgrad``."""
+    """One node run in a schedule's order: ``op`` is ``forward``, ``backward``, ``wgrad``
+    or ``recompute`` (whose node is a layer)."""
 
     mb: int
     op: str
@@ -38,9 +41,10 @@ def _layer_forward(i: int) -> list:
     return [("forward", f"layers.{i}.{kind}") for kind in LAYER_NODES]
 
 
-def _layer_backward(i: int, delay_wgrad: bool) -> list:
-    ops = [("backward", f"layers.{i}.combine"), ("backward", f"layers.{i}.experts"),
-           ("backward", f"layers.{i}.dispatch")]
+def _layer_backward(i: int, delay_wgrad: bool, remat: bool) -> list:
+    ops = [("recompute", f"layers.{i}")] if remat else []
+    ops += [("backward", f"layers.{i}.combine"), ("backward", f"layers.{i}.experts"),
+            ("backward", f"layers.{i}.dispatch")]
     if delay_wgrad:  # under the dispatch's backward all-to-all
         ops.append(("wgrad", f"layers.{i}.experts"))
     return ops + [("backward", f"layers.{i}.attn")]
@@ -50,22 +54,31 @@ def _forward(cfg) -> list:
     return [("forward", "embed")] + [op for i in range(cfg.layers) for op in _layer_forward(i)] + [("forward", "head")]
 
 
-def _backward(cfg, delay_wgrad: bool) -> list:
-    layers = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(i, delay_wgrad)]
+def _backward(cfg, delay_wgrad: bool, remat: bool) -> list:
+    layers = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(i, delay_wgrad, remat)]
     return [("backward", "head")] + layers + [("backward", "embed")]
 
 
-def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool) -> list:
+def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
     """Forward of one layer (microbatch f) woven into the backward of another (b):
     each all-to-all is issued right before compute of the other microbatch."""
     F = {kind: f"layers.{fwd_layer}.{kind}" for kind in LAYER_NODES}
     B = {kind: f"layers.{bwd_layer}.{kind}" for kind in LAYER_NODES}
-    ops = [("b", "backward", B["combine"]),    # its all-to-all runs under ...
-           ("f", "forward", F["attn"]),        # ... attention of f
-           ("f", "forward", F["dispatch"]),    # runs under ...
-           ("b", "backward", B["experts"]),    # ... the experts' dgrad of b
-           ("b", "backward", B["dispatch"]),   # runs under ...
-           ("f", "forward", F["experts"])]     # ... the experts of f (and b's wgrad)
+    if remat:  # f's attention first, as without remat, so units are held and gathered alike
+        ops = [("f", "forward", F["attn"]),
+               ("f", "forward", F["dispatch"]),           # runs under ...
+               ("b", "recompute", f"layers.{bwd_layer}"),  # ... b's layer recomputed
+               ("b", "backward", B["combine"]),           # runs under ...
+               ("f", "forward", F["experts"]),            # ... the experts of f
+               ("b", "backward", B["experts"]),
+               ("b", "backward", B["dispatch"])]          # runs under b's wgrad, if delayed
+    else:
+        ops = [("b", "backward", B["combine"]),    # its all-to-all runs under ...
+               ("f", "forward", F["attn"]),        # ... attention of f
+               ("f", "forward", F["dispatch"]),    # runs under ...
+               ("b", "backward", B["experts"]),    # ... the experts' dgrad of b
+               ("b", "backward", B["dispatch"]),   # runs under ...
+               ("f", "forward", F["experts"])]     # ... the experts of f (and b's wgrad)
     if delay_wgrad:
         ops.append(("b", "wgrad", B["experts"]))
     return ops + [("f", "forward", F["combine"]),   # runs under ...
@@ -79,37 +92,42 @@ def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, str]]:
     after microbatch 0's forward, the forward of microbatch ``f`` is interleaved with
     the backward of ``f - 1`` layer by layer (forward layer j with backward layer
     L-1-j), then the last backward runs alone. ``delay_wgrad`` adds a ``wgrad`` op
-    per layer after its dispatch's backward.
+    per layer after its dispatch's backward; ``remat='full'`` a ``recompute`` of each
+    layer before its backward.
     """
-    cfg, M, delay = plan.model, plan.microbatches, plan.delay_wgrad
+    cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat == "full"
     if not train:
         return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg)]
     if plan.schedule == "standard" or M == 1:
-        return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg) + _backward(cfg, delay)]
+        return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg) + _backward(cfg, delay, remat)]
     ops = [(0, op, node) for op, node in _forward(cfg)]
     for f in range(1, M):
         b = f - 1
         ops += [(f, "forward", "embed"), (b, "backward", "head")]
         for j in range(cfg.layers):
             ops += [(f if who == "f" else b, op, node)
-                    for who, op, node in _overlapped_layers(j, cfg.layers - 1 - j, delay)]
+                    for who, op, node in _overlapped_layers(j, cfg.layers - 1 - j, delay, remat)]
         ops += [(f, "forward", "head"), (b, "backward", "embed")]
-    return ops + [(M - 1, op, node) for op, node in _backward(cfg, delay)]
+    return ops + [(M - 1, op, node) for op, node in _backward(cfg, delay, remat)]
 
 
 def node_uses(plan: Plan, train: bool = True) -> list[Use]:
     """The schedule's ops with each node's FSDP unit (None for communication nodes)."""
     spec = shard_spec(plan)
     unit = {n: None if is_comm(n) else spec.unit_of_member(member_of_node(n)).name for n in node_names(plan.model)}
+    unit.update({f"layers.{i}": spec.unit_of_member(f"layers.{i}").name for i in range(plan.model.layers)})
     return [Use(mb, op, node, unit[node]) for mb, op, node in schedule_ops(plan, train)]
 
 
 def max_live_units(plan: Plan) -> int:
-    """ZeRO-3 holds the units in use (one, or two while ``1f1b_overlap`` weaves two
-    microbatches) plus ``prefetch`` more; the others hold all units for the step."""
+    """ZeRO-3 holds the units in use plus ``prefetch`` more; the others hold all units
+    for the step. In use at once: one unit, two while ``1f1b_overlap`` weaves two
+    microbatches, one more where a unit's use spans the others' (tied embeddings put
+    ``embed`` and ``head``, the first and last compute, in one unit)."""
     if plan.sharding == "optim_grads_params":
-        woven = plan.schedule == "1f1b_overlap" and plan.microbatches > 1
-        return plan.prefetch + (2 if woven else 1)
+        spans = _spans(node_uses(plan))
+        in_use = max(sum(first <= at <= last for first, last, _ in spans) for at, _, _ in spans)
+        return plan.prefetch + in_use
     return len(shard_spec(plan).units)
 
 

@@ -418,3 +418,20 @@ def compiled_configs(rank, world, dp, ep):
     return {(case, compiled): train(fmoe.Plan(model=CFG, dp=dp, ep=ep, microbatches=2, compile=compiled, **kw),
                                     tokens, steps=2)
             for case, kw in COMPILE_CASES.items() for compiled in (False, True)}
+
+
+REMAT_CASES = ("zero3_delay", "zero3_delay_capacity")
+
+
+def remat_configs(rank, world, dp, ep, device="cpu"):
+    """``{(case, remat): train(...)}`` under ``1f1b_overlap``, 4 microbatches at dp x ep."""
+    tokens = rank_rows(global_batch(), rank, world)
+    out = {}
+    for case in REMAT_CASES:
+        kw = dict(SCHEDULE_CASES[case])
+        model = CFG.replace(**{k: kw.pop(k) for k in ("capacity_factor",) if k in kw})
+        for remat in ("none", "full"):
+            plan = fmoe.Plan(model=model, dp=dp, ep=ep, schedule="1f1b_overlap", microbatches=4, remat=remat,
+                             device=device, **kw)
+            out[(case, remat)] = train(plan, tokens)
+    return out

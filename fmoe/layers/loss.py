@@ -1,0 +1,61 @@
+"""The head's loss: logits and the fp32 cross-entropy, whole or in pieces of tokens."""
+
+import torch
+import torch.nn.functional as F
+
+from .precision import upcast
+
+
+def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+    """``sum_t CE(x_t @ w, target_t)``, the softmax in fp32 whatever x's dtype."""
+    return F.cross_entropy(upcast(x_TD @ w_DV), targets_T, reduction="sum")
+
+
+class _Chunked(torch.autograd.Function):
+    # Saves x and w only. Forward and backward each run cross_entropy_sum on one piece
+    # of tokens at a time (the backward through autograd on that piece), so one
+    # piece's [chunk, V] logits and their fp32 copy are the most that ever exist.
+    @staticmethod
+    def forward(ctx, x_TD, w_DV, targets_T, chunk):
+        ctx.save_for_backward(x_TD, w_DV, targets_T)
+        ctx.chunk = chunk
+        total = torch.zeros((), dtype=torch.promote_types(x_TD.dtype, torch.float32), device=x_TD.device)
+        for lo in range(0, x_TD.shape[0], chunk):
+            total += cross_entropy_sum(x_TD[lo:lo + chunk], w_DV, targets_T[lo:lo + chunk])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        x_TD, w_DV, targets_T = ctx.saved_tensors
+        grad_x = torch.empty_like(x_TD)
+        grad_w = torch.zeros(w_DV.shape, dtype=torch.promote_types(w_DV.dtype, torch.float32), device=w_DV.device)
+        w = w_DV.detach().requires_grad_()
+        for lo in range(0, x_TD.shape[0], ctx.chunk):
+            x = x_TD[lo:lo + ctx.chunk].detach().requires_grad_()
+            with torch.enable_grad():
+                loss = cross_entropy_sum(x, w, targets_T[lo:lo + ctx.chunk])
+            gx, gw = torch.autograd.grad(loss, (x, w), grad_total)
+            grad_x[lo:lo + ctx.chunk] = gx
+            grad_w += gw
+        return grad_x, grad_w.to(w_DV.dtype), None, None
+
+
+def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
+                             chunk: int = 0) -> torch.Tensor:
+    """Summed cross-entropy of the logits ``x @ w`` (fp32 softmax), ``chunk`` tokens at a time.
+
+    Arguments:
+        x_TD: ``[T, D]`` final hidden states (normalised).
+        w_DV: ``[D, V]`` output projection.
+        targets_T: ``[T]`` target ids.
+        chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
+
+    Returns:
+        A fp32 scalar. In pieces, each token's loss and its row of ``x``'s gradient
+        are computed exactly as whole (row by row the same kernels); ``w``'s gradient
+        sums the pieces' products in fp32, so it differs from the whole product by the
+        order of that sum (a few fp32 roundings).
+    """
+    if not chunk or chunk >= x_TD.shape[0]:
+        return cross_entropy_sum(x_TD, w_DV, targets_T)
+    return _Chunked.apply(x_TD, w_DV, targets_T, chunk)
