@@ -11,7 +11,8 @@ from .config import Plan
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .params import named_leaves
 from .runtime import check_runtime
-from .schedule import Kernels, build_program, check_program, execute
+from .schedule import Kernels, check_program, execute
+from .schedule.program import program_for
 from .shard.comm import Group
 from .shard.mesh import Mesh, mesh_for
 from .shard.spec import local_shapes
@@ -124,7 +125,7 @@ class Prepared(NamedTuple):
     """
 
     tokens: torch.Tensor
-    program: list
+    program: tuple
     slots: dict | None
     mesh: Mesh
     total: int
@@ -134,7 +135,7 @@ def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> P
     """``step``'s validation (ValueErrors before any collective), its program, and the
     global target count (on several ranks one small all-reduce and host read)."""
     tokens = check_inputs(params, batch, plan)
-    program = build_program(plan, train=train)
+    program = program_for(plan, train)
     slots = check_program(plan, program)  # the last check; collectives start below
     mesh = mesh_for(plan)
     total = num_targets(tokens)

@@ -93,6 +93,39 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ck.step == 1 and torch.equal(ck.params["embed"], params["embed"])
 
 
+def test_a_write_that_runs_out_of_disk_says_so_in_one_line(tmp_path, monkeypatch):
+    # What torch.save raises when the disk fills mid-file, as DCP's writer calls it.
+    params, state, *_ = trained(1)
+    fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
+
+    def disk_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError) as caught:
+        fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=2)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"save: writing {tmp_path / 'ck'} failed (RuntimeError: " in message
+    assert "unexpected pos 704 vs 598" in message and "GiB free there: a full disk is the usual cause" in message
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert fmoe.load(tmp_path / "ck", PLAN).step == 1
+
+
+def test_a_failure_that_is_not_a_write_keeps_its_own_error(tmp_path, monkeypatch):
+    # A collective failing inside DCP's save must stay what it is: the main job
+    # recognises it and tells the user another rank died.
+    params, state, *_ = trained(1)
+
+    def peer_gone(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    monkeypatch.setattr(checkpoint_api.dcp, "save", peer_gone)
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
+
+
 def test_crash_between_renames_leaves_previous_loadable(tmp_path, monkeypatch):
     params, *_ = trained(1)
     fmoe.save(tmp_path / "ck", PLAN, params, step=1)

@@ -108,6 +108,30 @@ def test_full_remat_keeps_only_layer_inputs_until_the_backward():
     assert full < none / 4
 
 
+def test_full_remat_holds_layer_inputs_and_routing_until_each_recompute(monkeypatch):
+    # Besides autograd's saves: what the executor itself holds for the recomputes is
+    # each layer's [T, D] input and its routing, never the [T * K, D] permuted rows.
+    import fmoe.schedule.executor as executor
+
+    cfg = PLAIN.replace(layers=3, topk=4)
+    plan = fmoe.Plan(model=cfg, remat="full")
+    T = 4 * 16
+    held = []
+    recompute = executor._recompute
+
+    def looking(state, a, flow):
+        if not held:
+            held.extend(t for t in optree.tree_leaves((flow.routed, flow.kept, flow.values), none_is_leaf=True)
+                        if isinstance(t, torch.Tensor))
+        return recompute(state, a, flow)
+
+    monkeypatch.setattr(executor, "_recompute", looking)
+    fmoe.step(fmoe.init(plan, seed=0), batch(), plan)
+    inputs = [t for t in held if t.shape == (4, 16, cfg.dim)]
+    assert len(inputs) == cfg.layers
+    assert not [t for t in held if t.dim() == 2 and t.shape[0] >= T * cfg.topk and t.shape[1] == cfg.dim]
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("remat", "sometimes", r"Plan.remat='sometimes' is invalid: allowed: 'none', 'full'"),
     ("remat", True, r"Plan.remat=True is invalid"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import optim
 from ..config import ModelConfig, Plan
@@ -154,8 +156,14 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     path.parent.mkdir(parents=True, exist_ok=True)
     with staged_directory(path, world, plan.device, "save") as (tmp, publish):
         with _quiet():
-            dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
-                     no_dist=world.size == 1)
+            try:
+                dcp.save({}, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=BoxSavePlanner(tensors),
+                         no_dist=world.size == 1)
+            except (CheckpointException, RuntimeError, OSError) as err:  # every rank gets DCP's verdict
+                inner = _innermost(err)
+                if not _is_write_failure(inner):
+                    raise  # e.g. a collective that failed: the caller tells those apart
+                raise OSError(_write_failure(path, tmp, inner)) from err
 
         def finish():
             # DCP's metadata file was written by this save a moment ago (not every torch
@@ -166,6 +174,36 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
 
         publish(finish)
     return path
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The error under DCP's CheckpointException (``{rank: (exception, traceback)}``)."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        return inner[0] if isinstance(inner, tuple) else inner
+    return err
+
+
+def _is_write_failure(err: BaseException) -> bool:
+    """A file that could not be written: an OSError, or torch.save's writer failing
+    (what a full disk gives half-way through a file)."""
+    if isinstance(err, ConnectionError):  # an OSError too, but a peer's, not the disk's
+        return False
+    return isinstance(err, OSError) or any(mark in str(err) for mark in ("inline_container", "PytorchStreamWriter"))
+
+
+def _write_failure(path: Path, tmp: Path, err: BaseException) -> str:
+    """One line for a failed write: its error and the free space, since a full disk is
+    what usually breaks a write half-way (torch reports it as ``unexpected pos``)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+    try:
+        free = f"{shutil.disk_usage(tmp).free / 2**30:.1f} GiB free there"
+    except OSError:
+        free = "free space unknown"
+    return (f"save: writing {path} failed ({reason}); {free}: a full disk is the usual cause. "
+            f"Nothing was replaced: the checkpoint that was at {path}, if any, is intact")
 
 
 def _saved_config(saved: dict) -> dict:

@@ -51,10 +51,12 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
         chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
 
     Returns:
-        A fp32 scalar. In pieces, each token's loss and its row of ``x``'s gradient
-        are computed exactly as whole (row by row the same kernels); ``w``'s gradient
-        sums the pieces' products in fp32, so it differs from the whole product by the
-        order of that sum (a few fp32 roundings).
+        A fp32 scalar (float64 for float64 inputs). In pieces the same operations run
+        on fewer rows, so results differ from the whole only by rounding: a matmul over
+        fewer rows may sum in another order, the total adds the pieces' sums, and
+        ``w``'s gradient adds the pieces' products in fp32, each rounded to ``w``'s
+        dtype first (in bf16 that rounding is the larger part; in fp32 the gradients
+        agree to ~1e-7 relative, in float64 to ~1e-15).
     """
     if not chunk or chunk >= x_TD.shape[0]:
         return cross_entropy_sum(x_TD, w_DV, targets_T)

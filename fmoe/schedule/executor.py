@@ -210,8 +210,10 @@ def _forward(state, a: Action, flow: _Flow):
             flow.kept[(mb, member_of_node(node))] = {"h": h.detach()}
         else:
             flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
-        if train:
-            flow.routed[(mb, member_of_node(node))] = result.routed
+        if train:  # what the backward (and a recompute) needs of the routing; the rows are
+            # an output, held until their consumer ran; a recompute makes them again
+            flow.routed[(mb, member_of_node(node))] = result.routed._replace(rows_RD=None) if flow.remat \
+                else result.routed
     elif kind == "dispatch":
         attn = flow.values[(mb, f"layers.{layer}.attn")]
         rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
@@ -298,7 +300,7 @@ def _recompute(state, a: Action, flow: _Flow):
     y = _run_experts(flow, mb, experts, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
                      _leaf(probs, True), routed)
     del flow.values[(mb, experts)]  # the forward's y went on long ago; only the record is wanted
-    _combine(flow, mb, combine, kept["y"] if crossed else y.detach(), dict(res.outputs, routed=routed))
+    _combine(flow, mb, combine, kept["y"] if crossed else y.detach(), dict(res.outputs, routed=res.routed))
     return state
 
 

@@ -7,6 +7,7 @@ hand the executor a deliberately wrong one.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from ..config import Plan
@@ -125,10 +126,19 @@ def max_live_units(plan: Plan) -> int:
     microbatches, one more where a unit's use spans the others' (tied embeddings put
     ``embed`` and ``head``, the first and last compute, in one unit)."""
     if plan.sharding == "optim_grads_params":
-        spans = _spans(node_uses(plan))
-        in_use = max(sum(first <= at <= last for first, last, _ in spans) for at, _, _ in spans)
-        return plan.prefetch + in_use
+        return plan.prefetch + _most_spans_at_once(plan)
     return len(shard_spec(plan).units)
+
+
+@functools.lru_cache(maxsize=64)
+def _most_spans_at_once(plan: Plan) -> int:
+    """The most ZeRO-3 spans open at one program position (a sweep over their ends)."""
+    edges = sorted(e for first, last, _ in _spans(node_uses(plan)) for e in ((first, 1), (last + 1, -1)))
+    most = open_now = 0
+    for _, change in edges:  # at one position, closings (-1) sort before openings
+        open_now += change
+        most = max(most, open_now)
+    return most
 
 
 def _spans(uses: list[Use]) -> list[tuple[int, int, str]]:
@@ -205,6 +215,12 @@ def build_program(plan: Plan, train: bool = True) -> list[Action]:
     for unit in live:
         program.append(Action("release", unit))
     return program
+
+
+@functools.lru_cache(maxsize=64)
+def program_for(plan: Plan, train: bool = True) -> tuple[Action, ...]:
+    """``build_program`` once per plan: a pure function of it, asked for every step."""
+    return tuple(build_program(plan, train))
 
 
 def double_buffer_slots(plan: Plan, program: list[Action]) -> dict | None:

@@ -67,7 +67,7 @@ def export_chrome_trace(trace, path, rank: int = 0) -> Path:
     t0 = min(e.start for e in trace)
     events = []
     for e in trace:
-        row = "compute" if e.kind in ("forward", "backward") else f"comm {e.unit or e.purpose}"
+        row = "compute" if e.kind in ("forward", "backward", "wgrad", "recompute") else f"comm {e.unit or e.purpose}"
         name = f"{e.kind} {e.node or e.unit or e.purpose}" + (f" mb{e.mb}" if e.mb >= 0 else "")
         events.append({
             "name": name, "cat": e.kind, "ph": "X", "pid": rank, "tid": row,
