@@ -16,12 +16,12 @@ class _Chunked(torch.autograd.Function):
     # of tokens at a time (the backward through autograd on that piece), so one
     # piece's [chunk, V] logits and their fp32 copy are the most that ever exist.
     @staticmethod
-    def forward(ctx, x_TD, w_DV, targets_T, chunk):
+    def forward(ctx, x_TD, w_DV, targets_T, chunk, piece):
         ctx.save_for_backward(x_TD, w_DV, targets_T)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.piece = chunk, piece
         total = torch.zeros((), dtype=torch.promote_types(x_TD.dtype, torch.float32), device=x_TD.device)
         for lo in range(0, x_TD.shape[0], chunk):
-            total += cross_entropy_sum(x_TD[lo:lo + chunk], w_DV, targets_T[lo:lo + chunk])
+            total += piece(x_TD[lo:lo + chunk], w_DV, targets_T[lo:lo + chunk])
         return total
 
     @staticmethod
@@ -33,15 +33,15 @@ class _Chunked(torch.autograd.Function):
         for lo in range(0, x_TD.shape[0], ctx.chunk):
             x = x_TD[lo:lo + ctx.chunk].detach().requires_grad_()
             with torch.enable_grad():
-                loss = cross_entropy_sum(x, w, targets_T[lo:lo + ctx.chunk])
+                loss = ctx.piece(x, w, targets_T[lo:lo + ctx.chunk])
             gx, gw = torch.autograd.grad(loss, (x, w), grad_total)
             grad_x[lo:lo + ctx.chunk] = gx
             grad_w += gw
-        return grad_x, grad_w.to(w_DV.dtype), None, None
+        return grad_x, grad_w.to(w_DV.dtype), None, None, None
 
 
 def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
-                             chunk: int = 0) -> torch.Tensor:
+                             chunk: int = 0, piece=cross_entropy_sum) -> torch.Tensor:
     """Summed cross-entropy of the logits ``x @ w`` (fp32 softmax), ``chunk`` tokens at a time.
 
     Arguments:
@@ -49,6 +49,8 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
         w_DV: ``[D, V]`` output projection.
         targets_T: ``[T]`` target ids.
         chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
+        piece: the function each piece runs, ``cross_entropy_sum``'s signature (a
+            ``torch.compile``d one under ``Plan.compile``).
 
     Returns:
         A fp32 scalar (float64 for float64 inputs). In pieces the same operations run
@@ -59,5 +61,5 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
         agree to ~1e-7 relative, in float64 to ~1e-15).
     """
     if not chunk or chunk >= x_TD.shape[0]:
-        return cross_entropy_sum(x_TD, w_DV, targets_T)
-    return _Chunked.apply(x_TD, w_DV, targets_T, chunk)
+        return piece(x_TD, w_DV, targets_T)
+    return _Chunked.apply(x_TD, w_DV, targets_T, chunk, piece)

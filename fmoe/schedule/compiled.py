@@ -7,8 +7,8 @@ the pure compute inside a node, where fusion pays:
   projection and the residual add (eager: a dozen elementwise kernels around the GEMMs);
 - ``router``: fp32 logits, softmax or sigmoid, top-k, the counts and the aux losses;
 - ``head``: the final norm, logits and the fp32 cross-entropy (the upcast happens in
-  registers instead of a ``[tokens, vocab]`` fp32 copy); with ``Plan.loss_chunk`` the
-  loss runs eager, piece by piece;
+  registers instead of a ``[tokens, vocab]`` fp32 copy); with ``Plan.loss_chunk``
+  each piece's logits and cross-entropy, forward and backward;
 - ``dispatch``: the permutation's index arithmetic (sort, counts, scans, scatters:
   about twenty small kernels eager, whose launches the host pays every layer), unless
   padded dropless routing reads its row count on the host;
@@ -36,6 +36,7 @@ import torch
 from ..config import Plan
 from ..layers.dispatch import make_dispatch
 from ..layers.experts import activation, expert_mlp, fused_activation, torch_activation
+from ..layers.loss import cross_entropy_sum
 from ..layers.model import attention_half
 from ..layers.router import route
 from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
@@ -62,10 +63,14 @@ def _compiled_activation():
 
 def _compiled_head():
     compiled = _compile(head_loss_sum)
+    # In pieces the loop and each piece's backward stay eager (an autograd Function
+    # running autograd); the pieces' logits + cross-entropy are compiled, one graph per
+    # piece size.
+    piece = torch.compile(cross_entropy_sum, fullgraph=True, dynamic=False)
 
     def head(weights, h_BSD, targets_BS, eps, chunk=0):
-        if chunk and chunk < targets_BS.numel():  # its pieces run autograd inside their own backward
-            return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk)
+        if chunk and chunk < targets_BS.numel():
+            return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk, piece)
         return compiled(weights, h_BSD, targets_BS, eps)
 
     return head

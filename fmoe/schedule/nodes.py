@@ -26,7 +26,7 @@ from ..config import ModelConfig, Plan
 from ..layers.dispatch import make_dispatch
 from ..layers.embedding import embed
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
-from ..layers.loss import linear_cross_entropy_sum
+from ..layers.loss import cross_entropy_sum, linear_cross_entropy_sum
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import attention_half, head_weight
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
@@ -87,11 +87,11 @@ def nest(flat: dict, prefix: str) -> dict:
 
 
 def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float,
-                  chunk: int = 0) -> torch.Tensor:
+                  chunk: int = 0, piece=cross_entropy_sum) -> torch.Tensor:
     """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``
-    (``chunk`` tokens at a time: ``Plan.loss_chunk``)."""
+    (``chunk`` tokens at a time: ``Plan.loss_chunk``; each piece through ``piece``)."""
     x_TD = rms_norm(h_BSD, weights["final_norm"], eps).flatten(0, 1)
-    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk)
+    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk, piece)
 
 
 def at_any_site(fn: Callable) -> Callable:
