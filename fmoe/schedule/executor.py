@@ -203,17 +203,17 @@ def _forward(state, a: Action, flow: _Flow):
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
         result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
-        if flow.remat:
+        member = member_of_node(node)
+        if flow.remat:  # kept: the input and the routing; the rows go on as an output and
+            # a recompute makes them again
             result = _detached(result)
-        flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
-        if flow.remat:
-            flow.kept[(mb, member_of_node(node))] = {"h": h.detach()}
+            flow.kept[(mb, member)] = {"h": h.detach()}
+            flow.routed[(mb, member)] = result.routed._replace(rows_RD=None)
         else:
             flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
-        if train:  # what the backward (and a recompute) needs of the routing; the rows are
-            # an output, held until their consumer ran; a recompute makes them again
-            flow.routed[(mb, member_of_node(node))] = result.routed._replace(rows_RD=None) if flow.remat \
-                else result.routed
+            if train:
+                flow.routed[(mb, member)] = result.routed
+        flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
     elif kind == "dispatch":
         attn = flow.values[(mb, f"layers.{layer}.attn")]
         rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
@@ -233,7 +233,7 @@ def _forward(state, a: Action, flow: _Flow):
             if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
                 flow.kept[(mb, member_of_node(node))].update(rows=rows.detach(), row_probs=probs)
         else:
-            _run_experts(flow, mb, node, weights, rows, probs, routed)
+            flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, layer, weights, rows, probs, routed)}
     elif kind == "combine":
         y = flow.take(flow.values, mb, f"layers.{layer}.experts", f"forward {node}")["y"]
         attn = flow.values.pop((mb, f"layers.{layer}.attn"))
@@ -246,12 +246,11 @@ def _forward(state, a: Action, flow: _Flow):
     return state, result
 
 
-def _run_experts(flow: _Flow, mb: int, node: str, weights: dict, rows, probs, routed) -> torch.Tensor:
+def _run_experts(flow: _Flow, mb: int, node: str, layer: int, weights: dict, rows, probs, routed) -> torch.Tensor:
     """The experts' forward under autograd, its record kept for the backward."""
     plan = flow.plan
     deferred = DeferredWgrad() if flow.train and plan.delay_wgrad else None
-    y = experts_node(weights, rows, probs, routed, plan, int(node.split(".")[1]), deferred, mb, flow.kernels)
-    flow.values[(mb, node)] = {"y": y}
+    y = experts_node(weights, rows, probs, routed, plan, layer, deferred, mb, flow.kernels)
     flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
     if deferred is not None:
         flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
@@ -290,16 +289,15 @@ def _recompute(state, a: Action, flow: _Flow):
     kept = flow.take(flow.kept, mb, layer, what)
     routed = flow.routed[(mb, layer)]
     attn, experts, combine = (f"{layer}.{kind}" for kind in ("attn", "experts", "combine"))
+    i = int(layer.split(".")[1])
     h = _leaf(kept["h"], True)
     weights = _weights(state, a.unit, attn, flow, what)
-    res = attn_node(weights, h, plan, int(layer.split(".")[1]), flow.mesh.world.size, flow.ep, mb, flow.kernels,
-                    decided=routed)
+    res = attn_node(weights, h, plan, i, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed)
     flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective))
     crossed = routed.exchange is not None
     rows, probs = (kept["rows"], kept["row_probs"]) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
-    y = _run_experts(flow, mb, experts, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
+    y = _run_experts(flow, mb, experts, i, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
                      _leaf(probs, True), routed)
-    del flow.values[(mb, experts)]  # the forward's y went on long ago; only the record is wanted
     _combine(flow, mb, combine, kept["y"] if crossed else y.detach(), dict(res.outputs, routed=res.routed))
     return state
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Element alignment of every parameter start and of the shard size: 16-byte aligned
 # for fp32 and bf16 (what torch._grouped_mm and vectorised kernels want), and more.
@@ -67,8 +67,6 @@ class FlatLayout:
     slots: tuple[Slot, ...]
     group_size: int
     shard_size: int
-    # local_slots per rank, computed once: every step asks for them per leaf
-    _local: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def full_size(self) -> int:
@@ -88,14 +86,20 @@ class FlatLayout:
 
     def local_slots(self, rank: int) -> tuple:
         """``(slot, first_row, last_row, offset_in_shard)`` for each parameter on ``rank``."""
-        if rank not in self._local:
+        return self._slots_by_rank[rank]
+
+    @functools.cached_property
+    def _slots_by_rank(self) -> tuple:
+        # computed once: every step asks for them leaf by leaf
+        by_rank = []
+        for rank in range(self.group_size):
             out = []
             for s in self.slots:
                 first, last = s.local_rows(rank, self.shard_size)
                 offset = s.start + first * s.cols - rank * self.shard_size if last > first else 0
                 out.append((s, first, last, offset))
-            self._local[rank] = tuple(out)
-        return self._local[rank]
+            by_rank.append(tuple(out))
+        return tuple(by_rank)
 
 
 def _place(sizes, group_size: int, shard_size: int):
