@@ -32,8 +32,8 @@ import fmoe
 from fmoe.layers.loss import linear_cross_entropy_sum
 
 COARSE = dict(vocab=32000, dim=2048, layers=8, heads=16, experts=16, topk=4, ffn=1408, aux_loss_coef=0.0)
-DEFAULT_RUNS = ["none:8x2048", "full:8x2048", "none:8x2048:2048", "full:8x2048:2048", "full:32x2048:2048",
-                "full:8x8192:2048"]
+DEFAULT_RUNS = ["none:8x2048", "selective:8x2048", "full:8x2048", "none:8x2048:2048", "selective:8x2048:2048",
+                "full:8x2048:2048", "selective:12x2048:2048", "full:32x2048:2048", "full:8x8192:2048"]
 GIB = 2**30
 
 
@@ -51,18 +51,23 @@ def fresh():
     torch.cuda.reset_peak_memory_stats()
 
 
-def measure(cfg: fmoe.ModelConfig, remat: str, rows: int, seq: int, chunk: int, compile: bool, steps: int = 5):
-    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", remat=remat, loss_chunk=chunk, compile=compile)
+def run_steps(plan: fmoe.Plan, rows: int, seq: int, warm: int = 2, steps: int = 5) -> dict | None:
+    """``warm + steps`` training steps (``fmoe.step`` + ``adamw(fused=True, donate=True)``)
+    on a fresh allocator; the peak over the last ``steps`` and their median time. None
+    when they do not fit."""
+    cfg = plan.model
     fresh()
-    params = fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True, donate=True)
-    state = opt.init(params)
-    n_params = sum(t.numel() for t in optree.tree_leaves(params))
-    batch = {"tokens": torch.randint(0, cfg.vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(0)).cuda()}
+    params = opt = state = out = None
     times = []
     try:
-        for i in range(2 + steps):
-            if i == 2:
+        params = fmoe.init(plan, seed=0)
+        opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True, donate=True)
+        state = opt.init(params)
+        n_params = sum(t.numel() for t in optree.tree_leaves(params))
+        tokens = torch.randint(0, cfg.vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+        batch = {"tokens": tokens.cuda()}
+        for i in range(warm + steps):
+            if i == warm:
                 torch.cuda.reset_peak_memory_stats()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -70,12 +75,20 @@ def measure(cfg: fmoe.ModelConfig, remat: str, rows: int, seq: int, chunk: int, 
             params, state = opt.update(out.grads, state, params)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated() / GIB
+        held = n_params * (16 + 2) / GIB
+        return dict(peak=peak, activations=peak - held, tok_s=rows * seq / statistics.median(times[warm:]),
+                    loss=float(out.loss), params=n_params)
     except torch.OutOfMemoryError:
         return None
-    peak = torch.cuda.max_memory_allocated() / GIB
-    held = n_params * (16 + 2) / GIB
-    step_s = statistics.median(times[2:])
-    return dict(peak=peak, activations=peak - held, tok_s=rows * seq / step_s, loss=float(out.loss))
+    finally:  # nothing of this run outlives it, even when it ran out of memory
+        del params, opt, state, out
+        fresh()
+
+
+def measure(cfg: fmoe.ModelConfig, remat: str, rows: int, seq: int, chunk: int, compile: bool, steps: int = 5):
+    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", remat=remat, loss_chunk=chunk, compile=compile)
+    return run_steps(plan, rows, seq, steps=steps)
 
 
 def head_only(tokens: int, dim: int, vocab: int, chunks: list[int]):

@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16")
 EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
-REMATS = ("none", "full")
+REMATS = ("none", "selective", "full")
 # The fields with a fixed set of values (what the main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
@@ -270,7 +270,13 @@ class Plan:
             the experts' torch-code activation) through ``torch.compile``
             (``fmoe/schedule/compiled.py``); the first step compiles. Same results as
             eager up to the reassociation of fused floating-point sums.
-        remat: activation recomputation, ``none | full``. ``full``: a layer's forward
+        remat: activation recomputation, ``none | selective | full``. ``selective``:
+            the attention, router and expert kernels keep their GEMM (and SDPA)
+            outputs and recompute the elementwise work around them (norms, RoPE, the
+            GLU activation with its probability scaling, the router's fp32 copy) in
+            their node's backward (``fmoe/schedule/remat.py``); meant for
+            ``compile=True``, where it costs ~3% (eager, torch runs the policy per op
+            from Python, ~20% slower: use ``full`` there). ``full``: a layer's forward
             keeps only its input (and what routing decided; under expert parallelism
             also the rows that crossed ranks, so no all-to-all runs twice) and a
             ``recompute`` action re-runs the layer right before its backward. Same

@@ -120,10 +120,12 @@ def test_graphed_attention_beside_compiled_kernels_is_bitwise_their_eager_run():
 
 
 @pytest.mark.gpu
-def test_donated_graphed_step_with_compiled_kernels_is_bitwise_the_compiled_eager_run():
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_donated_graphed_step_with_compiled_kernels_is_bitwise_the_compiled_eager_run(remat):
     # Plan.compile's kernels inside a whole-step graph; the fused, donating AdamW updates
     # the graph's own buffers in place, so a call copies nothing and still sees the update.
-    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), compile=True, **BF16)
+    # (selective: the compiled kernels' policy, recomputing inside the captured backward)
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), compile=True, remat=remat, **BF16)
     batches = [{"tokens": global_batch(seed=s).cuda()} for s in range(4)]
     losses = {}
     for mode in ("eager", "graph"):
@@ -145,10 +147,13 @@ def test_donated_graphed_step_with_compiled_kernels_is_bitwise_the_compiled_eage
 
 
 @pytest.mark.gpu
-def test_graphed_scopes_under_full_remat_are_bitwise_the_eager_remat_step():
-    # The forward replays each scope's graph without autograd, the recompute replays
-    # it again with autograd: the same kernels, the same values, twice.
-    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, remat="full", **BF16)
+@pytest.mark.parametrize("remat", ["full", "selective"])
+def test_graphed_scopes_under_remat_are_bitwise_the_eager_remat_step(remat):
+    # full: the forward replays each scope's graph without autograd, the recompute
+    # replays it again with autograd: the same kernels, the same values, twice.
+    # selective: the graphed scopes keep what they save in their own pools (no policy
+    # inside a graph), the scopes not graphed follow the policy.
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, remat=remat, **BF16)
     params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch().cuda()}
     graphed = capture_scopes(params, batch, plan, ("attn", "router", "experts"))
     want = fmoe.step(params, batch, plan)

@@ -40,6 +40,9 @@ from ..layers.loss import cross_entropy_sum
 from ..layers.model import attention_half
 from ..layers.router import route
 from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
+from .remat import selective, selective_experts, selective_kernels
+
+SELECTIVE_EAGER = selective_kernels(EAGER)
 
 
 def _compile(fn):
@@ -89,20 +92,31 @@ def _compiled_dispatch():
     return dispatch
 
 
+def compiled_kernels(selective_remat: bool = False) -> Kernels:
+    """The Kernels ``Plan(compile=True)`` runs (built once per process and policy;
+    ``torch.compile`` compiles each on its first call and keeps one graph per shape and
+    config). ``selective_remat``: ``Plan.remat='selective'``, its policy inside the
+    compiled attention and router (``remat.py``) and around the experts."""
+    return _compiled_kernels(bool(selective_remat))
+
+
 @functools.cache
-def compiled_kernels() -> Kernels:
-    """The Kernels ``Plan(compile=True)`` runs (built once per process; ``torch.compile``
-    compiles each on its first call and keeps one graph per shape and config)."""
+def _compiled_kernels(selective_remat: bool) -> Kernels:
     act = _compiled_activation()
+    keep = selective if selective_remat else (lambda fn: fn)
 
     def experts(site, p, x_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
         return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
 
-    return Kernels(attn=at_any_site(_compile(attention_half)), router=at_any_site(_compile(route)),
-                   experts=experts, head=at_any_site(_compiled_head()),
-                   dispatch=at_any_site(_compiled_dispatch()))
+    return Kernels(attn=at_any_site(_compile(keep(attention_half))), router=at_any_site(_compile(keep(route))),
+                   experts=selective_experts(experts) if selective_remat else experts,
+                   head=at_any_site(_compiled_head()), dispatch=at_any_site(_compiled_dispatch()))
 
 
 def kernels_for(plan: Plan) -> Kernels:
-    """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager."""
-    return compiled_kernels() if plan.compile else EAGER
+    """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager,
+    under ``Plan.remat='selective'``'s policy or not."""
+    selective_remat = plan.remat == "selective"
+    if plan.compile:
+        return compiled_kernels(selective_remat)
+    return SELECTIVE_EAGER if selective_remat else EAGER

@@ -1,4 +1,4 @@
-"""``Plan.remat='full'`` on gloo ranks: ZeRO-3, expert parallelism, 1F1B, delayed wgrad.
+"""``Plan.remat='full'`` and ``'selective'`` on gloo ranks: ZeRO-3, expert parallelism, 1F1B, delayed wgrad.
 
 Recomputation re-runs the same kernels on the same inputs: every loss, gradient and
 parameter is bitwise the ``remat='none'`` run's, and no collective runs again (the
@@ -29,3 +29,14 @@ def test_full_remat_is_bitwise_and_repeats_no_collective(case):
         recomputes = [e for e in full["trace"] if e.kind == "recompute"]
         assert len(recomputes) == 4 * 2  # each layer of each of the 4 microbatches
         assert not [e for e in none["trace"] if e.kind == "recompute"]
+
+
+@pytest.mark.parametrize("case", REMAT_CASES)
+def test_selective_remat_is_bitwise_and_adds_no_action(case):
+    # its recompute happens inside each node's backward: the trace's actions and the
+    # collectives are the plain run's
+    for res in runs(1, 2):
+        selective, none = res[(case, "selective")], res[(case, "none")]
+        assert_bitwise(selective, none)
+        assert selective["counts"] == none["counts"]
+        assert [(e.kind, e.node) for e in selective["trace"]] == [(e.kind, e.node) for e in none["trace"]]

@@ -430,7 +430,7 @@ def remat_configs(rank, world, dp, ep, device="cpu"):
     for case in REMAT_CASES:
         kw = dict(SCHEDULE_CASES[case])
         model = CFG.replace(**{k: kw.pop(k) for k in ("capacity_factor",) if k in kw})
-        for remat in ("none", "full"):
+        for remat in fmoe.config.REMATS:
             plan = fmoe.Plan(model=model, dp=dp, ep=ep, schedule="1f1b_overlap", microbatches=4, remat=remat,
                              device=device, **kw)
             out[(case, remat)] = train(plan, tokens)
