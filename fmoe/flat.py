@@ -14,11 +14,10 @@ a step starts, never a value.
 
 from __future__ import annotations
 
-import optree
 import torch
 
 from .config import Plan
-from .params import _full_leaves, _treedef, flat_shapes, named_leaves
+from .params import initial_leaves, named_leaves, param_table
 from .runtime import check_runtime
 from .shard.comm import Group
 from .shard.spec import flat_shard, local_leaves, shard_leaf, shard_rank, shard_spec
@@ -37,7 +36,8 @@ def _params_viewing(buffers: dict, plan: Plan, rank: int) -> dict:
     named = {}
     for unit, key, layout, r, sharded in _groups(plan, rank):
         named.update(local_leaves(buffers[(unit, key)], layout, r, sharded))
-    return optree.tree_unflatten(_treedef(plan.model), [named[path] for path in flat_shapes(plan.model)])
+    table = param_table(plan.model)
+    return table.unflatten(named[leaf.path] for leaf in table.leaves)
 
 
 def init(plan: Plan, seed: int = 0) -> dict:
@@ -60,7 +60,7 @@ def init(plan: Plan, seed: int = 0) -> dict:
                for unit, key, layout, _, _ in _groups(plan, rank)}
     params = _params_viewing(buffers, plan, rank)
     named = named_leaves(params)
-    for path, full in _full_leaves(plan.model, seed):
+    for path, full in initial_leaves(plan.model, seed):
         named[path].copy_(shard_leaf(full, path, plan, rank).reshape(named[path].shape))
     return params
 

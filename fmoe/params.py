@@ -16,12 +16,18 @@ Layout (``y = x @ W`` everywhere, fp32)::
 ``moe.shared.gate [D, 1]`` exists with ``shared_gate``. GLU fc1
 columns are ``[gate | up]``, or blocks of ``glu_interleave`` columns alternating
 gate/up; with ``relu2`` (non-GLU) fc1 is ``[.., F]`` instead of ``[.., 2F]``.
+
+``param_table(cfg)`` describes every leaf once (a ``Leaf``: its place, shape, FSDP
+member, node, domain, precision, decay, GLU layout, init); the rest of fmoe asks it
+instead of reading meaning out of a parameter's name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
+from typing import NamedTuple
 
 import optree
 import torch
@@ -92,10 +98,103 @@ def _dotted(path) -> str:
     return ".".join(str(k) for k in path)
 
 
+# Routing is decided in fp32 from fp32 weights whatever the compute dtype; expert
+# biases stay fp32 so their row-summed gradients are accumulated in fp32.
+FP32_LEAVES = ("router", "expert_bias", "fc1_bias", "fc2_bias")
+
+
+class Leaf(NamedTuple):
+    """One parameter, as ``param_table`` describes it.
+
+    Attributes:
+        path: the dotted name (``layers.0.moe.experts.fc1``): checkpoint keys, messages.
+        keys: its place in the pytree (``("layers", 0, "moe", "experts", "fc1")``),
+            as ``optree`` paths spell it.
+        shape: the full fp32 shape.
+        init: ``normal``, ``normal_out`` (residual outputs), ``ones`` or ``zeros``.
+        member: the FSDP member holding it: ``embed``, ``layers.<i>`` or ``head``.
+        layer: the layer index, or None outside the layers.
+        node: the kind of node computing with it: ``embed``, ``attn`` (a layer's
+            attention half, router and shared expert), ``experts`` or ``head``.
+        domain: ``expert`` (the routed experts, split over EP ranks) or ``dense``.
+        fp32: kept in fp32 whatever the compute dtype (``FP32_LEAVES``).
+        decayed: AdamW's weight decay applies (matrices, not norms or biases).
+        trainable: changed by gradient steps (not ``expert_bias``, which
+            ``update_expert_bias`` balances from routing counts).
+        glu: its last axis holds GLU halves (``fc1`` / ``fc1_bias`` of a GLU activation).
+    """
+
+    path: str
+    keys: tuple
+    shape: tuple
+    init: str
+    member: str
+    layer: int | None
+    node: str
+    domain: str
+    fp32: bool
+    decayed: bool
+    trainable: bool
+    glu: bool
+
+
+class ParamTable(NamedTuple):
+    """Every leaf of a model, in ``optree`` flatten order (``param_table``).
+
+    Attributes:
+        leaves: the Leafs.
+        treedef: the params pytree's structure.
+        by_path: ``{path: Leaf}``.
+        by_keys: ``{keys: Leaf}``.
+    """
+
+    leaves: tuple
+    treedef: optree.PyTreeSpec
+    by_path: dict
+    by_keys: dict
+
+    def __getitem__(self, path: str) -> Leaf:
+        """The leaf named ``path`` (``layers.0.attn.qkv``); KeyError if the model has none."""
+        return self.by_path[path]
+
+    def at(self, keys) -> Leaf:
+        """The leaf at an ``optree`` path (``("layers", 0, "attn", "qkv")``)."""
+        return self.by_keys[tuple(keys)]
+
+    def shapes(self) -> dict:
+        """``{path: full shape}``."""
+        return {leaf.path: leaf.shape for leaf in self.leaves}
+
+    def unflatten(self, values) -> dict:
+        """The params pytree holding ``values`` (one per leaf, in table order)."""
+        return optree.tree_unflatten(self.treedef, list(values))
+
+
+def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
+    # The one place a leaf's meaning is read from where it sits in the pytree.
+    name, layer = keys[-1], keys[1] if keys[0] == "layers" else None
+    experts = keys[2:4] == ("moe", "experts")
+    if layer is not None:
+        member, node = f"layers.{layer}", "experts" if experts else "attn"
+    else:
+        member = node = "head" if keys[0] in ("head", "final_norm") else keys[0]
+    return Leaf(path=_dotted(keys), keys=keys, shape=tuple(shape), init=init, member=member, layer=layer,
+                node=node, domain="expert" if experts else "dense", fp32=name in FP32_LEAVES,
+                decayed=not (name.endswith("norm") or name.endswith("bias")), trainable=name != "expert_bias",
+                glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"))
+
+
+@functools.lru_cache(maxsize=64)
+def param_table(cfg: ModelConfig) -> ParamTable:
+    """Every leaf of ``cfg``'s params, described once (pure, cached per config)."""
+    paths, specs, treedef = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+    leaves = tuple(_describe(tuple(p), shape, init, cfg) for p, (shape, init) in zip(paths, specs))
+    return ParamTable(leaves, treedef, {leaf.path: leaf for leaf in leaves}, {leaf.keys: leaf for leaf in leaves})
+
+
 def flat_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     """``{"layers.0.attn.qkv": (D, 3D), ...}`` in ``optree`` flatten order."""
-    paths, specs, _ = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
-    return {_dotted(p): spec[0] for p, spec in zip(paths, specs)}
+    return param_table(cfg).shapes()
 
 
 def named_leaves(tree) -> dict:
@@ -110,28 +209,19 @@ def _leaf_seed(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
 
-def _full_leaves(cfg: ModelConfig, seed: int):
-    """``(path, fp32 CPU tensor)`` for every leaf, drawn one at a time."""
-    paths, specs, _ = optree.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+def initial_leaves(cfg: ModelConfig, seed: int):
+    """``(path, fp32 CPU tensor)`` of every leaf's initial value, drawn one at a time
+    (``fmoe.init`` lays them out for a plan)."""
     out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-    for path, (shape, how) in zip(paths, specs):
-        if how == "ones":
-            yield _dotted(path), torch.ones(shape)
-        elif how == "zeros":
-            yield _dotted(path), torch.zeros(shape)
+    for leaf in param_table(cfg).leaves:
+        if leaf.init == "ones":
+            yield leaf.path, torch.ones(leaf.shape)
+        elif leaf.init == "zeros":
+            yield leaf.path, torch.zeros(leaf.shape)
         else:
-            g = torch.Generator().manual_seed(_leaf_seed(seed, _dotted(path)))
-            std = out_std if how == "normal_out" else cfg.init_std
-            yield _dotted(path), torch.randn(shape, generator=g) * std
-
-
-def _treedef(cfg: ModelConfig):
-    return optree.tree_structure(param_specs(cfg), is_leaf=_is_spec)
-
-
-def init_full(cfg: ModelConfig, seed: int, device="cpu") -> dict:
-    """The full fp32 parameter pytree for ``seed`` (drawn on CPU, then moved)."""
-    return optree.tree_unflatten(_treedef(cfg), [t.to(device) for _, t in _full_leaves(cfg, seed)])
+            g = torch.Generator().manual_seed(_leaf_seed(seed, leaf.path))
+            std = out_std if leaf.init == "normal_out" else cfg.init_std
+            yield leaf.path, torch.randn(leaf.shape, generator=g) * std
 
 
 def glu_to_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:
@@ -153,11 +243,11 @@ def active_param_count(cfg: ModelConfig) -> int:
     the routed experts' and the head (the embedding lookup, norms and biases are not
     matmuls and are not counted)."""
     total = 0
-    for path, shape in flat_shapes(cfg).items():
-        if len(shape) < 2 or (path == "embed" and not cfg.tie_embeddings):
+    for leaf in param_table(cfg).leaves:
+        if len(leaf.shape) < 2 or (leaf.path == "embed" and not cfg.tie_embeddings):
             continue
-        n = math.prod(shape)
-        total += n * cfg.topk // cfg.experts if ".moe.experts." in path else n
+        n = math.prod(leaf.shape)
+        total += n * cfg.topk // cfg.experts if leaf.domain == "expert" else n
     return total
 
 

@@ -2,7 +2,7 @@
 
 A model is made of *members*: ``embed``, ``layers.0`` .. ``layers.{L-1}`` and ``head``
 (``final_norm`` + ``head``). A unit is one or more members; the default is one unit
-per member. Every parameter path belongs to exactly one member. ``cfg`` below is a
+per member. Every parameter belongs to exactly one member (``fmoe.params.Leaf.member``). ``cfg`` below is a
 ``ModelConfig`` (only its ``layers`` and ``tie_embeddings`` are read); ``config``
 imports this module, so it imports nothing of fmoe.
 """
@@ -13,14 +13,6 @@ from __future__ import annotations
 def members(cfg) -> tuple[str, ...]:
     """Member names in forward order."""
     return ("embed", *(f"layers.{i}" for i in range(cfg.layers)), "head")
-
-
-def member_of(path: str) -> str:
-    """The member owning a dotted parameter path (``layers.3.moe.router`` -> ``layers.3``)."""
-    head = path.split(".", 1)[0]
-    if head == "layers":
-        return ".".join(path.split(".")[:2])
-    return "head" if head in ("head", "final_norm") else head
 
 
 def default_units(cfg) -> tuple[tuple[str, ...], ...]:

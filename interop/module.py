@@ -13,12 +13,13 @@ names follow the layout, so ``state_dict()`` keys are the canonical paths
 
 from __future__ import annotations
 
+import optree
 import torch
 from torch import nn
 
 import fmoe
 from fmoe.layers import cast_for_compute, moe
-from fmoe.params import flat_shapes, named_leaves
+from fmoe.params import param_table
 from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
 
 
@@ -101,10 +102,9 @@ class MoELayer(nn.Module):
         if params is None:
             params = fmoe.init(fmoe.Plan(model=cfg.replace(layers=1)), seed)["layers"][0]["moe"]
         tree = {k: v for k, v in params.items() if k != "norm"}
-        prefix = "layers.0.moe."
-        want = {p[len(prefix):]: shape for p, shape in flat_shapes(cfg).items()
-                if p.startswith(prefix) and p != prefix + "norm"}
-        got = {path: tuple(t.shape) for path, t in named_leaves(tree).items()}
+        want = {leaf.keys[3:]: leaf.shape for leaf in param_table(cfg).leaves
+                if leaf.keys[:3] == ("layers", 0, "moe") and leaf.keys[3] != "norm"}
+        got = {tuple(path): tuple(t.shape) for path, t in zip(*optree.tree_flatten_with_path(tree)[:2])}
         if got != want:
             wrong = sorted(set(got.items()) ^ set(want.items()))
             raise ValueError(f"MoELayer params do not match the ModelConfig's MoE layer; differing (path, shape): "

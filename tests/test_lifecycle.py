@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.schedule import Action, build_program, double_buffer_slots, execute
+from fmoe.schedule import Action, Node, build_program, double_buffer_slots, execute
 from fmoe.shard import LifecycleError
 from fmoe.shard.mesh import mesh_for
 from fmoe.params import named_leaves
@@ -41,7 +41,7 @@ def test_program_runs_and_matches_step():
 def test_backward_on_a_released_unit_is_caught_before_it_runs():
     plan = zero3()
     program = build_program(plan)
-    bwd = program.index(Action("backward", "layers.0", "layers.0.experts", 0))
+    bwd = program.index(Action("backward", "layers.0", Node("experts", 0), 0))
     # Drop the re-gather (and its wait) that precede layers.0's backward: the weights
     # it would read were released after its forward.
     regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.0" and a.op in ("gather", "wait")][-2:]
@@ -79,7 +79,7 @@ def test_gradients_reduced_twice_or_never_are_caught():
 def test_zero1_reducing_every_microbatch_is_caught():
     plan = fmoe.Plan(model=CFG, sharding="optim", microbatches=2)
     program = build_program(plan)
-    at = program.index(Action("backward", "head", "head", 0)) + 1
+    at = program.index(Action("backward", "head", Node("head"), 0)) + 1
     wrong = program[:at] + [Action("reduce", "head", None, 0)] + program[at:]
     with pytest.raises(LifecycleError, match="reduces once, on the last microbatch"):
         run(plan, wrong)
@@ -104,7 +104,7 @@ def test_double_buffers_refuse_a_schedule_that_needs_one_slot_twice():
 def test_prefetch_issues_gathers_ahead():
     def gathered_before_forward(plan, node):
         program = build_program(plan)
-        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", "layers.0.attn", 0))
+        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", Node("attn", 0), 0))
 
     assert gathered_before_forward(zero3(prefetch=1), "layers.1")
     assert not gathered_before_forward(zero3(prefetch=0), "layers.1")

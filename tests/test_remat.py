@@ -19,7 +19,7 @@ import torch
 
 import fmoe
 from fmoe.layers.loss import cross_entropy_sum, linear_cross_entropy_sum
-from fmoe.schedule import Action, build_program
+from fmoe.schedule import Action, Node, build_program
 
 from . import reference as ref
 
@@ -112,8 +112,8 @@ def test_the_program_recomputes_each_layer_right_before_its_backward():
     program = build_program(plan)
     for mb in range(2):
         for i in range(PLAIN.layers):
-            at = program.index(Action("recompute", f"layers.{i}", f"layers.{i}", mb))
-            assert program[at + 1] == Action("backward", None, f"layers.{i}.combine", mb)
+            at = program.index(Action("recompute", f"layers.{i}", Node("layer", i), mb))
+            assert program[at + 1] == Action("backward", None, Node("combine", i), mb)
     assert not [a for a in build_program(plan.replace(remat="none")) if a.op == "recompute"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fmoe.step(fmoe.init(plan, seed=0), batch(), plan)

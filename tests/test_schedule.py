@@ -7,7 +7,7 @@ import torch
 import fmoe
 from fmoe.layers import DeferredWgrad, expert_mlp, make_dispatch, permute
 from fmoe.params import named_leaves
-from fmoe.schedule import Action, build_program, execute
+from fmoe.schedule import Action, Node, build_program, execute
 from fmoe.schedule.program import schedule_ops
 from fmoe.shard import LifecycleError
 from fmoe.shard.mesh import mesh_for
@@ -42,7 +42,7 @@ def test_1f1b_and_delayed_wgrad_are_bitwise_the_standard_step(sharding, prefetch
 
 
 def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
-    ops = schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))
+    ops = [(mb, op, str(node)) for mb, op, node in schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))]
     start = ops.index((0, "backward", "layers.1.combine"))
     assert ops[start:start + 9] == [
         (0, "backward", "layers.1.combine"), (1, "forward", "layers.0.attn"), (1, "forward", "layers.0.dispatch"),
@@ -67,7 +67,7 @@ def moved(program, action, after):
 def test_delayed_wgrad_on_a_released_unit_is_caught():
     p = plan(delay_wgrad=True)
     program = build_program(p)
-    wgrad = Action("wgrad", "layers.1", "layers.1.experts", 0)
+    wgrad = Action("wgrad", "layers.1", Node("experts", 1), 0)
     release = next(a for a in program[program.index(wgrad):] if a == Action("release", "layers.1"))
     # Forgetting to keep (or gather again) the unit for its delayed wgrad:
     with pytest.raises(LifecycleError, match=r"wgrad layers.1.experts \(microbatch 0\) needs unit layers.1, "
@@ -78,7 +78,7 @@ def test_delayed_wgrad_on_a_released_unit_is_caught():
 def test_reducing_before_the_delayed_wgrad_is_caught():
     p = plan(delay_wgrad=True)
     program = build_program(p)
-    wgrad = Action("wgrad", "layers.0", "layers.0.experts", 1)
+    wgrad = Action("wgrad", "layers.0", Node("experts", 0), 1)
     with pytest.raises(LifecycleError, match="delayed wgrad of microbatch 1 has not run"):
         run(p, moved(program, wgrad, Action("reduce", "layers.0", None, 1)))
     with pytest.raises(LifecycleError, match="delayed wgrad of microbatch 1 has not run"):

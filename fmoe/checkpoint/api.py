@@ -18,16 +18,14 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import optree
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import optim
 from ..config import ModelConfig, Plan
 from ..flat import as_flat
-from ..params import _treedef, flat_shapes, named_leaves
+from ..params import flat_shapes, named_leaves, param_table
 from ..runtime import check_runtime
 from ..shard.comm import Group
 from ..shard.spec import local_shapes
@@ -293,6 +291,6 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
-    params = as_flat(optree.tree_unflatten(_treedef(plan.model), [values["params." + p] for p in shapes]), plan)
+    params = as_flat(param_table(plan.model).unflatten(values["params." + p] for p in shapes), plan)
     opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)
     return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))

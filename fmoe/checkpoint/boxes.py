@@ -14,7 +14,8 @@ import torch
 
 from ..config import Plan
 from ..shard.layout import rows_cols
-from ..shard.spec import domain_of, ep_index, local_full_shape, shard_rank, shard_spec
+from ..params import param_table
+from ..shard.spec import ep_index, local_full_shape, shard_rank, shard_spec
 
 
 def row_boxes(shape: tuple, first: int, last: int) -> list[tuple[tuple, tuple, int, int]]:
@@ -45,7 +46,7 @@ def row_boxes(shape: tuple, first: int, last: int) -> list[tuple[tuple, tuple, i
 def local_boxes(path: str, global_shape: tuple, leaf: torch.Tensor, plan: Plan, world_rank: int):
     """``[(global offsets, view of leaf)]`` for a leaf laid out like parameter ``path``."""
     spec = shard_spec(plan)
-    domain = domain_of(path)
+    domain = param_table(plan.model)[path].domain
     local_shape = local_full_shape(path, global_shape, plan)
     rows, cols = rows_cols(local_shape)
     if spec.sharded(domain):

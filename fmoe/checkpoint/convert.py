@@ -20,7 +20,7 @@ import optree
 import torch
 
 from ..config import ModelConfig
-from ..params import _treedef, flat_shapes, glu_from_interleaved, glu_to_interleaved, named_leaves
+from ..params import flat_shapes, glu_from_interleaved, glu_to_interleaved, named_leaves, param_table
 
 _EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)(_bias)?$")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)\.(weight|bias)(\d+)$")
@@ -69,12 +69,7 @@ def from_per_expert(flat: dict, cfg: ModelConfig) -> dict:
         leaves.append(value.contiguous())
     if grouped:
         raise ValueError(f"state dict has keys the model does not: {sorted(grouped)[:4]}")
-    return optree.tree_unflatten(_treedef(cfg), leaves)
-
-
-def _glu_leaf(path: str) -> bool:
-    name = path.rsplit(".", 1)[-1]
-    return name in ("fc1", "fc1_bias") and (".experts." in path or ".shared." in path)
+    return param_table(cfg).unflatten(leaves)
 
 
 def convert_glu(full: dict, cfg: ModelConfig, interleave: int) -> tuple[dict, ModelConfig]:
@@ -86,9 +81,10 @@ def convert_glu(full: dict, cfg: ModelConfig, interleave: int) -> tuple[dict, Mo
     if not cfg.is_glu:
         raise ValueError(f"convert_glu: activation {cfg.activation!r} has no GLU halves")
     target = cfg.replace(glu_interleave=interleave)  # validates the block size
+    table = param_table(cfg)
 
     def convert(path, t):
-        if not _glu_leaf(".".join(map(str, path))):
+        if not table.at(path).glu:
             return t
         halves = glu_from_interleaved(t, cfg.glu_interleave) if cfg.glu_interleave else t
         return glu_to_interleaved(halves, interleave) if interleave else halves.clone()
@@ -98,7 +94,7 @@ def convert_glu(full: dict, cfg: ModelConfig, interleave: int) -> tuple[dict, Mo
 
 def map_param_trees(opt_state, fn, cfg: ModelConfig):
     """Apply ``fn`` to every params-shaped subtree of an optimizer state (its moments)."""
-    want = _treedef(cfg)
+    want = param_table(cfg).treedef
 
     def is_params(x):
         return isinstance(x, dict) and optree.tree_structure(x) == want

@@ -12,14 +12,13 @@ import dataclasses
 import json
 from pathlib import Path
 
-import optree
 import torch
 
 from ..checkpoint.convert import safetensors_torch
 from ..checkpoint.files import staged_directory, write_atomically
 from ..config import ModelConfig, Plan
 from ..flat import as_flat
-from ..params import _treedef, flat_shapes, named_leaves
+from ..params import flat_shapes, named_leaves, param_table
 from ..runtime import check_runtime
 from ..shard.comm import Group
 from ..shard.gather import iter_full
@@ -101,7 +100,7 @@ def load(directory, plan: Plan) -> dict:
             piece = leaf_piece(path, shape, plan, rank)
             leaf = read_local_leaf(files, by_path[path], cfg, local_full_shape(path, shape, plan), *piece)
         leaves.append(leaf.to(plan.device))
-    return as_flat(optree.tree_unflatten(_treedef(cfg), leaves), plan)
+    return as_flat(param_table(cfg).unflatten(leaves), plan)
 
 
 def _check_expert_bias(named: dict, plan: Plan) -> None:

@@ -5,16 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..params import FP32_LEAVES
 from .attention import attention
 from .embedding import embed
 from .moe import MoEStats, moe
 from .norm import rms_norm
-from .precision import FP32_LEAVES, upcast
+from .precision import upcast
 
 
 
 def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
-    """The pytree with every leaf in ``dtype`` except ``FP32_LEAVES`` (kept fp32).
+    """The pytree (the params, or a subtree of them) with every leaf in ``dtype``
+    except those named in ``fmoe.params.FP32_LEAVES`` (kept fp32).
 
     The casts are differentiable: gradients flow back to the fp32 leaves as fp32.
     """

@@ -116,12 +116,13 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     if plan is None or plan.world == 1:
         return torch.stack(sq).sum().sqrt()
     from ..shard.mesh import mesh_for  # optim is usable without shard/: import late
-    from ..shard.spec import domain_of, shard_spec
+    from ..params import param_table
+    from ..shard.spec import shard_spec
 
-    spec, mesh = shard_spec(plan), mesh_for(plan)
+    spec, mesh, table = shard_spec(plan), mesh_for(plan), param_table(plan.model)
     total = torch.zeros((), device=leaves[0].device)
     for domain in ("dense", "expert"):
-        part = sum((q for p, q in zip(paths, sq) if domain_of(".".join(map(str, p))) == domain), total * 0)
+        part = sum((q for p, q in zip(paths, sq) if table.at(p).domain == domain), total * 0)
         if spec.sharded(domain):
             mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
         elif domain == "expert":

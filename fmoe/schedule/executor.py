@@ -32,8 +32,9 @@ from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
 from .compiled import kernels_for
-from .nodes import (Attended, Kernels, attn_node, combine_output, embed_node, experts_node, head_node, kind_of,
-                    member_of_node, node_names, uses_param)
+from ..params import param_table
+from .nodes import (Attended, Kernels, Node, all_nodes, attn_node, combine_output, embed_node, experts_node,
+                    head_node, layer_nodes)
 from .program import Action, double_buffer_slots, max_live_units
 
 
@@ -111,7 +112,8 @@ class _Flow:
     ``values[(mb, node)]``: a node's forward outputs by name: tensors, Transfers in
     flight, or (``combine``) a completion run when first needed. ``grads[(mb, node)]``:
     gradients w.r.t. those outputs, possibly in flight. ``records``: autograd records
-    waiting for their backward. ``events``: exchanges that landed, for the trace.
+    waiting for their backward. ``routed[(mb, layer)]``: a layer's routing, from its
+    forward to its attention's backward. ``events``: exchanges that landed, for the trace.
     """
 
     def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int, kernels: Kernels):
@@ -126,18 +128,19 @@ class _Flow:
         self.routed: dict = {}
         self.deferred: dict = {}
         # Plan.remat='full': layer forwards keep only what their layer's recompute
-        # needs (``kept[(mb, "layers.i")]``); their autograd graphs are dropped at once
+        # needs (``kept[(mb, layer)]``); their autograd graphs are dropped at once
         self.remat = self.train and plan.remat == "full"
         self.kept: dict = {}
         self.events: list = []
-        self.previous = {}
-        order = [n for n in node_names(plan.model) if kind_of(n) in ("embed", "attn", "head")]
-        for before, after in zip(order, order[1:]):
-            self.previous[after] = f"{member_of_node(before)}.combine" if before.startswith("layers.") else before
+        # the node whose output "h" each embed/attn/head node reads
+        order = [n for n in all_nodes(plan.model) if n.kind in ("embed", "attn", "head")]
+        self.previous = {after: before.sibling("combine") if before.kind == "attn" else before
+                         for before, after in zip(order, order[1:])}
+        self.table = param_table(plan.model)
 
-    def send(self, transfer: Transfer, node: str, mb: int) -> Transfer:
+    def send(self, transfer: Transfer, node: Node, mb: int) -> Transfer:
         """Tag an exchange just issued by ``node`` for the trace."""
-        transfer.node, transfer.mb = node, mb
+        transfer.node, transfer.mb = str(node), mb
         return transfer
 
     def resolve(self, value):
@@ -152,25 +155,26 @@ class _Flow:
             return value()
         return value
 
-    def take(self, table: dict, mb: int, node: str, what: str) -> dict:
+    def take(self, table: dict, mb: int, node, what: str) -> dict:
         try:
             return table.pop((mb, node))
         except KeyError:
             raise lc.LifecycleError(f"{what}: {node} (microbatch {mb}) has not produced it yet; "
                                     "the program runs nodes out of order") from None
 
-    def save(self, mb: int, node: str, record: _Computed) -> None:
+    def save(self, mb: int, node: Node, record: _Computed) -> None:
         if self.train:
             self.records[(mb, node)] = record
 
-    def grads_for(self, mb: int, node: str) -> dict:
+    def grads_for(self, mb: int, node: Node) -> dict:
         return self.grads.setdefault((mb, node), {})
 
 
-def _weights(state, unit: str, node: str, flow: _Flow, what: str) -> dict:
+def _weights(state, unit: str, node: Node, flow: _Flow, what: str) -> dict:
     """Leaves viewing the gathered weights ``node`` computes with (raises unless gathered)."""
     views = lc.require_gathered(state, unit, what)
-    return {p: v.detach().requires_grad_(flow.train) for p, v in views.items() if uses_param(node, p, flow.plan.model)}
+    cfg = flow.plan.model
+    return {p: v.detach().requires_grad_(flow.train) for p, v in views.items() if node.uses(flow.table[p], cfg)}
 
 
 def _detached(tree):
@@ -184,8 +188,7 @@ def _detached(tree):
 def _forward(state, a: Action, flow: _Flow):
     """Run one node's forward; returns ``(state, Attended | head result | None)``."""
     plan, train, mb, node = flow.plan, flow.train, a.mb, a.node
-    kind = kind_of(node)
-    layer = int(node.split(".")[1]) if node.startswith("layers.") else -1
+    kind, layer = node.kind, node.layer
     weights = {} if a.unit is None else _weights(state, a.unit, node, flow, f"forward {node} (microbatch {mb})")
     result = None
     if kind == "embed":
@@ -203,19 +206,18 @@ def _forward(state, a: Action, flow: _Flow):
         prev = flow.previous[node]
         h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
         result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
-        member = member_of_node(node)
         if flow.remat:  # kept: the input and the routing; the rows go on as an output and
             # a recompute makes them again
             result = _detached(result)
-            flow.kept[(mb, member)] = {"h": h.detach()}
-            flow.routed[(mb, member)] = result.routed._replace(rows_RD=None)
+            flow.kept[(mb, layer)] = {"h": h.detach()}
+            flow.routed[(mb, layer)] = result.routed._replace(rows_RD=None)
         else:
             flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
             if train:
-                flow.routed[(mb, member)] = result.routed
+                flow.routed[(mb, layer)] = result.routed
         flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
     elif kind == "dispatch":
-        attn = flow.values[(mb, f"layers.{layer}.attn")]
+        attn = flow.values[(mb, node.sibling("attn"))]
         rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
         if routed.exchange is not None:
             cap = routed.dispatch.capacity
@@ -223,20 +225,20 @@ def _forward(state, a: Action, flow: _Flow):
             probs = None if probs is None else flow.send(to_experts(probs, routed.exchange, flow.ep, cap), node, mb)
         flow.values[(mb, node)] = {"rows": rows, "row_probs": probs}
     elif kind == "experts":
-        sent = flow.take(flow.values, mb, f"layers.{layer}.dispatch", f"forward {node}")
-        routed = flow.values[(mb, f"layers.{layer}.attn")]["routed"]
+        sent = flow.take(flow.values, mb, node.sibling("dispatch"), f"forward {node}")
+        routed = flow.values[(mb, node.sibling("attn"))]["routed"]
         rows = _leaf(flow.resolve(sent["rows"]), train)
         probs = _leaf(flow.resolve(sent["row_probs"]), train)
         if flow.remat:
             y = experts_node(weights, rows, probs, routed, plan, layer, None, mb, flow.kernels)
             flow.values[(mb, node)] = {"y": y.detach()}
             if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
-                flow.kept[(mb, member_of_node(node))].update(rows=rows.detach(), row_probs=probs)
+                flow.kept[(mb, layer)].update(rows=rows.detach(), row_probs=probs)
         else:
-            flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, layer, weights, rows, probs, routed)}
+            flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, weights, rows, probs, routed)}
     elif kind == "combine":
-        y = flow.take(flow.values, mb, f"layers.{layer}.experts", f"forward {node}")["y"]
-        attn = flow.values.pop((mb, f"layers.{layer}.attn"))
+        y = flow.take(flow.values, mb, node.sibling("experts"), f"forward {node}")["y"]
+        attn = flow.values.pop((mb, node.sibling("attn")))
         routed = attn["routed"]
         if routed.exchange is not None:
             y = flow.send(from_experts(y, routed.exchange, flow.ep, routed.dispatch.capacity), node, mb)
@@ -246,28 +248,28 @@ def _forward(state, a: Action, flow: _Flow):
     return state, result
 
 
-def _run_experts(flow: _Flow, mb: int, node: str, layer: int, weights: dict, rows, probs, routed) -> torch.Tensor:
+def _run_experts(flow: _Flow, mb: int, node: Node, weights: dict, rows, probs, routed) -> torch.Tensor:
     """The experts' forward under autograd, its record kept for the backward."""
     plan = flow.plan
     deferred = DeferredWgrad() if flow.train and plan.delay_wgrad else None
-    y = experts_node(weights, rows, probs, routed, plan, layer, deferred, mb, flow.kernels)
+    y = experts_node(weights, rows, probs, routed, plan, node.layer, deferred, mb, flow.kernels)
     flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
     if deferred is not None:
         flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
     return y
 
 
-def _complete_combine(flow: _Flow, mb: int, node: str, y, attn: dict) -> torch.Tensor:
+def _complete_combine(flow: _Flow, mb: int, node: Node, y, attn: dict) -> torch.Tensor:
     """The combine's landing: wait for the rows, unpermute, add the residual."""
     y = flow.resolve(y)
     if flow.remat:
         if attn["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
-            flow.kept[(mb, member_of_node(node))]["y"] = y.detach()
+            flow.kept[(mb, node.layer)]["y"] = y.detach()
         return _combine(flow, mb, node, y, attn, record=False).detach()
     return _combine(flow, mb, node, y, attn)
 
 
-def _combine(flow: _Flow, mb: int, node: str, y: torch.Tensor, attn: dict, record: bool = True) -> torch.Tensor:
+def _combine(flow: _Flow, mb: int, node: Node, y: torch.Tensor, attn: dict, record: bool = True) -> torch.Tensor:
     inputs = {"y": _leaf(y, flow.train)}
     inputs.update({name: _leaf(attn[name], flow.train) for name in ("h", "probs_TK", "shared")})
     routed = attn["routed"]
@@ -284,19 +286,18 @@ def _recompute(state, a: Action, flow: _Flow):
     actions read. The routing comes from the forward, and under expert parallelism so
     do the rows that crossed ranks: nothing is exchanged or read on the host again.
     Same inputs, same kernels: the same values as the forward, bit for bit."""
-    plan, mb, layer = flow.plan, a.mb, a.node
-    what = f"recompute {layer} (microbatch {mb})"
+    plan, mb, layer = flow.plan, a.mb, a.node.layer
+    what = f"recompute {a.node} (microbatch {mb})"
     kept = flow.take(flow.kept, mb, layer, what)
     routed = flow.routed[(mb, layer)]
-    attn, experts, combine = (f"{layer}.{kind}" for kind in ("attn", "experts", "combine"))
-    i = int(layer.split(".")[1])
+    attn, _, experts, combine = layer_nodes(layer)
     h = _leaf(kept["h"], True)
     weights = _weights(state, a.unit, attn, flow, what)
-    res = attn_node(weights, h, plan, i, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed)
+    res = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed)
     flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective))
     crossed = routed.exchange is not None
     rows, probs = (kept["rows"], kept["row_probs"]) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
-    y = _run_experts(flow, mb, experts, i, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
+    y = _run_experts(flow, mb, experts, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
                      _leaf(probs, True), routed)
     _combine(flow, mb, combine, kept["y"] if crossed else y.detach(), dict(res.outputs, routed=res.routed))
     return state
@@ -306,8 +307,7 @@ def _backward(state, a: Action, flow: _Flow):
     """Run one node's backward; gradients for its inputs go to their producers (the
     all-to-all nodes send theirs back across ranks, in flight until needed)."""
     mb, node = a.mb, a.node
-    kind = kind_of(node)
-    layer = member_of_node(node)
+    kind, layer = node.kind, node.layer
     if a.unit is not None:
         lc.require_gathered(state, a.unit, f"backward {node} (microbatch {mb})")
     if kind == "dispatch":
@@ -317,7 +317,7 @@ def _backward(state, a: Action, flow: _Flow):
             got = {name: None if g is None else flow.send(
                        from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
                    for name, g in got.items()}
-        flow.grads_for(mb, f"{layer}.attn").update(got)
+        flow.grads_for(mb, node.sibling("attn")).update(got)
         return state
     rec = flow.take(flow.records, mb, node, f"backward {node}")
     grads_out = {name: flow.resolve(g) for name, g in flow.grads.pop((mb, node), {}).items()}
@@ -334,10 +334,10 @@ def _backward(state, a: Action, flow: _Flow):
         if routed.exchange is not None and g_y is not None:
             g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),
                             node, mb)
-        flow.grads_for(mb, f"{layer}.experts")["y"] = g_y
-        flow.grads_for(mb, f"{layer}.attn").update(got)
+        flow.grads_for(mb, node.sibling("experts"))["y"] = g_y
+        flow.grads_for(mb, node.sibling("attn")).update(got)
     elif kind == "experts":
-        flow.grads_for(mb, f"{layer}.dispatch").update(got)
+        flow.grads_for(mb, node.sibling("dispatch")).update(got)
         if (mb, node) in flow.deferred and flow.deferred[(mb, node)][0].pending:
             state = lc.defer_wgrad(state, a.unit, mb)
     return state
@@ -403,8 +403,8 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
                     state = _recompute(state, a, flow)
                 else:
                     state = _wgrad(state, a, flow)
-                split = [dataclasses.replace(e, node=a.node, mb=a.mb) for e in flow.ep_events]
-                state = lc.record(state, *split, *flow.events, Event(a.op, a.unit, a.node, a.mb, t0, now()))
+                split = [dataclasses.replace(e, node=str(a.node), mb=a.mb) for e in flow.ep_events]
+                state = lc.record(state, *split, *flow.events, Event(a.op, a.unit, str(a.node), a.mb, t0, now()))
                 flow.ep_events.clear()
                 flow.events.clear()
             else:

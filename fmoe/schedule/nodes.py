@@ -11,8 +11,9 @@
 
 and ``head`` (final norm, logits, summed cross-entropy). ``dispatch`` and
 ``combine`` hold no weights and belong to no FSDP unit; the others belong to the
-unit of their member (``layers.i``, ``embed``, ``head``). The compute functions
-here are pure; the executor gives them detached inputs and differentiates them.
+unit of their member (``layers.i``, ``embed``, ``head``). A node is a value, ``Node(kind,
+layer)``, named ``layers.3.attn`` in traces. The compute functions here are pure; the
+executor gives them detached inputs and differentiates them.
 """
 
 from __future__ import annotations
@@ -32,57 +33,73 @@ from ..layers.model import attention_half, head_weight
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
 from ..layers.router import route
+from ..params import Leaf, param_table
 
 LAYER_NODES = ("attn", "dispatch", "experts", "combine")
 COMM_NODES = ("dispatch", "combine")
 
 
-def node_names(cfg: ModelConfig) -> tuple[str, ...]:
+class Node(NamedTuple):
+    """A piece of a step that a schedule orders.
+
+    Attributes:
+        kind: ``embed``, ``head``, or a layer's ``attn``, ``dispatch``, ``experts`` or
+            ``combine``; ``layer`` for a whole layer (what a ``recompute`` re-runs).
+        layer: the layer index; None for ``embed`` and ``head``.
+    """
+
+    kind: str
+    layer: int | None = None
+
+    def __str__(self) -> str:
+        if self.layer is None:
+            return self.kind
+        return self.member if self.kind == "layer" else f"{self.member}.{self.kind}"
+
+    @property
+    def member(self) -> str:
+        """The FSDP member it computes with: ``layers.<i>``, ``embed`` or ``head``."""
+        return self.kind if self.layer is None else f"layers.{self.layer}"
+
+    @property
+    def is_comm(self) -> bool:
+        """An all-to-all node: no weights, no FSDP unit."""
+        return self.kind in COMM_NODES
+
+    def sibling(self, kind: str) -> "Node":
+        """The node ``kind`` of the same layer."""
+        return Node(kind, self.layer)
+
+    def uses(self, leaf: Leaf, cfg: ModelConfig) -> bool:
+        """Whether it computes with ``leaf``: its own kind's leaves of its member, and,
+        with tied embeddings, ``embed`` in ``head`` too."""
+        return (leaf.node == self.kind and leaf.layer == self.layer) or \
+            (cfg.tie_embeddings and self.kind == "head" and leaf.path == "embed")
+
+
+EMBED, HEAD = Node("embed"), Node("head")
+
+
+def layer_nodes(layer: int) -> tuple[Node, ...]:
+    """A layer's nodes in forward order."""
+    return tuple(Node(kind, layer) for kind in LAYER_NODES)
+
+
+def all_nodes(cfg: ModelConfig) -> tuple[Node, ...]:
     """Every node in forward order."""
-    layers = (f"layers.{i}.{kind}" for i in range(cfg.layers) for kind in LAYER_NODES)
-    return ("embed", *layers, "head")
+    return (EMBED, *(n for i in range(cfg.layers) for n in layer_nodes(i)), HEAD)
 
 
-def member_of_node(node: str) -> str:
-    """``layers.3.experts`` -> ``layers.3``; ``embed`` and ``head`` are their own members."""
-    return node.rsplit(".", 1)[0] if node.startswith("layers.") else node
-
-
-def kind_of(node: str) -> str:
-    """``attn``, ``dispatch``, ``experts``, ``combine``, ``embed`` or ``head``."""
-    return node.rsplit(".", 1)[1] if node.startswith("layers.") else node
-
-
-def is_comm(node: str) -> bool:
-    return kind_of(node) in COMM_NODES
-
-
-def node_of_param(path: str) -> str:
-    """The node computing with a parameter: expert weights -> ``experts``, the rest of
-    a layer -> ``attn``; ``final_norm`` and ``head`` -> ``head``."""
-    parts = path.split(".")
-    if parts[0] == "layers":
-        kind = "experts" if parts[2:4] == ["moe", "experts"] else "attn"
-        return f"layers.{parts[1]}.{kind}"
-    return "head" if parts[0] in ("head", "final_norm") else parts[0]
-
-
-def uses_param(node: str, path: str, cfg: ModelConfig) -> bool:
-    """Whether ``node`` computes with parameter ``path``: its own node's parameters,
-    and, with tied embeddings, ``embed`` in the ``head`` node too."""
-    return node_of_param(path) == node or (cfg.tie_embeddings and node == "head" and path == "embed")
-
-
-def nest(flat: dict, prefix: str) -> dict:
-    """``{"layers.0.attn.qkv": t, ...}`` with ``prefix="layers.0"`` -> ``{"attn": {"qkv": t}}``."""
+def layer_tree(weights: dict, cfg: ModelConfig) -> dict:
+    """One layer's ``{path: tensor}`` as its nested subtree (``{"attn": {"qkv": t}, ...}``)."""
+    table = param_table(cfg)
     out: dict = {}
-    for path, value in flat.items():
-        if path.startswith(prefix + "."):
-            keys = path[len(prefix) + 1:].split(".")
-            d = out
-            for k in keys[:-1]:
-                d = d.setdefault(k, {})
-            d[keys[-1]] = value
+    for path, value in weights.items():
+        *outer, name = table[path].keys[2:]  # past ("layers", i)
+        d = out
+        for k in outer:
+            d = d.setdefault(k, {})
+        d[name] = value
     return out
 
 
@@ -148,7 +165,7 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
     """Attention half of layer ``layer`` and the MoE up to the rows leaving for their
     experts (``decided``: the routing of the forward this run recomputes)."""
     cfg = plan.model
-    p, site = nest(weights, f"layers.{layer}"), (layer, mb)
+    p, site = layer_tree(weights, cfg), (layer, mb)
     h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg)
     routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, site),
                        functools.partial(kernels.dispatch, site), decided)
@@ -167,7 +184,7 @@ def experts_node(weights: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor
                  plan: Plan, layer: int, deferred: DeferredWgrad | None, mb: int = 0,
                  kernels: Kernels = EAGER) -> torch.Tensor:
     """The grouped expert MLPs of layer ``layer`` on the rows this rank computes."""
-    p = nest(weights, f"layers.{layer}")
+    p = layer_tree(weights, plan.model)
     return moe_experts(p["moe"], rows_RD, row_probs_R, routed, plan.model, plan.expert_backend, deferred,
                        functools.partial(kernels.experts, (layer, mb)))
 

@@ -12,19 +12,19 @@ from typing import NamedTuple
 
 from ..config import Plan
 from ..shard.spec import shard_spec
-from .nodes import LAYER_NODES, is_comm, member_of_node, node_names
+from .nodes import EMBED, HEAD, Node, layer_nodes
 
 
 class Action(NamedTuple):
     """``op`` is ``gather | wait | release | reduce`` (on ``unit``),
     ``forward | backward | wgrad`` (of ``node`` for microbatch ``mb``; ``unit`` is
     the node's FSDP unit, None for the communication nodes), or ``recompute``
-    (``Plan.remat='full'``: re-run the layer ``node``, e.g. ``layers.3``, before its
-    backward)."""
+    (``Plan.remat='full'``: re-run the layer ``node``, ``Node("layer", i)``, before
+    its backward)."""
 
     op: str
     unit: str | None = None
-    node: str | None = None
+    node: Node | None = None
     mb: int = -1
 
 
@@ -34,41 +34,38 @@ class Use(NamedTuple):
 
     mb: int
     op: str
-    node: str
+    node: Node
     unit: str | None
 
 
-def _layer_forward(i: int) -> list:
-    return [("forward", f"layers.{i}.{kind}") for kind in LAYER_NODES]
-
-
 def _layer_backward(i: int, delay_wgrad: bool, remat: bool) -> list:
-    ops = [("recompute", f"layers.{i}")] if remat else []
-    ops += [("backward", f"layers.{i}.combine"), ("backward", f"layers.{i}.experts"),
-            ("backward", f"layers.{i}.dispatch")]
+    attn, _, experts, _ = layer_nodes(i)
+    ops = [("recompute", Node("layer", i))] if remat else []
+    ops += [("backward", Node("combine", i)), ("backward", experts), ("backward", Node("dispatch", i))]
     if delay_wgrad:  # under the dispatch's backward all-to-all
-        ops.append(("wgrad", f"layers.{i}.experts"))
-    return ops + [("backward", f"layers.{i}.attn")]
+        ops.append(("wgrad", experts))
+    return ops + [("backward", attn)]
 
 
 def _forward(cfg) -> list:
-    return [("forward", "embed")] + [op for i in range(cfg.layers) for op in _layer_forward(i)] + [("forward", "head")]
+    layers = [("forward", n) for i in range(cfg.layers) for n in layer_nodes(i)]
+    return [("forward", EMBED)] + layers + [("forward", HEAD)]
 
 
 def _backward(cfg, delay_wgrad: bool, remat: bool) -> list:
     layers = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(i, delay_wgrad, remat)]
-    return [("backward", "head")] + layers + [("backward", "embed")]
+    return [("backward", HEAD)] + layers + [("backward", EMBED)]
 
 
 def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
     """Forward of one layer (microbatch f) woven into the backward of another (b):
     each all-to-all is issued right before compute of the other microbatch."""
-    F = {kind: f"layers.{fwd_layer}.{kind}" for kind in LAYER_NODES}
-    B = {kind: f"layers.{bwd_layer}.{kind}" for kind in LAYER_NODES}
+    F = {n.kind: n for n in layer_nodes(fwd_layer)}
+    B = {n.kind: n for n in layer_nodes(bwd_layer)}
     if remat:  # f's attention first, as without remat, so units are held and gathered alike
         ops = [("f", "forward", F["attn"]),
                ("f", "forward", F["dispatch"]),           # runs under ...
-               ("b", "recompute", f"layers.{bwd_layer}"),  # ... b's layer recomputed
+               ("b", "recompute", Node("layer", bwd_layer)),  # ... b's layer recomputed
                ("b", "backward", B["combine"]),           # runs under ...
                ("f", "forward", F["experts"]),            # ... the experts of f
                ("b", "backward", B["experts"]),
@@ -86,7 +83,7 @@ def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat:
                   ("b", "backward", B["attn"])]     # ... attention's backward of b
 
 
-def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, str]]:
+def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, Node]]:
     """``(mb, op, node)`` in the order the plan's schedule runs them.
 
     ``standard``: each microbatch's forward, then its backward. ``1f1b_overlap``:
@@ -104,20 +101,19 @@ def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, str]]:
     ops = [(0, op, node) for op, node in _forward(cfg)]
     for f in range(1, M):
         b = f - 1
-        ops += [(f, "forward", "embed"), (b, "backward", "head")]
+        ops += [(f, "forward", EMBED), (b, "backward", HEAD)]
         for j in range(cfg.layers):
             ops += [(f if who == "f" else b, op, node)
                     for who, op, node in _overlapped_layers(j, cfg.layers - 1 - j, delay, remat)]
-        ops += [(f, "forward", "head"), (b, "backward", "embed")]
+        ops += [(f, "forward", HEAD), (b, "backward", EMBED)]
     return ops + [(M - 1, op, node) for op, node in _backward(cfg, delay, remat)]
 
 
 def node_uses(plan: Plan, train: bool = True) -> list[Use]:
     """The schedule's ops with each node's FSDP unit (None for communication nodes)."""
     spec = shard_spec(plan)
-    unit = {n: None if is_comm(n) else spec.unit_of_member(member_of_node(n)).name for n in node_names(plan.model)}
-    unit.update({f"layers.{i}": spec.unit_of_member(f"layers.{i}").name for i in range(plan.model.layers)})
-    return [Use(mb, op, node, unit[node]) for mb, op, node in schedule_ops(plan, train)]
+    return [Use(mb, op, node, None if node.is_comm else spec.unit_of_member(node.member).name)
+            for mb, op, node in schedule_ops(plan, train)]
 
 
 def max_live_units(plan: Plan) -> int:

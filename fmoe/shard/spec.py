@@ -17,24 +17,14 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
-from ..layers.precision import FP32_LEAVES
-from ..params import flat_shapes
-from ..units import member_of, unit_name
+from ..params import Leaf, param_table
+from ..units import unit_name
 from .layout import FlatLayout, make_layout, rows_cols
 
-DOMAINS = ("dense", "expert")
 
-
-def domain_of(path: str) -> str:
-    """``expert`` for the routed experts' weights (split over EP ranks), else ``dense``."""
-    return "expert" if ".moe.experts." in path else "dense"
-
-
-def dtype_group(path: str, plan: Plan) -> str:
+def dtype_group(leaf: Leaf, plan: Plan) -> str:
     """Leaves kept in fp32 whatever the compute dtype form their own gather group."""
-    if plan.compute_dtype != torch.float32 and path.rsplit(".", 1)[-1] in FP32_LEAVES:
-        return "float32"
-    return "compute"
+    return "float32" if plan.compute_dtype != torch.float32 and leaf.fp32 else "compute"
 
 
 @dataclass(frozen=True)
@@ -72,7 +62,8 @@ class ShardSpec:
         return next(u for u in self.units if member in u.members)
 
     def layout_of(self, path: str, plan: Plan) -> FlatLayout:
-        return self.unit_of_member(member_of(path)).groups[(domain_of(path), dtype_group(path, plan))]
+        leaf = param_table(plan.model)[path]
+        return self.unit_of_member(leaf.member).groups[(leaf.domain, dtype_group(leaf, plan))]
 
 
 def shard_sizes(plan: Plan) -> dict:
@@ -84,7 +75,7 @@ def shard_sizes(plan: Plan) -> dict:
 
 def local_full_shape(path: str, shape: tuple, plan: Plan) -> tuple:
     """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
-    if domain_of(path) == "expert":
+    if param_table(plan.model)[path].domain == "expert":
         return (shape[0] // plan.ep,) + tuple(shape[1:])
     return tuple(shape)
 
@@ -93,14 +84,13 @@ def local_full_shape(path: str, shape: tuple, plan: Plan) -> tuple:
 def shard_spec(plan: Plan) -> ShardSpec:
     """The layout of ``plan``'s parameters (pure, cached per plan)."""
     sizes = shard_sizes(plan)
-    shapes = flat_shapes(plan.model)
     units = []
     for members in plan.unit_groups:
         by_key: dict = {}
-        for path, shape in shapes.items():
-            if member_of(path) in members:
-                key = (domain_of(path), dtype_group(path, plan))
-                by_key.setdefault(key, []).append((path, local_full_shape(path, shape, plan)))
+        for leaf in param_table(plan.model).leaves:
+            if leaf.member in members:
+                key = (leaf.domain, dtype_group(leaf, plan))
+                by_key.setdefault(key, []).append((leaf.path, local_full_shape(leaf.path, leaf.shape, plan)))
         groups = {key: make_layout(named, sizes[key[0]]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups))
     return ShardSpec(tuple(units), sizes, plan.model.experts // plan.ep)
@@ -203,7 +193,7 @@ def leaf_piece(path: str, shape: tuple, plan: Plan, world_rank: int) -> Piece:
     """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
     its experts (under EP), then its rows (when the domain is sharded)."""
     spec = shard_spec(plan)
-    domain = domain_of(path)
+    domain = param_table(plan.model)[path].domain
     experts = None
     if domain == "expert" and plan.ep > 1:
         first = ep_index(plan, world_rank) * spec.experts_per_rank
@@ -237,4 +227,4 @@ def local_shapes(plan: Plan, world_rank: int) -> dict:
             rank = shard_rank(plan, world_rank, domain)
             for slot, first, last, _ in layout.local_slots(rank):
                 shapes[slot.path] = (last - first, slot.cols) if spec.sharded(domain) else slot.shape
-    return {p: shapes[p] for p in flat_shapes(plan.model)}
+    return {leaf.path: shapes[leaf.path] for leaf in param_table(plan.model).leaves}

@@ -11,6 +11,7 @@ import optree
 import torch
 
 import fmoe
+from fmoe.schedule import Node
 from fmoe.shard import count
 
 CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
@@ -139,7 +140,7 @@ def released_weights(rank, world):
 
     plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params")
     program = build_program(plan)
-    bwd = next(i for i, a in enumerate(program) if a.op == "backward" and a.node == "layers.1.experts")
+    bwd = next(i for i, a in enumerate(program) if a.op == "backward" and a.node == Node("experts", 1))
     regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.1" and a.op in ("gather", "wait")][-2:]
     wrong = [a for i, a in enumerate(program) if i not in regather]
     tokens = rank_rows(global_batch(), rank, world)
