@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .checks import check_bool, check_choice, check_int, check_positive, fail, is_number
 from .units import check_units
 
 ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
@@ -51,40 +52,6 @@ def field_docs(cls) -> dict:
             for n in names:
                 docs[n] += " " + stripped
     return {n: t.replace("``", "") for n, t in docs.items()}
-
-
-def _fail(owner: str, field: str, value, allowed: str):
-    raise ValueError(f"{owner}.{field}={value!r} is invalid: {allowed}")
-
-
-def _check_int(owner, name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(owner, name, value, f"must be an int >= {minimum}")
-    if value < minimum:
-        _fail(owner, name, value, f"must be an int >= {minimum}")
-
-
-def _check_choice(owner, name, value, choices):
-    if value not in choices:
-        _fail(owner, name, value, "allowed: " + ", ".join(repr(c) for c in choices))
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_positive(owner, name, value, allow_zero=False, allow_inf=False):
-    # NaN compares false with everything, so it is refused explicitly, as is inf where
-    # it means nothing (a NaN rate or eps trains a broken model with a finite loss).
-    ok = _is_number(value) and not math.isnan(value) and (allow_inf or not math.isinf(value))
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        _fail(owner, name, value, "must be a finite number " + (">= 0" if allow_zero else "> 0")
-              + (", or inf" if allow_inf else ""))
-
-
-def _check_bool(owner, name, value):
-    if not isinstance(value, bool):
-        _fail(owner, name, value, "must be True or False")
 
 
 @dataclass(frozen=True)
@@ -164,46 +131,46 @@ class ModelConfig:
     def __post_init__(self):
         own = "ModelConfig"
         for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
-            _check_int(own, name, getattr(self, name), 1)
-        _check_int(own, "shared_ffn", self.shared_ffn, 0)
-        _check_int(own, "glu_interleave", self.glu_interleave, 0)
-        _check_int(own, "kv_heads", self.kv_heads, 0)
-        _check_int(own, "head_size", self.head_size, 0)
-        _check_choice(own, "qk_norm", self.qk_norm, QK_NORMS)
+            check_int(f"{own}.{name}", getattr(self, name), 1)
+        check_int(f"{own}.shared_ffn", self.shared_ffn, 0)
+        check_int(f"{own}.glu_interleave", self.glu_interleave, 0)
+        check_int(f"{own}.kv_heads", self.kv_heads, 0)
+        check_int(f"{own}.head_size", self.head_size, 0)
+        check_choice(f"{own}.qk_norm", self.qk_norm, QK_NORMS)
         for name in ("qkv_bias", "tie_embeddings", "shared_gate"):
-            _check_bool(own, name, getattr(self, name))
-        _check_choice(own, "activation", self.activation, ACTIVATIONS)
-        _check_choice(own, "score_func", self.score_func, SCORE_FUNCS)
-        _check_choice(own, "prob_placement", self.prob_placement, PROB_PLACEMENTS)
-        _check_choice(own, "pad_multiple", self.pad_multiple, PAD_MULTIPLES)
-        _check_bool(own, "norm_topk_prob", self.norm_topk_prob)
-        _check_bool(own, "expert_biases", self.expert_biases)
-        _check_positive(own, "glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
+            check_bool(f"{own}.{name}", getattr(self, name))
+        check_choice(f"{own}.activation", self.activation, ACTIVATIONS)
+        check_choice(f"{own}.score_func", self.score_func, SCORE_FUNCS)
+        check_choice(f"{own}.prob_placement", self.prob_placement, PROB_PLACEMENTS)
+        check_choice(f"{own}.pad_multiple", self.pad_multiple, PAD_MULTIPLES)
+        check_bool(f"{own}.norm_topk_prob", self.norm_topk_prob)
+        check_bool(f"{own}.expert_biases", self.expert_biases)
+        check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
         for name in ("rope_theta", "norm_eps", "init_std"):
-            _check_positive(own, name, getattr(self, name))
+            check_positive(f"{own}.{name}", getattr(self, name))
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
-            _check_positive(own, name, getattr(self, name), allow_zero=True)
-        if not _is_number(self.glu_offset) or not math.isfinite(self.glu_offset):
-            _fail(own, "glu_offset", self.glu_offset, "must be a finite number")
+            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
+        if not is_number(self.glu_offset) or not math.isfinite(self.glu_offset):
+            fail(f"{own}.glu_offset", self.glu_offset, "must be a finite number")
         if self.topk > self.experts:
-            _fail(own, "topk", self.topk, f"must be <= experts ({self.experts})")
+            fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
         if self.head_size == 0 and self.dim % self.heads:
-            _fail(own, "dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
+            fail(f"{own}.dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
         if self.head_dim % 2:
             what = "head_size" if self.head_size else "heads"
-            _fail(own, what, getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
+            fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
         if self.kv_heads and self.heads % self.kv_heads:
-            _fail(own, "kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
+            fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
         if self.shared_gate and not self.shared_ffn:
-            _fail(own, "shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
+            fail(f"{own}.shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
         if self.glu_interleave:
             if not self.is_glu:
-                _fail(own, "glu_interleave", self.glu_interleave,
+                fail(f"{own}.glu_interleave", self.glu_interleave,
                       f"must be 0 for the non-GLU activation {self.activation!r}")
             for name in ("ffn", "shared_ffn"):
                 width = getattr(self, name)
                 if width % self.glu_interleave:
-                    _fail(own, "glu_interleave", self.glu_interleave,
+                    fail(f"{own}.glu_interleave", self.glu_interleave,
                           f"must divide {name} ({width})")
 
     @property
@@ -307,35 +274,35 @@ class Plan:
     def __post_init__(self):
         own = "Plan"
         if not isinstance(self.model, ModelConfig):
-            _fail(own, "model", type(self.model).__name__, "must be a fmoe.ModelConfig")
+            fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
         for name in ("dp", "ep", "microbatches"):
-            _check_int(own, name, getattr(self, name), 1)
-        _check_choice(own, "sharding", self.sharding, SHARDINGS)
-        _check_choice(own, "schedule", self.schedule, SCHEDULES)
-        _check_choice(own, "dtype", self.dtype, DTYPES)
-        _check_choice(own, "expert_backend", self.expert_backend, EXPERT_BACKENDS)
-        _check_bool(own, "delay_wgrad", self.delay_wgrad)
-        _check_bool(own, "compile", self.compile)
-        _check_choice(own, "remat", self.remat, REMATS)
-        _check_int(own, "loss_chunk", self.loss_chunk, 0)
-        _check_int(own, "prefetch", self.prefetch, 0)
-        _check_choice(own, "gather_buffers", self.gather_buffers, GATHER_BUFFERS)
+            check_int(f"{own}.{name}", getattr(self, name), 1)
+        check_choice(f"{own}.sharding", self.sharding, SHARDINGS)
+        check_choice(f"{own}.schedule", self.schedule, SCHEDULES)
+        check_choice(f"{own}.dtype", self.dtype, DTYPES)
+        check_choice(f"{own}.expert_backend", self.expert_backend, EXPERT_BACKENDS)
+        check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
+        check_bool(f"{own}.compile", self.compile)
+        check_choice(f"{own}.remat", self.remat, REMATS)
+        check_int(f"{own}.loss_chunk", self.loss_chunk, 0)
+        check_int(f"{own}.prefetch", self.prefetch, 0)
+        check_choice(f"{own}.gather_buffers", self.gather_buffers, GATHER_BUFFERS)
         if self.gather_buffers == "double" and self.prefetch > 1:
-            _fail(own, "prefetch", self.prefetch,
+            fail(f"{own}.prefetch", self.prefetch,
                   "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
                   "(or use gather_buffers 'dynamic' / 'persistent')")
         if self.units is not None:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
-            _fail(own, "ep", self.ep, f"must divide model.experts ({self.model.experts})")
+            fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
         if not isinstance(self.device, str):
-            _fail(own, "device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+            fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
         try:
             import torch
 
             torch.device(self.device)
         except RuntimeError:
-            _fail(own, "device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+            fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
 
     @property
     def world(self) -> int:

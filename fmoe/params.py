@@ -103,6 +103,18 @@ def _dotted(path) -> str:
 FP32_LEAVES = ("router", "expert_bias", "fc1_bias", "fc2_bias")
 
 
+def decays(name: str) -> bool:
+    """Whether AdamW's weight decay applies to a leaf named ``name``: matrices, not norms
+    or biases (by name, since a row shard of a vector is 2-D)."""
+    return not (name.endswith("norm") or name.endswith("bias"))
+
+
+def trainable(name: str) -> bool:
+    """Whether gradient steps change a leaf named ``name``: all but ``expert_bias``, which
+    ``update_expert_bias`` balances from routing counts."""
+    return name != "expert_bias"
+
+
 class Leaf(NamedTuple):
     """One parameter, as ``param_table`` describes it.
 
@@ -180,7 +192,7 @@ def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
         member = node = "head" if keys[0] in ("head", "final_norm") else keys[0]
     return Leaf(path=_dotted(keys), keys=keys, shape=tuple(shape), init=init, member=member, layer=layer,
                 node=node, domain="expert" if experts else "dense", fp32=name in FP32_LEAVES,
-                decayed=not (name.endswith("norm") or name.endswith("bias")), trainable=name != "expert_bias",
+                decayed=decays(name), trainable=trainable(name),
                 glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"))
 
 
@@ -255,3 +267,8 @@ def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token: ``6 x`` the active parameters (forward + backward
     matmuls) plus causal attention's ``QK^T`` and ``AV`` (``6 * layers * seq * q_width``)."""
     return 6.0 * active_param_count(cfg) + 6.0 * cfg.layers * seq * cfg.q_width
+
+
+__all__ = ["FP32_LEAVES", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays", "flat_shapes",
+           "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves", "param_shapes", "param_specs",
+           "param_table", "train_flops_per_token", "trainable"]

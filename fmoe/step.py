@@ -9,6 +9,7 @@ import torch
 
 from .config import Plan
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
+from .layers.router import router_loss
 from .params import named_leaves
 from .runtime import check_runtime
 from .schedule import Kernels, check_program, execute
@@ -106,7 +107,7 @@ def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, tota
     compute_params = cast_for_compute(params, plan.compute_dtype)
     ce_sum, layer_stats = lm_loss_sum(compute_params, tokens_mb, cfg, plan.expert_backend)
     s = stack_stats(layer_stats)
-    router_losses = cfg.aux_loss_coef * s.aux_loss.sum() + cfg.z_loss_coef * s.z_loss.sum()
+    router_losses = router_loss(s.aux_loss.sum(), s.z_loss.sum(), cfg)
     return ce_sum / total_targets + router_losses / plan.microbatches, ce_sum, s
 
 
@@ -148,8 +149,9 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) 
     """Loss, gradients and metrics of one batch under ``plan``.
 
     Each rank passes its own slice of the global batch. The slice is split into
-    ``plan.microbatches`` row blocks run by the standard schedule (see
-    ``fmoe.schedule``): every node's cross-entropy is divided by the *global* target
+    ``plan.microbatches`` row blocks run in the order of ``plan.schedule``
+    (``standard`` or ``1f1b_overlap``; ``fmoe.schedule``) with the plan's recomputation
+    and delayed wgrad: every node's cross-entropy is divided by the *global* target
     count, and gradients are summed over ranks, so loss and gradients are those of
     the global batch mean whatever the split. Router losses are averaged over all
     microbatches of all ranks.
@@ -218,3 +220,9 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     tokens, program, slots, mesh, total = prepare_step(params, batch, plan, train=False)
     run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
     return _sum_over_ranks(mesh.world, run.ce_sum.clone()) / total
+
+
+# What fmoe.step is made of, for adapters (interop): the checks, a step split into its
+# validation (run once, outside a CUDA-graph capture) and its compute.
+__all__ = ["Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "microbatch_objective",
+           "num_targets", "prepare_step", "run_step", "step"]

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import os
 
-from .config import Plan
 from .trainer import launch, loop, setup
 
 
 def parse_args(argv=None, adapters: setup.Adapters | None = None) -> setup.Run:
-    """The checked run for these arguments (SystemExit naming a bad setting)."""
+    """The checked run for these arguments (SystemExit naming a bad setting); its
+    ``plan`` is what ``fmoe.load`` of the run's checkpoints needs."""
     try:
         run = setup.prepare(argv, adapters)
     except ValueError as err:
@@ -36,11 +36,6 @@ def parse_args(argv=None, adapters: setup.Adapters | None = None) -> setup.Run:
         print(run, end="")
         raise SystemExit(0)
     return run
-
-
-def build_plan(run: setup.Run) -> Plan:
-    """The Plan a run trains under (what ``fmoe.load`` of its checkpoint needs)."""
-    return run.plan
 
 
 def main(argv=None, adapters: setup.Adapters | None = None) -> dict:

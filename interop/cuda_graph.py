@@ -27,14 +27,10 @@ from __future__ import annotations
 import optree
 import torch
 
-from fmoe.config import Plan
-from fmoe.flat import as_flat
-from fmoe.layers.experts import expert_mlp
-from fmoe.layers.model import attention_half
-from fmoe.layers.router import route
-from fmoe.schedule import Kernels
-from fmoe.schedule.compiled import kernels_for
-from fmoe.step import StepOutput, check_batch, check_params, prepare_step, run_step
+from fmoe import Plan, StepOutput, as_flat
+from fmoe.layers import attention_half, expert_mlp, route
+from fmoe.schedule import Kernels, kernels_for
+from fmoe.step import check_batch, check_params, prepare_step, run_step
 
 SCOPES = ("attn", "router", "experts")
 

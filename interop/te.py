@@ -27,9 +27,8 @@ import importlib
 
 import torch
 
-from fmoe.config import Plan
-from fmoe.layers.experts import (QUICK_GELU_ALPHA, ExpertBackend, add_expert_bias, register_expert_backend,
-                                 static_rows)
+from fmoe import Plan
+from fmoe.layers import QUICK_GELU_ALPHA, ExpertBackend, add_expert_bias, register_expert_backend, static_rows
 
 try:  # TE is an optional extra: fmoe[te]
     importlib.import_module("transformer_engine.pytorch")  # loads what the extension links against

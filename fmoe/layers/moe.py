@@ -125,7 +125,8 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
             this rank's ``E / ep`` experts.
         x_TD: ``[T, D]`` normalised tokens.
         cfg: the ModelConfig.
-        backend: expert matmul backend (``torch`` or ``loop``).
+        backend: the experts' backend: ``torch``, ``loop``, or a name given to
+            ``register_expert_backend`` (``te``, once ``interop.te`` is imported).
         ep: the expert-parallel group, or None when this rank holds every expert.
 
     Returns:

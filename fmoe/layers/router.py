@@ -66,3 +66,9 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     aux = E * (frac_tokens * score_share.mean(0)).sum()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     return Routing(indices, probs, counts, aux, z)
+
+
+def router_loss(aux_loss: torch.Tensor, z_loss: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The router's term of the objective: ``aux_loss_coef * aux + z_loss_coef * z`` (of
+    one layer, or of sums over layers)."""
+    return cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss

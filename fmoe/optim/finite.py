@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from .transforms import Transform, _check_int, _check_norm_scope, _device_of, _map, _StepNorm
+from ..checks import check_int
+from .transforms import StepNorm, Transform, check_norm_scope, device_of
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -64,24 +65,24 @@ def apply_if_finite(inner: Transform, max_skips: int, plan=None) -> Transform:
     Returns:
         A Transform whose state is an ``ApplyIfFiniteState``.
     """
-    _check_int("apply_if_finite", "max_skips", max_skips, 1)
-    _check_norm_scope(plan, "apply_if_finite")
-    return _apply_if_finite(inner, max_skips, _StepNorm(plan))
+    check_int("apply_if_finite max_skips", max_skips, 1)
+    check_norm_scope(plan, "apply_if_finite")
+    return apply_if_finite_sharing(inner, max_skips, StepNorm(plan))
 
 
-def _apply_if_finite(inner: Transform, max_skips: int, norm: _StepNorm) -> Transform:
+def apply_if_finite_sharing(inner: Transform, max_skips: int, norm: StepNorm) -> Transform:
     def update(grads, state, params=None):
         with norm.held(grads) as n:  # a clip inside ``inner`` reads this norm, not a second one
             updates, inner_state = inner.update(grads, state.inner_state, params)
         apply, state = _decide(state, n, max_skips, inner_state)
-        return _map(lambda u: torch.where(apply, u, 0.0), updates), state
+        return optree.tree_map(lambda u: torch.where(apply, u, 0.0), updates), state
 
-    return Transform(_init_state(inner.init), update)
+    return Transform(finite_init(inner.init), update)
 
 
-def _init_state(inner_init):
+def finite_init(inner_init):
     def init(params):
-        device = _device_of(params)
+        device = device_of(params)
         zero = torch.zeros((), dtype=torch.int64, device=device)
         yes = torch.ones((), dtype=torch.bool, device=device)
         return ApplyIfFiniteState(zero, yes, zero.clone(), yes.clone(), inner_init(params),
@@ -90,13 +91,13 @@ def _init_state(inner_init):
     return init
 
 
-def _skip_decision(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int) -> torch.Tensor:
+def skip_decision(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int) -> torch.Tensor:
     """Whether this step applies: its norm is finite, or ``max_skips`` non-finite steps
     came right before it (a device bool)."""
     return torch.isfinite(norm) | (state.notfinite_count >= max_skips)
 
 
-def _skip_state(state: ApplyIfFiniteState, norm: torch.Tensor, apply: torch.Tensor,
+def next_finite_state(state: ApplyIfFiniteState, norm: torch.Tensor, apply: torch.Tensor,
                 inner_state) -> ApplyIfFiniteState:
     """The state after a step that ``apply``-ed or not; ``inner_state`` is taken as given."""
     finite = torch.isfinite(norm)
@@ -109,14 +110,14 @@ def _skip_state(state: ApplyIfFiniteState, norm: torch.Tensor, apply: torch.Tens
 def _decide(state: ApplyIfFiniteState, norm: torch.Tensor, max_skips: int,
             inner_state) -> tuple[torch.Tensor, ApplyIfFiniteState]:
     """Whether this step applies, and the state after it: the inner state moves on only if so."""
-    apply = _skip_decision(state, norm, max_skips)
-    return apply, _skip_state(state, norm, apply, _select(apply, inner_state, state.inner_state))
+    apply = skip_decision(state, norm, max_skips)
+    return apply, next_finite_state(state, norm, apply, select_where(apply, inner_state, state.inner_state))
 
 
-def _select(apply: torch.Tensor, new, old):
+def select_where(apply: torch.Tensor, new, old):
     """``new`` where ``apply`` else ``old``, leaf by leaf. Not ``old + 0 * ...``: the old
     bits survive a skip (NaNs, whose payload arithmetic may change, and -0.0)."""
-    return _map(lambda n, o: torch.where(apply, n, o) if isinstance(n, torch.Tensor) else n, new, old)
+    return optree.tree_map(lambda n, o: torch.where(apply, n, o) if isinstance(n, torch.Tensor) else n, new, old)
 
 
 def _finite_states(opt_state) -> list[ApplyIfFiniteState]:
@@ -128,7 +129,7 @@ def _finite_states(opt_state) -> list[ApplyIfFiniteState]:
     return found
 
 
-def _applied(opt_state) -> torch.Tensor | None:
+def update_applied(opt_state) -> torch.Tensor | None:
     """Whether every ``apply_if_finite`` in the state applied its last update (a device
     bool), or None where the state has none."""
     flags = [s.applied for s in _finite_states(opt_state)]

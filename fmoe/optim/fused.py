@@ -20,8 +20,9 @@ from typing import NamedTuple
 import optree
 import torch
 
-from .finite import _init_state, _skip_decision, _skip_state
-from .transforms import ClipState, ScaleByAdamState, ScheduleState, _decays, _trainable, global_norm
+from ..params import decays, trainable
+from .finite import finite_init, next_finite_state, skip_decision
+from .transforms import ClipState, ScaleByAdamState, ScheduleState, global_norm
 
 
 def _storage(t: torch.Tensor):
@@ -133,7 +134,7 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         device = p_leaves[0].device
         if isinstance(rate, torch.Tensor):  # a schedule's rate stays on the device
             rate = rate.to(device=device, dtype=torch.float32)
-        classes = [(True, _decays(path, p)) if _trainable(path) else (False, False) for path, p in zip(paths, p_leaves)]
+        classes = [(True, decays(path[-1])) if trainable(path[-1]) else (False, False) for path in paths]
         buffers, alone = _buffers(p_leaves)
         m_leaves = _moments_like(p_leaves, buffers, treedef.flatten_up_to(adam.mu))
         v_leaves = _moments_like(p_leaves, buffers, treedef.flatten_up_to(adam.nu))
@@ -144,8 +145,8 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
             """The kernel on ``{class: (params, grads, mus, nus)}``. Issued per buffer as
             soon as it is ready, so the GPU updates one while the host sorts out the next
             (the kernel is elementwise: how the tensors are grouped changes no value)."""
-            for (trainable, decay), (ps, gs, ms, vs) in work.items():
-                torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if trainable else 0.0,
+            for (updated, decay), (ps, gs, ms, vs) in work.items():
+                torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if updated else 0.0,
                                     beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
                                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
 
@@ -190,8 +191,8 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         if not max_skips:
             return fused_update(grads, state, params, global_norm(grads, plan) if clipping else None, None)
         norm = global_norm(grads, plan)  # once, for the finite check and the clipping
-        apply = _skip_decision(state, norm, max_skips)
+        apply = skip_decision(state, norm, max_skips)
         new_params, inner_state = fused_update(grads, state.inner_state, params, norm, apply)
-        return new_params, _skip_state(state, norm, apply, inner_state)
+        return new_params, next_finite_state(state, norm, apply, inner_state)
 
-    return (_init_state(init) if max_skips else init), update
+    return (finite_init(init) if max_skips else init), update

@@ -3,11 +3,13 @@ and ``adamw`` (a chain of the transforms, or torch's fused kernel, with the same
 
 from __future__ import annotations
 
-from .finite import _apply_if_finite, _applied, _select
+import optree
+
+from ..checks import check, check_decay, check_finite, check_int, check_lr
+from .finite import apply_if_finite_sharing, select_where, update_applied
 from .fused import fused_adamw
-from .transforms import (Optimizer, Schedule, Transform, _check, _check_decay, _check_finite, _check_int, _check_lr,
-                         _check_norm_scope, _clip, _map, _StepNorm, add_decayed_weights, chain, freeze, scale_by_adam,
-                         scale_by_learning_rate)
+from .transforms import (Optimizer, Schedule, StepNorm, Transform, add_decayed_weights, chain, check_norm_scope,
+                         clip_with_norm, freeze, scale_by_adam, scale_by_learning_rate)
 
 
 def optimizer(transform: Transform) -> Optimizer:
@@ -20,10 +22,10 @@ def optimizer(transform: Transform) -> Optimizer:
 
     def update(grads, state, params):
         updates, state = transform.update(grads, state, params)
-        new = _map(lambda p, u: p + u.to(p.dtype), params, updates)
-        applied = _applied(state)
+        new = optree.tree_map(lambda p, u: p + u.to(p.dtype), params, updates)
+        applied = update_applied(state)
         if applied is not None:
-            new = _select(applied, new, params)
+            new = select_where(applied, new, params)
         return new, state
 
     return Optimizer(transform.init, update)
@@ -78,27 +80,27 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
         ``donate`` its update is pure: it returns new params and state and never writes
         into the ones passed.
     """
-    _check_lr("adamw", lr)
-    _check_decay("adamw", "b1", b1)
-    _check_decay("adamw", "b2", b2)
-    _check_finite("adamw", "eps", eps, positive=True)
-    _check_finite("adamw", "weight_decay", weight_decay, positive=False)
+    check_lr("adamw lr", lr)
+    check_decay("adamw b1", b1)
+    check_decay("adamw b2", b2)
+    check_finite("adamw eps", eps, positive=True)
+    check_finite("adamw weight_decay", weight_decay, positive=False)
     if max_grad_norm is not None:
-        _check_finite("adamw", "max_grad_norm", max_grad_norm, positive=True, allowed_extra=", or None (no clipping)")
-    _check("adamw", "fused", fused, isinstance(fused, bool), "must be True or False")
-    _check_int("adamw", "skip_nonfinite", skip_nonfinite, 0, allowed_extra=" (0: off)")
-    _check("adamw", "donate", donate, isinstance(donate, bool) and (fused or not donate),
+        check_finite("adamw max_grad_norm", max_grad_norm, positive=True, allowed_extra=", or None (no clipping)")
+    check("adamw fused", fused, isinstance(fused, bool), "must be True or False")
+    check_int("adamw skip_nonfinite", skip_nonfinite, 0, allowed_extra=" (0: off)")
+    check("adamw donate", donate, isinstance(donate, bool) and (fused or not donate),
            "must be False, or True with fused=True (the chain builds new tensors)")
     if max_grad_norm is not None or skip_nonfinite:
-        _check_norm_scope(plan, "adamw")
-    norm = _StepNorm(plan)  # read by both the finite check and the clipping
+        check_norm_scope(plan, "adamw")
+    norm = StepNorm(plan)  # read by both the finite check and the clipping
     # the norm is kept in the state once: by apply_if_finite when skipping, else by the clip
-    parts = [] if max_grad_norm is None else [_clip(max_grad_norm, norm, record=not skip_nonfinite)]
+    parts = [] if max_grad_norm is None else [clip_with_norm(max_grad_norm, norm, record=not skip_nonfinite)]
     parts += [scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr), freeze()]
     transform = chain(*parts)
     if fused:
         return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
                                       skip_nonfinite, donate))
     if skip_nonfinite:
-        transform = _apply_if_finite(transform, skip_nonfinite, norm)
+        transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
     return optimizer(transform)

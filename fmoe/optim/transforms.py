@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 from typing import Callable, NamedTuple
 
 import optree
 import torch
+
+from ..checks import check, check_decay, check_finite, check_int, check_lr, is_number
+from ..params import decays, trainable
 
 Schedule = Callable[[torch.Tensor], torch.Tensor | float]
 
@@ -53,48 +55,9 @@ class ClipState(NamedTuple):
     grad_norm: torch.Tensor
 
 
-def _map(fn, *trees):
-    return optree.tree_map(fn, *trees)
-
-
-def _device_of(tree):
+def device_of(tree):
     leaves = optree.tree_leaves(tree)
     return leaves[0].device if leaves else torch.device("cpu")
-
-
-# Settings checks. Their errors read like ModelConfig's and Plan's ("adamw lr=inf is
-# invalid: ..."). bool is an int subclass in Python, but True is no learning rate.
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check(owner: str, name: str, value, ok: bool, allowed: str) -> None:
-    """ValueError naming the argument and its allowed range."""
-    if not ok:
-        raise ValueError(f"{owner} {name}={value!r} is invalid: {allowed}")
-
-
-def _check_finite(owner: str, name: str, value, positive: bool, allowed_extra: str = "") -> None:
-    ok = _is_number(value) and math.isfinite(value) and (value > 0 if positive else value >= 0)
-    _check(owner, name, value, ok, "must be a finite number " + ("> 0" if positive else ">= 0") + allowed_extra)
-
-
-def _check_decay(owner: str, name: str, value) -> None:
-    _check(owner, name, value, _is_number(value) and 0.0 <= value < 1.0, "must be in [0, 1)")
-
-
-def _check_int(owner: str, name: str, value, minimum: int, allowed_extra: str = "") -> None:
-    _check(owner, name, value, _is_int(value) and value >= minimum, f"must be an int >= {minimum}{allowed_extra}")
-
-
-def _check_lr(owner: str, lr) -> None:
-    ok = callable(lr) or (_is_number(lr) and math.isfinite(lr) and lr > 0)
-    _check(owner, "lr", lr, ok, "must be a finite number > 0 or a schedule (a function of the update count)")
 
 
 def global_norm(tree, plan=None) -> torch.Tensor:
@@ -131,13 +94,13 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     return total.sqrt()
 
 
-def _check_norm_scope(plan, what: str) -> None:
+def check_norm_scope(plan, what: str) -> None:
     if plan is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise ValueError(f"{what}: pass plan= when running on several ranks, so the norm covers every shard")
 
 
-class _StepNorm:
+class StepNorm:
     """The global norm of one update's gradients, shared by the transforms of one
     optimizer that need it (``adamw``'s finite check and its clipping), so that the
     reduction behind it (a collective on several ranks) runs once per step.
@@ -167,15 +130,11 @@ class _StepNorm:
 
 
 def _trainable(path) -> bool:
-    # The expert bias is balanced from routing counts, never by gradient steps.
-    return path[-1] != "expert_bias"
+    return trainable(path[-1])
 
 
 def _decays(path, leaf) -> bool:
-    # Matrices decay; norms and biases (expert_bias, fc1_bias, fc2_bias) do not. By
-    # name, since a row shard of a vector is 2-D.
-    name = path[-1]
-    return not (name.endswith("norm") or name.endswith("bias"))
+    return decays(path[-1])
 
 
 def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
@@ -189,12 +148,12 @@ def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
         A Transform whose state is a ``ClipState``: the norm it computed, kept so that
         nobody computes it again (``fmoe.optim.last_grad_norm``).
     """
-    _check_finite("clip_by_global_norm", "max_norm", max_norm, positive=True)
-    _check_norm_scope(plan, "clip_by_global_norm")
-    return _clip(max_norm, _StepNorm(plan), record=True)
+    check_finite("clip_by_global_norm max_norm", max_norm, positive=True)
+    check_norm_scope(plan, "clip_by_global_norm")
+    return clip_with_norm(max_norm, StepNorm(plan), record=True)
 
 
-def _clip(max_norm: float, norm_of: _StepNorm, record: bool) -> Transform:
+def clip_with_norm(max_norm: float, norm_of: StepNorm, record: bool) -> Transform:
     """``clip_by_global_norm`` over a shared norm. ``record``: keep the norm in a
     ``ClipState``; False (state ``EmptyState``) where an ``apply_if_finite`` around it
     records the same norm already."""
@@ -202,12 +161,12 @@ def _clip(max_norm: float, norm_of: _StepNorm, record: bool) -> Transform:
     def init(params):
         if not record:
             return EmptyState()
-        return ClipState(torch.zeros((), dtype=torch.float32, device=_device_of(params)))
+        return ClipState(torch.zeros((), dtype=torch.float32, device=device_of(params)))
 
     def update(grads, state, params=None):
         norm = norm_of(grads)
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        return _map(lambda g: g * scale, grads), (ClipState(norm) if record else state)
+        return optree.tree_map(lambda g: g * scale, grads), (ClipState(norm) if record else state)
 
     return Transform(init, update)
 
@@ -219,22 +178,22 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> Trans
         b1, b2: the moments' decays, in [0, 1).
         eps: added to ``sqrt(v)`` (finite, > 0).
     """
-    _check_decay("scale_by_adam", "b1", b1)
-    _check_decay("scale_by_adam", "b2", b2)
-    _check_finite("scale_by_adam", "eps", eps, positive=True)
+    check_decay("scale_by_adam b1", b1)
+    check_decay("scale_by_adam b2", b2)
+    check_finite("scale_by_adam eps", eps, positive=True)
 
     def init(params):
         zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)
-        count = torch.zeros((), dtype=torch.int64, device=_device_of(params))
-        return ScaleByAdamState(count, _map(zeros, params), _map(zeros, params))
+        count = torch.zeros((), dtype=torch.int64, device=device_of(params))
+        return ScaleByAdamState(count, optree.tree_map(zeros, params), optree.tree_map(zeros, params))
 
     def update(grads, state, params=None):
         count = state.count + 1
-        mu = _map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-        nu = _map(lambda v, g: b2 * v + (1 - b2) * g.square(), state.nu, grads)
+        mu = optree.tree_map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+        nu = optree.tree_map(lambda v, g: b2 * v + (1 - b2) * g.square(), state.nu, grads)
         c1 = 1 - b1 ** count.double()
         c2 = 1 - b2 ** count.double()
-        updates = _map(lambda m, v: (m / c1) / ((v / c2).sqrt() + eps), mu, nu)
+        updates = optree.tree_map(lambda m, v: (m / c1) / ((v / c2).sqrt() + eps), mu, nu)
         return updates, ScaleByAdamState(count, mu, nu)
 
     return Transform(init, update)
@@ -243,7 +202,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> Trans
 def add_decayed_weights(weight_decay: float, mask: Callable = _decays) -> Transform:
     """Add ``weight_decay * param`` (``weight_decay`` finite, >= 0) to the updates of
     leaves where ``mask(path, leaf)``."""
-    _check_finite("add_decayed_weights", "weight_decay", weight_decay, positive=False)
+    check_finite("add_decayed_weights weight_decay", weight_decay, positive=False)
 
     def update(updates, state, params):
         def add(path, u, p):
@@ -260,14 +219,14 @@ def scale_by_learning_rate(lr: float | Schedule) -> Transform:
     The count lives on the params' device, so a schedule written with tensor ops
     (``warmup_cosine`` is) gives the rate without a host read.
     """
-    _check_lr("scale_by_learning_rate", lr)
+    check_lr("scale_by_learning_rate lr", lr)
 
     def init(params):
-        return ScheduleState(torch.zeros((), dtype=torch.int64, device=_device_of(params)))
+        return ScheduleState(torch.zeros((), dtype=torch.int64, device=device_of(params)))
 
     def update(updates, state, params=None):
         rate = lr(state.count) if callable(lr) else lr
-        return _map(lambda u: -rate * u, updates), ScheduleState(state.count + 1)
+        return optree.tree_map(lambda u: -rate * u, updates), ScheduleState(state.count + 1)
 
     return Transform(init, update)
 
@@ -311,10 +270,10 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> S
         total: the update at which the decay ends (an int >= 1).
         floor: the final rate as a fraction of ``peak``, in [0, 1].
     """
-    _check_finite("warmup_cosine", "peak", peak, positive=True)
-    _check_int("warmup_cosine", "warmup", warmup, 0)
-    _check_int("warmup_cosine", "total", total, 1)
-    _check("warmup_cosine", "floor", floor, _is_number(floor) and 0 <= floor <= 1, "must be in [0, 1]")
+    check_finite("warmup_cosine peak", peak, positive=True)
+    check_int("warmup_cosine warmup", warmup, 0)
+    check_int("warmup_cosine total", total, 1)
+    check("warmup_cosine floor", floor, is_number(floor) and 0 <= floor <= 1, "must be in [0, 1]")
 
     def schedule(count):
         n = torch.as_tensor(count, dtype=torch.float64)
@@ -350,8 +309,8 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
     Returns:
         A new pytree sharing every other leaf with ``params``; with ``donate``, ``params``.
     """
-    _check("update_expert_bias", "donate", donate, isinstance(donate, bool), "must be True or False")
-    _check_finite("update_expert_bias", "rate", rate, positive=False)
+    check("update_expert_bias donate", donate, isinstance(donate, bool), "must be True or False")
+    check_finite("update_expert_bias rate", rate, positive=False)
     counts = expert_counts.float()
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
     layers = []

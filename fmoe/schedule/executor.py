@@ -45,7 +45,7 @@ class Executed(NamedTuple):
         ce_sum: this rank's summed cross-entropy (fp32 scalar, detached).
         objective: this rank's share of the differentiated objective (detached).
         grads: ``{path: this rank's fp32 grad leaf}`` (empty without backward nodes).
-        stats: per-microbatch MoEStats stacked over layers (None for layerless runs).
+        stats: one MoEStats per microbatch, stacked over layers (in microbatch order).
         state: the final Lifecycle (its trace included).
     """
 

@@ -32,7 +32,7 @@ from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import attention_half, head_weight
 from ..layers.moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats
 from ..layers.norm import rms_norm
-from ..layers.router import route
+from ..layers.router import route, router_loss
 from ..params import Leaf, param_table
 
 LAYER_NODES = ("attn", "dispatch", "experts", "combine")
@@ -173,8 +173,7 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
     stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None
     if cfg.aux_loss_coef or cfg.z_loss_coef:
-        router = cfg.aux_loss_coef * stats.aux_loss + cfg.z_loss_coef * stats.z_loss
-        objective = router / (plan.microbatches * world)
+        objective = router_loss(stats.aux_loss, stats.z_loss, cfg) / (plan.microbatches * world)
     outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
                "row_probs": routed.row_probs_R, "shared": shared}
     return Attended(outputs, routed, objective, stats)

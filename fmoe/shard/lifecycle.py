@@ -1,4 +1,6 @@
-"""The FSDP lifecycle as a value: each transition takes the state and returns a new one.
+"""The FSDP lifecycle as a value: each transition takes the state and returns a new
+state value. The device buffers it names are not copied: a gather fills a unit's
+buffer in place, a release frees its storage, gradients are added into their buffers.
 
     SHARDED --gather (async)--> GATHERING --wait--> GATHERED --release--> SHARDED
     grads: accumulate per microbatch --reduce_grads (async)--> folded into the grad shard

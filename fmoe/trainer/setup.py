@@ -199,3 +199,7 @@ def check_out(s: dict) -> None:
         shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
         raise ValueError(f"--out={s['out']!r} holds a run ({shown}): add --resume to continue it, --overwrite "
                          "to remove it and start afresh, or name another --out")
+
+
+__all__ = ["Adapters", "Run", "check_out", "check_paths", "check_run_options", "load_expert_backend", "parse_scopes",
+           "prepare"]
