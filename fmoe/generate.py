@@ -24,9 +24,8 @@ import optree
 import torch
 
 from .config import ModelConfig, Plan
-from .layers.attention import attend, project_qkv
-from .layers.model import cast_for_compute, head_weight
-from .layers.moe import moe
+from .layers.attention import KVSlot
+from .layers.model import block, cast_for_compute, head_weight
 from .layers.norm import rms_norm
 
 
@@ -65,14 +64,7 @@ def forward_cached(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, cach
     dropless = cfg.replace(capacity_factor=0.0, pad_multiple=0)
     h = params["embed"][tokens_BS]
     for i, p in enumerate(params["layers"]):
-        q, k, v = project_qkv(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg, start)
-        cache.keys[i][:, :, start:start + S] = k
-        cache.values[i][:, :, start:start + S] = v
-        keys, values = cache.keys[i][:, :, :start + S], cache.values[i][:, :, :start + S]
-        h = h + attend(q, keys, values, start) @ p["attn"]["out"]
-        x = rms_norm(h, p["moe"]["norm"], cfg.norm_eps)
-        y, _ = moe(p["moe"], x.flatten(0, 1), dropless)
-        h = h + y.view_as(h)
+        h, _ = block(p, h, dropless, kv=KVSlot(cache.keys[i], cache.values[i], start))
     logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ head_weight(params)
     return logits, cache._replace(length=start + S)
 

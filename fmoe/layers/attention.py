@@ -4,6 +4,8 @@ Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and a
 optional RMSNorm of queries and keys (per head, or over the whole projection).
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -80,7 +82,23 @@ def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, sta
     return rearrange(o, "b h s d -> b s (h d)")
 
 
-def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+class KVSlot(NamedTuple):
+    """One layer's key/value cache for decoding: ``[B, K, max_len, d]`` buffers and the
+    position of the first token of this call (``start`` earlier ones are filled)."""
+
+    keys_BKLd: torch.Tensor
+    values_BKLd: torch.Tensor
+    start: int
+
+    def extend(self, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor):
+        """Write this call's keys and values at ``start..``; returns all of them so far."""
+        end = self.start + k_BKSd.shape[2]
+        self.keys_BKLd[:, :, self.start:end] = k_BKSd
+        self.values_BKLd[:, :, self.start:end] = v_BKSd
+        return self.keys_BKLd[:, :, :end], self.values_BKLd[:, :, :end]
+
+
+def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None) -> torch.Tensor:
     """Causal self-attention of already-normalised ``x``; no residual.
 
     Arguments:
@@ -88,9 +106,14 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
             ``qkv_bias``, ``q_norm``, ``k_norm`` when the config has them).
         x_BSD: ``[B, S, D]`` normalised activations.
         cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, rope_theta).
+        kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
+            values are written into it and the queries attend over all of them.
 
     Returns:
         ``[B, S, D]``, ``attention(x) @ out``.
     """
-    q, k, v = project_qkv(p, x_BSD, cfg)
-    return attend(q, k, v) @ p["out"]
+    start = 0 if kv is None else kv.start
+    q, k, v = project_qkv(p, x_BSD, cfg, start)
+    if kv is not None:
+        k, v = kv.extend(k, v)
+    return attend(q, k, v, start) @ p["out"]
