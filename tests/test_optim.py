@@ -79,7 +79,7 @@ def test_adamw_is_pure(fused):
     new, state2 = opt.update(grads, state, params)
     for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(before)):
         assert torch.equal(a, b)
-    assert int(state[0].count) == 0 and int(state2[0].count) == 1
+    assert int(state["adam"].count) == 0 and int(state2["adam"].count) == 1
     assert not torch.equal(new["w"], params["w"])
 
 
@@ -176,3 +176,37 @@ def test_last_grad_norm_needs_an_optimizer_that_computes_one():
     _, state = opt.update(grads, opt.init(tree(0)), tree(0))
     assert torch.equal(fmoe.last_grad_norm(state), fmoe.global_norm(grads))
     assert not torch.equal(state.inner_state[1].grad_norm, fmoe.global_norm(grads))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
+@pytest.mark.parametrize("kw", [dict(), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, skip_nonfinite=2)],
+                         ids=["plain", "clip", "clip+skip"])
+def test_adamw_states_are_named_and_a_positional_state_from_before_still_updates(fused, kw):
+    # adamw's chain is a named_chain: its states are found by name. A state saved before
+    # they were named (a tuple in ADAMW_STATES order, e.g. in a checkpoint on disk)
+    # updates exactly as the named one it stands for.
+    from fmoe.optim.optimizers import ADAMW_STATES
+
+    opt = fmoe.adamw(lr=0.1, weight_decay=0.1, fused=fused, **kw)
+    params, grads = tree(0), tree(1)
+    state = opt.init(params)
+    named = state.inner_state if "skip_nonfinite" in kw else state
+    assert list(named) == [n for n in ADAMW_STATES if n != "clip" or "max_grad_norm" in kw]
+    positional = tuple(named.values())
+    if "skip_nonfinite" in kw:
+        positional = state._replace(inner_state=positional)
+    want = opt.update(grads, state, params)
+    got = opt.update(grads, positional, params)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+        assert torch.equal(a, b)
+
+
+def test_named_chain_threads_updates_in_order_and_refuses_a_repeated_name():
+    t = fmoe.optim.named_chain(("scale", fmoe.optim.scale_by_learning_rate(0.5)),
+                               ("decay", fmoe.optim.add_decayed_weights(0.1)))
+    params, grads = tree(0), tree(1)
+    updates, state = t.update(grads, t.init(params), params)
+    assert list(state) == ["scale", "decay"]
+    assert torch.equal(updates["w"], -0.5 * grads["w"] + 0.1 * params["w"])
+    with pytest.raises(ValueError, match="named_chain names"):
+        fmoe.optim.named_chain(("a", fmoe.optim.freeze()), ("a", fmoe.optim.freeze()))

@@ -1,10 +1,10 @@
 """Optimizers as optax-style pairs of pure functions, and the expert-bias update.
 
 A ``Transform`` is ``(init(params) -> state, update(grads, state, params) ->
-(updates, state))``; ``chain`` composes them. ``Optimizer`` wraps a transform so that
+(updates, state))``; ``chain`` and ``named_chain`` compose them. ``Optimizer`` wraps a transform so that
 ``update`` returns new params: ``params, state = opt.update(grads, state, params)``.
 Nothing is modified in place (except what ``adamw(fused=True, donate=True)`` is handed);
-every state is a NamedTuple of tensors.
+every state is a NamedTuple of tensors (a ``named_chain``'s a dict of them by name).
 
 ``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
@@ -16,10 +16,10 @@ torch's fused kernel over flat storage, optionally donating its inputs).
 from .finite import ApplyIfFiniteState, apply_if_finite, last_grad_norm, skipped_steps
 from .optimizers import adamw, optimizer
 from .transforms import (ClipState, EmptyState, Optimizer, ScaleByAdamState, Schedule, ScheduleState, Transform,
-                         add_decayed_weights, chain, clip_by_global_norm, freeze, global_norm, scale_by_adam,
-                         scale_by_learning_rate, update_expert_bias, warmup_cosine)
+                         add_decayed_weights, chain, clip_by_global_norm, freeze, global_norm, named_chain,
+                         scale_by_adam, scale_by_learning_rate, update_expert_bias, warmup_cosine)
 
 __all__ = ["ApplyIfFiniteState", "ClipState", "EmptyState", "Optimizer", "ScaleByAdamState", "Schedule",
            "ScheduleState", "Transform", "add_decayed_weights", "apply_if_finite", "adamw", "chain",
-           "clip_by_global_norm", "freeze", "global_norm", "last_grad_norm", "optimizer", "scale_by_adam",
+           "clip_by_global_norm", "freeze", "global_norm", "last_grad_norm", "named_chain", "optimizer", "scale_by_adam",
            "scale_by_learning_rate", "skipped_steps", "update_expert_bias", "warmup_cosine"]

@@ -109,21 +109,20 @@ def _runs(buf: _Buffer, leaves: list, classes: list) -> list[tuple[int, int, tup
 
 
 def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int, donate: bool):
-    """``adamw(fused=True)``: the chain's state and meaning, one fused kernel per class
-    of leaves (trainable and decayed, trainable, frozen). Returns ``(init, update)``."""
+    """``adamw(fused=True)``: the named chain's state (``clip``, ``adam``, ``decay``,
+    ``lr``, ``freeze``) and meaning, one fused kernel per class of leaves (trainable and
+    decayed, trainable, frozen). Returns ``(init, update)``."""
     clipping = max_grad_norm is not None
-    at = int(clipping)  # the chain's states: [clip,] adam, decay, lr schedule, freeze
 
     def init(params):
-        state = list(chain_init(params))
+        state = chain_init(params)
         leaves, treedef = optree.tree_flatten(params)
         buffers, _ = _buffers(leaves)
         mu, nu = (treedef.unflatten(_moments_like(leaves, buffers, None)) for _ in range(2))
-        state[at] = ScaleByAdamState(state[at].count, mu, nu)
-        return tuple(state)
+        return dict(state, adam=ScaleByAdamState(state["adam"].count, mu, nu))
 
     def fused_update(grads, state, params, norm, apply):
-        adam, schedule = state[at], state[at + 2]
+        adam, schedule = state["adam"], state["lr"]
         rate = lr(schedule.count) if callable(lr) else lr
         grad_scale = None
         if clipping:  # the kernel divides gradients by grad_scale (in place)
@@ -180,12 +179,12 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
                 new_p[i] = p_copy
         run(work)
         advance = 1 if apply is None else apply.long()  # a skipped step leaves the counts too
-        new_state = list(state)
-        new_state[at] = ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m), treedef.unflatten(new_v))
-        new_state[at + 2] = ScheduleState(schedule.count + advance)
+        new_state = dict(state, adam=ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m),
+                                                      treedef.unflatten(new_v)),
+                         lr=ScheduleState(schedule.count + advance))
         if clipping and apply is None:  # the chain's clip records the norm (apply_if_finite does, when skipping)
-            new_state[0] = ClipState(norm)
-        return treedef.unflatten(new_p), tuple(new_state)
+            new_state["clip"] = ClipState(norm)
+        return treedef.unflatten(new_p), new_state
 
     def update(grads, state, params):
         if not max_skips:

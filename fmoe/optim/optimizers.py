@@ -6,10 +6,24 @@ from __future__ import annotations
 import optree
 
 from ..checks import check, check_decay, check_finite, check_int, check_lr
-from .finite import apply_if_finite_sharing, select_where, update_applied
+from .finite import ApplyIfFiniteState, apply_if_finite_sharing, select_where, update_applied
 from .fused import fused_adamw
-from .transforms import (Optimizer, Schedule, StepNorm, Transform, add_decayed_weights, chain, check_norm_scope,
-                         clip_with_norm, freeze, scale_by_adam, scale_by_learning_rate)
+from .transforms import (Optimizer, Schedule, StepNorm, Transform, add_decayed_weights, check_norm_scope,
+                         clip_with_norm, freeze, named_chain, scale_by_adam, scale_by_learning_rate)
+
+ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
+"""The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
+
+
+def named_adamw_state(state):
+    """``adamw``'s state with its chain's states by name. States saved before they were
+    named hold them as a tuple in ``ADAMW_STATES`` order: those are renamed (checkpoints
+    on disk keep loading); named ones come back as they are."""
+    if isinstance(state, ApplyIfFiniteState):
+        return state._replace(inner_state=named_adamw_state(state.inner_state))
+    if isinstance(state, tuple) and len(state) in (4, 5):
+        return dict(zip(ADAMW_STATES[5 - len(state):], state))
+    return state
 
 
 def optimizer(transform: Transform) -> Optimizer:
@@ -95,12 +109,15 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
         check_norm_scope(plan, "adamw")
     norm = StepNorm(plan)  # read by both the finite check and the clipping
     # the norm is kept in the state once: by apply_if_finite when skipping, else by the clip
-    parts = [] if max_grad_norm is None else [clip_with_norm(max_grad_norm, norm, record=not skip_nonfinite)]
-    parts += [scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr), freeze()]
-    transform = chain(*parts)
+    parts = [] if max_grad_norm is None else [("clip", clip_with_norm(max_grad_norm, norm, record=not skip_nonfinite))]
+    parts += [("adam", scale_by_adam(b1, b2, eps)), ("decay", add_decayed_weights(weight_decay)),
+              ("lr", scale_by_learning_rate(lr)), ("freeze", freeze())]
+    transform = named_chain(*parts)
     if fused:
-        return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
-                                      skip_nonfinite, donate))
-    if skip_nonfinite:
-        transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
-    return optimizer(transform)
+        opt = Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
+                                     skip_nonfinite, donate))
+    else:
+        if skip_nonfinite:
+            transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
+        opt = optimizer(transform)
+    return Optimizer(opt.init, lambda grads, state, params: opt.update(grads, named_adamw_state(state), params))

@@ -257,6 +257,28 @@ def chain(*transforms: Transform) -> Transform:
     return Transform(init, update)
 
 
+def named_chain(*named: tuple[str, Transform]) -> Transform:
+    """Apply transforms in order; the state is ``{name: state}`` (optax's ``named_chain``),
+    so code reading one transform's state finds it by name.
+
+    Arguments:
+        named: ``(name, transform)`` pairs, names unique.
+    """
+    names = [name for name, _ in named]
+    check("named_chain names", names, len(set(names)) == len(names), "must be unique")
+
+    def init(params):
+        return {name: t.init(params) for name, t in named}
+
+    def update(updates, state, params=None):
+        new_state = {}
+        for name, t in named:
+            updates, new_state[name] = t.update(updates, state[name], params)
+        return updates, new_state
+
+    return Transform(init, update)
+
+
 def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> Schedule:
     """Linear warm-up to ``peak`` over ``warmup`` updates, then cosine decay to
     ``floor * peak`` at ``total`` updates (held there after).
