@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import optree
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -49,22 +50,27 @@ class Checkpoint(NamedTuple):
     rng: torch.Tensor | None = None
 
 
-def _encode(tree, prefix: str, tensors: dict):
-    """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key."""
+def _encode(tree, prefix: str, tensors: dict, mirrors: dict | None = None, params_def=None):
+    """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key.
+    A subtree shaped like the params (``params_def``: a moment) records in ``mirrors``
+    which parameter each of its tensors mirrors (``{key: path}``)."""
     if isinstance(tree, torch.Tensor):
         tensors[prefix] = tree.detach()
         return {"tensor": prefix}
     if isinstance(tree, dict):
-        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors) for k, v in tree.items()}}
+        if mirrors is not None and optree.tree_structure(tree) == params_def:
+            mirrors.update({f"{prefix}.{path}": path for path in named_leaves(tree)})
+        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors, mirrors, params_def) for k, v in tree.items()}}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         name = type(tree).__name__
         if name not in _STATE_TYPES:
             raise ValueError(f"save: cannot save opt_state {prefix!r} of type {name}; "
                              f"allowed NamedTuple states: {sorted(_STATE_TYPES)}")
-        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors) for f, v in zip(tree._fields, tree)]}
+        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors, mirrors, params_def)
+                                          for f, v in zip(tree._fields, tree)]}
     if isinstance(tree, (list, tuple)):
         kind = "list" if isinstance(tree, list) else "tuple"
-        return {kind: [_encode(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]}
+        return {kind: [_encode(v, f"{prefix}.{i}", tensors, mirrors, params_def) for i, v in enumerate(tree)]}
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return {"value": tree}
     raise ValueError(f"save: cannot save opt_state {prefix!r} of type {type(tree).__name__}; allowed: tensors, "
@@ -83,12 +89,6 @@ def _decode(desc, tensors: dict):
     if "tuple" in desc:
         return tuple(_decode(v, tensors) for v in desc["tuple"])
     return desc["value"]
-
-
-def _param_of(key: str, shapes: dict) -> str | None:
-    """The parameter an optimizer-state key mirrors (``opt_state.1.mu.embed`` -> ``embed``)."""
-    parts = key.split(".")
-    return next((".".join(parts[i:]) for i in range(1, len(parts)) if ".".join(parts[i:]) in shapes), None)
 
 
 @contextlib.contextmanager
@@ -131,10 +131,10 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     meta: dict = {"format": FORMAT_VERSION, "model": dataclasses.asdict(plan.model), "step": int(step),
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
     if opt_state is not None:
-        leaves: dict = {}
-        meta["opt_state"] = _encode(opt_state, "opt_state", leaves)
+        leaves, mirrors = {}, {}
+        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, param_table(plan.model).treedef)
         for key, t in leaves.items():
-            p = _param_of(key, shapes)
+            p = mirrors.get(key)
             t = t.cpu()
             if p is not None and tuple(t.shape) == tuple(local[p]):
                 meta["opt_params"][key] = p
