@@ -35,7 +35,7 @@ class Routed(NamedTuple):
 
     Attributes:
         rows_RD: ``[R, D]`` tokens permuted by global expert (differentiable).
-        row_probs_R: ``[R, 1]`` probabilities travelling with the rows (prob placement
+        row_probs_R1: ``[R, 1]`` probabilities travelling with the rows (prob placement
             ``activation``), else None.
         probs_TK: ``[T, K]`` router probabilities (applied at unpermute, placement ``output``).
         dispatch: where each assignment went (the Dispatch).
@@ -45,7 +45,7 @@ class Routed(NamedTuple):
     """
 
     rows_RD: torch.Tensor
-    row_probs_R: torch.Tensor | None
+    row_probs_R1: torch.Tensor | None
     probs_TK: torch.Tensor
     dispatch: Dispatch
     exchange: Exchange | None
@@ -78,15 +78,15 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
         ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
         segments = d if ex is None else ex.segments
     rows_RD = permute(x_TD, d)
-    row_probs_R = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
-    return Routed(rows_RD, row_probs_R, r.probs_TK, d, ex, segments, r)
+    row_probs_R1 = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
+    return Routed(rows_RD, row_probs_R1, r.probs_TK, d, ex, segments, r)
 
 
-def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
+def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
                 cfg: ModelConfig, backend: str = "torch", deferred: DeferredWgrad | None = None,
                 mlp=expert_mlp) -> torch.Tensor:
     """The routed experts on the rows this rank computes (``mlp``: ``expert_mlp``'s signature)."""
-    probs = None if row_probs_R is None else row_probs_R[:, 0]
+    probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
     return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, backend, deferred)
 
 
@@ -100,7 +100,7 @@ def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,
 
 def output_probs(routed: Routed) -> torch.Tensor | None:
     """The probabilities ``moe_output`` applies: None under placement ``activation``."""
-    return routed.probs_TK if routed.row_probs_R is None else None
+    return routed.probs_TK if routed.row_probs_R1 is None else None
 
 
 def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
@@ -133,7 +133,7 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
         ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
     """
     routed = moe_route(p, x_TD, cfg, ep)
-    rows, probs = routed.rows_RD, routed.row_probs_R
+    rows, probs = routed.rows_RD, routed.row_probs_R1
     ex, capacity = routed.exchange, routed.dispatch.capacity
     if ex is not None:
         sending = dispatch(rows, ex, ep, capacity)

@@ -273,7 +273,7 @@ def _combine(flow: _Flow, mb: int, node: Node, y: torch.Tensor, attn: dict, reco
     inputs = {"y": _leaf(y, flow.train)}
     inputs.update({name: _leaf(attn[name], flow.train) for name in ("h", "probs_TK", "shared")})
     routed = attn["routed"]
-    probs = inputs["probs_TK"] if routed.row_probs_R is None else None
+    probs = inputs["probs_TK"] if routed.row_probs_R1 is None else None
     h = combine_output(inputs["y"], inputs["h"], probs, inputs["shared"], routed)
     if record:
         flow.save(mb, node, _Computed(inputs, {"h": h}, {}))

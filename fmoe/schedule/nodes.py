@@ -175,16 +175,16 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
     if cfg.aux_loss_coef or cfg.z_loss_coef:
         objective = router_loss(stats.aux_loss, stats.z_loss, cfg) / (plan.microbatches * world)
     outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
-               "row_probs": routed.row_probs_R, "shared": shared}
+               "row_probs": routed.row_probs_R1, "shared": shared}
     return Attended(outputs, routed, objective, stats)
 
 
-def experts_node(weights: dict, rows_RD: torch.Tensor, row_probs_R: torch.Tensor | None, routed: Routed,
+def experts_node(weights: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
                  plan: Plan, layer: int, deferred: DeferredWgrad | None, mb: int = 0,
                  kernels: Kernels = EAGER) -> torch.Tensor:
     """The grouped expert MLPs of layer ``layer`` on the rows this rank computes."""
     p = layer_tree(weights, plan.model)
-    return moe_experts(p["moe"], rows_RD, row_probs_R, routed, plan.model, plan.expert_backend, deferred,
+    return moe_experts(p["moe"], rows_RD, row_probs_R1, routed, plan.model, plan.expert_backend, deferred,
                        functools.partial(kernels.experts, (layer, mb)))
 
 
