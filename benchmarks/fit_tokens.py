@@ -20,6 +20,7 @@ conservative side.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -94,6 +95,7 @@ def main():
             params = got["params"]
             more = "+" if got.get("short") else ""
             cells.append(f"{rows * seq:,}{more} ({got['peak']:.0f} GiB, {got['tok_s'] / 1e3:.0f}k tok/s)")
+            print(f"  {name} {policy}: {cells[-1]} after {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         size = f"{params / 1e9:.2f}B" if params else "-"
         print(f"| {name} | {seq} | {size} | " + " | ".join(cells) + f" |  <!-- {time.perf_counter() - t0:.0f} s -->",
               flush=True)

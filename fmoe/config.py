@@ -131,11 +131,11 @@ class ModelConfig:
     def __post_init__(self):
         own = "ModelConfig"
         for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
-            check_int(f"{own}.{name}", getattr(self, name), 1)
-        check_int(f"{own}.shared_ffn", self.shared_ffn, 0)
-        check_int(f"{own}.glu_interleave", self.glu_interleave, 0)
-        check_int(f"{own}.kv_heads", self.kv_heads, 0)
-        check_int(f"{own}.head_size", self.head_size, 0)
+            check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
+        check_int(f"{own}.shared_ffn", self.shared_ffn, 0, builtin=True)
+        check_int(f"{own}.glu_interleave", self.glu_interleave, 0, builtin=True)
+        check_int(f"{own}.kv_heads", self.kv_heads, 0, builtin=True)
+        check_int(f"{own}.head_size", self.head_size, 0, builtin=True)
         check_choice(f"{own}.qk_norm", self.qk_norm, QK_NORMS)
         for name in ("qkv_bias", "tie_embeddings", "shared_gate"):
             check_bool(f"{own}.{name}", getattr(self, name))
@@ -150,7 +150,7 @@ class ModelConfig:
             check_positive(f"{own}.{name}", getattr(self, name))
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
             check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
-        if not is_number(self.glu_offset) or not math.isfinite(self.glu_offset):
+        if not is_number(self.glu_offset, builtin=True) or not math.isfinite(self.glu_offset):
             fail(f"{own}.glu_offset", self.glu_offset, "must be a finite number")
         if self.topk > self.experts:
             fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
@@ -276,7 +276,7 @@ class Plan:
         if not isinstance(self.model, ModelConfig):
             fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
         for name in ("dp", "ep", "microbatches"):
-            check_int(f"{own}.{name}", getattr(self, name), 1)
+            check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         check_choice(f"{own}.sharding", self.sharding, SHARDINGS)
         check_choice(f"{own}.schedule", self.schedule, SCHEDULES)
         check_choice(f"{own}.dtype", self.dtype, DTYPES)
@@ -284,8 +284,8 @@ class Plan:
         check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
         check_bool(f"{own}.compile", self.compile)
         check_choice(f"{own}.remat", self.remat, REMATS)
-        check_int(f"{own}.loss_chunk", self.loss_chunk, 0)
-        check_int(f"{own}.prefetch", self.prefetch, 0)
+        check_int(f"{own}.loss_chunk", self.loss_chunk, 0, builtin=True)
+        check_int(f"{own}.prefetch", self.prefetch, 0, builtin=True)
         check_choice(f"{own}.gather_buffers", self.gather_buffers, GATHER_BUFFERS)
         if self.gather_buffers == "double" and self.prefetch > 1:
             fail(f"{own}.prefetch", self.prefetch,

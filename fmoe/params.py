@@ -130,9 +130,10 @@ class Leaf(NamedTuple):
             attention half, router and shared expert), ``experts`` or ``head``.
         domain: ``expert`` (the routed experts, split over EP ranks) or ``dense``.
         fp32: kept in fp32 whatever the compute dtype (``FP32_LEAVES``).
-        decayed: AdamW's weight decay applies (matrices, not norms or biases).
+        decayed: AdamW's weight decay applies (matrices, not norms or biases:
+            ``decays``, the rule the optimizer applies by leaf name to any pytree).
         trainable: changed by gradient steps (not ``expert_bias``, which
-            ``update_expert_bias`` balances from routing counts).
+            ``update_expert_bias`` balances from routing counts: ``trainable``).
         glu: its last axis holds GLU halves (``fc1`` / ``fc1_bias`` of a GLU activation).
     """
 

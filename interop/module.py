@@ -13,21 +13,19 @@ names follow the layout, so ``state_dict()`` keys are the canonical paths
 
 from __future__ import annotations
 
-import optree
 import torch
 from torch import nn
 
 import fmoe
 from fmoe.layers import cast_for_compute, moe
-from fmoe.params import param_table
+from fmoe.params import named_leaves, param_table, trainable
 from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
 
 
 def _attach(module: nn.Module, tree: dict) -> None:
     for name, value in tree.items():
         if isinstance(value, torch.Tensor):
-            # The expert bias is balanced from routing counts, not trained by gradient.
-            module.register_parameter(name, nn.Parameter(value, requires_grad=name != "expert_bias"))
+            module.register_parameter(name, nn.Parameter(value, requires_grad=trainable(name)))
         elif isinstance(value, list):
             module.add_module(name, nn.ModuleList(_child(v) for v in value))
         else:
@@ -102,9 +100,9 @@ class MoELayer(nn.Module):
         if params is None:
             params = fmoe.init(fmoe.Plan(model=cfg.replace(layers=1)), seed)["layers"][0]["moe"]
         tree = {k: v for k, v in params.items() if k != "norm"}
-        want = {leaf.keys[3:]: leaf.shape for leaf in param_table(cfg).leaves
+        want = {".".join(map(str, leaf.keys[3:])): leaf.shape for leaf in param_table(cfg).leaves
                 if leaf.keys[:3] == ("layers", 0, "moe") and leaf.keys[3] != "norm"}
-        got = {tuple(path): tuple(t.shape) for path, t in zip(*optree.tree_flatten_with_path(tree)[:2])}
+        got = {path: tuple(t.shape) for path, t in named_leaves(tree).items()}
         if got != want:
             wrong = sorted(set(got.items()) ^ set(want.items()))
             raise ValueError(f"MoELayer params do not match the ModelConfig's MoE layer; differing (path, shape): "

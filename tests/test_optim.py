@@ -210,3 +210,12 @@ def test_named_chain_threads_updates_in_order_and_refuses_a_repeated_name():
     assert torch.equal(updates["w"], -0.5 * grads["w"] + 0.1 * params["w"])
     with pytest.raises(ValueError, match="named_chain names"):
         fmoe.optim.named_chain(("a", fmoe.optim.freeze()), ("a", fmoe.optim.freeze()))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
+def test_adamw_refuses_the_state_of_an_adamw_built_otherwise(fused):
+    # a clipping optimizer handed a state without "clip" (e.g. resumed with other settings)
+    params = tree(0)
+    state = fmoe.adamw(lr=0.1, fused=fused).init(params)
+    with pytest.raises(ValueError, match=r"the state holds \['adam', 'decay', 'freeze', 'lr'\].*'clip'"):
+        fmoe.adamw(lr=0.1, max_grad_norm=1.0, fused=fused).update(tree(1), state, params)

@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import optree
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -50,27 +49,37 @@ class Checkpoint(NamedTuple):
     rng: torch.Tensor | None = None
 
 
-def _encode(tree, prefix: str, tensors: dict, mirrors: dict | None = None, params_def=None):
+def _mirrored(keys: tuple, table) -> str | None:
+    """The parameter a state tensor at ``keys`` (its place in the state) mirrors: the
+    one whose pytree keys end its place (``("adam", "mu", "layers", 0, "attn", "qkv")``),
+    or whose dotted name is its last key (states keyed by name); None for the rest."""
+    if keys and keys[-1] in table.by_path:
+        return keys[-1]
+    return next((table.by_keys[keys[i:]].path for i in range(len(keys)) if keys[i:] in table.by_keys), None)
+
+
+def _encode(tree, prefix: str, tensors: dict, mirrors: dict | None = None, table=None, keys: tuple = ()):
     """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key.
-    A subtree shaped like the params (``params_def``: a moment) records in ``mirrors``
-    which parameter each of its tensors mirrors (``{key: path}``)."""
+    With a ParamTable, ``mirrors`` records which parameter each tensor mirrors
+    (``{key: path}``, see ``_mirrored``)."""
     if isinstance(tree, torch.Tensor):
         tensors[prefix] = tree.detach()
+        if table is not None and (path := _mirrored(keys, table)) is not None:
+            mirrors[prefix] = path
         return {"tensor": prefix}
     if isinstance(tree, dict):
-        if mirrors is not None and optree.tree_structure(tree) == params_def:
-            mirrors.update({f"{prefix}.{path}": path for path in named_leaves(tree)})
-        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors, mirrors, params_def) for k, v in tree.items()}}
+        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors, mirrors, table, keys + (k,))
+                         for k, v in tree.items()}}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         name = type(tree).__name__
         if name not in _STATE_TYPES:
             raise ValueError(f"save: cannot save opt_state {prefix!r} of type {name}; "
                              f"allowed NamedTuple states: {sorted(_STATE_TYPES)}")
-        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors, mirrors, params_def)
+        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors, mirrors, table, keys + (f,))
                                           for f, v in zip(tree._fields, tree)]}
     if isinstance(tree, (list, tuple)):
         kind = "list" if isinstance(tree, list) else "tuple"
-        return {kind: [_encode(v, f"{prefix}.{i}", tensors, mirrors, params_def) for i, v in enumerate(tree)]}
+        return {kind: [_encode(v, f"{prefix}.{i}", tensors, mirrors, table, keys + (i,)) for i, v in enumerate(tree)]}
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return {"value": tree}
     raise ValueError(f"save: cannot save opt_state {prefix!r} of type {type(tree).__name__}; allowed: tensors, "
@@ -110,7 +119,11 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
         path: the checkpoint directory (created or replaced).
         plan: the Plan the params are laid out by (its model config is recorded).
         params: this rank's parameter pytree.
-        opt_state: the optimizer state (laid out like params), or None for model-only.
+        opt_state: the optimizer state, or None for model-only. A tensor in it that
+            mirrors a parameter (its place ends in the parameter's pytree keys, or its
+            key is the parameter's dotted name, and it has the parameter's local shape)
+            is saved in global shape like the parameter; any other tensor must be the
+            same on every rank.
         step: the training step count.
         extra: JSON-serialisable user data (e.g. the data position).
         rng: an optional uint8 tensor (e.g. ``generator.get_state()``), the same on all ranks.
@@ -132,14 +145,14 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
     if opt_state is not None:
         leaves, mirrors = {}, {}
-        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, param_table(plan.model).treedef)
+        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, param_table(plan.model))
         for key, t in leaves.items():
             p = mirrors.get(key)
             t = t.cpu()
             if p is not None and tuple(t.shape) == tuple(local[p]):
                 meta["opt_params"][key] = p
                 tensors[key] = BoxedTensor(shapes[p], t.dtype, local_boxes(p, shapes[p], t, plan, world.rank))
-            else:  # scalars (step counts): the same on every rank
+            else:  # what mirrors no parameter (step counts, norms): the same on every rank
                 tensors[key] = BoxedTensor(t.shape, t.dtype, [((0,) * t.dim(), t)])
     if rng is not None:
         tensors["rng"] = BoxedTensor(rng.shape, rng.dtype, [((0,) * rng.dim(), rng.cpu())])

@@ -22,7 +22,11 @@ import torch
 
 from ..params import decays, trainable
 from .finite import finite_init, next_finite_state, skip_decision
-from .transforms import ClipState, ScaleByAdamState, ScheduleState, global_norm
+from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_named_state, global_norm
+
+
+ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
+"""The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
 
 
 def _storage(t: torch.Tensor):
@@ -113,6 +117,7 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
     ``lr``, ``freeze``) and meaning, one fused kernel per class of leaves (trainable and
     decayed, trainable, frozen). Returns ``(init, update)``."""
     clipping = max_grad_norm is not None
+    names = list(ADAMW_STATES[0 if clipping else 1:])
 
     def init(params):
         state = chain_init(params)
@@ -122,6 +127,7 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         return dict(state, adam=ScaleByAdamState(state["adam"].count, mu, nu))
 
     def fused_update(grads, state, params, norm, apply):
+        check_named_state(state, names)
         adam, schedule = state["adam"], state["lr"]
         rate = lr(schedule.count) if callable(lr) else lr
         grad_scale = None

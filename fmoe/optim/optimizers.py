@@ -7,13 +7,9 @@ import optree
 
 from ..checks import check, check_decay, check_finite, check_int, check_lr
 from .finite import ApplyIfFiniteState, apply_if_finite_sharing, select_where, update_applied
-from .fused import fused_adamw
+from .fused import ADAMW_STATES, fused_adamw
 from .transforms import (Optimizer, Schedule, StepNorm, Transform, add_decayed_weights, check_norm_scope,
                          clip_with_norm, freeze, named_chain, scale_by_adam, scale_by_learning_rate)
-
-ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
-"""The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
-
 
 def named_adamw_state(state):
     """``adamw``'s state with its chain's states by name. States saved before they were

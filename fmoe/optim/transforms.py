@@ -15,7 +15,7 @@ import optree
 import torch
 
 from ..checks import check, check_decay, check_finite, check_int, check_lr, is_number
-from ..params import decays, trainable
+from ..params import decays, param_table, trainable
 
 Schedule = Callable[[torch.Tensor], torch.Tensor | float]
 
@@ -79,7 +79,6 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     if plan is None or plan.world == 1:
         return torch.stack(sq).sum().sqrt()
     from ..shard.mesh import mesh_for  # optim is usable without shard/: import late
-    from ..params import param_table
     from ..shard.spec import shard_spec
 
     spec, mesh, table = shard_spec(plan), mesh_for(plan), param_table(plan.model)
@@ -257,6 +256,14 @@ def chain(*transforms: Transform) -> Transform:
     return Transform(init, update)
 
 
+def check_named_state(state, names: list) -> None:
+    """ValueError unless ``state`` is a named chain's state with exactly ``names``."""
+    if not isinstance(state, dict) or set(state) != set(names):
+        held = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"named_chain: the state holds {held}, this chain's states are {names} "
+                         "(a state from an optimizer built with other settings?)")
+
+
 def named_chain(*named: tuple[str, Transform]) -> Transform:
     """Apply transforms in order; the state is ``{name: state}`` (optax's ``named_chain``),
     so code reading one transform's state finds it by name.
@@ -271,6 +278,7 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         return {name: t.init(params) for name, t in named}
 
     def update(updates, state, params=None):
+        check_named_state(state, names)
         new_state = {}
         for name, t in named:
             updates, new_state[name] = t.update(updates, state[name], params)

@@ -40,7 +40,7 @@ from ..layers.loss import cross_entropy_sum
 from ..layers.model import attention_half
 from ..layers.router import route
 from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
-from .remat import selective, selective_experts, selective_kernels
+from .remat import quiet_compiled, selective, selective_experts, selective_kernels
 
 SELECTIVE_EAGER = selective_kernels(EAGER)
 
@@ -103,12 +103,14 @@ def compiled_kernels(selective_remat: bool = False) -> Kernels:
 @functools.cache
 def _compiled_kernels(selective_remat: bool) -> Kernels:
     act = _compiled_activation()
-    keep = selective if selective_remat else (lambda fn: fn)
+
+    def keep(fn):  # the policy inside the region to compile
+        return quiet_compiled(_compile(selective(fn))) if selective_remat else _compile(fn)
 
     def experts(site, p, x_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
         return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
 
-    return Kernels(attn=at_any_site(_compile(keep(attention_half))), router=at_any_site(_compile(keep(route))),
+    return Kernels(attn=at_any_site(keep(attention_half)), router=at_any_site(keep(route)),
                    experts=selective_experts(experts) if selective_remat else experts,
                    head=at_any_site(_compiled_head()), dispatch=at_any_site(_compiled_dispatch()))
 

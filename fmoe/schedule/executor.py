@@ -27,12 +27,12 @@ from ..config import Plan
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
 from ..layers.model import stack_stats
+from ..params import param_table
 from ..shard import lifecycle as lc
 from ..shard.mesh import Mesh
 from ..shard.spec import local_leaves, shard_rank, shard_spec
 from ..shard.trace import Event, now
 from .compiled import kernels_for
-from ..params import param_table
 from .nodes import (Attended, Kernels, Node, all_nodes, attn_node, combine_output, embed_node, experts_node,
                     head_node, layer_nodes)
 from .program import Action, double_buffer_slots, max_live_units
@@ -112,7 +112,7 @@ class _Flow:
     ``values[(mb, node)]``: a node's forward outputs by name: tensors, Transfers in
     flight, or (``combine``) a completion run when first needed. ``grads[(mb, node)]``:
     gradients w.r.t. those outputs, possibly in flight. ``records``: autograd records
-    waiting for their backward. ``routed[(mb, layer)]``: a layer's routing, from its
+    waiting for their backward. ``routed[(mb, Node("layer", i))]``: a layer's routing, from its
     forward to its attention's backward. ``events``: exchanges that landed, for the trace.
     """
 
@@ -128,7 +128,7 @@ class _Flow:
         self.routed: dict = {}
         self.deferred: dict = {}
         # Plan.remat='full': layer forwards keep only what their layer's recompute
-        # needs (``kept[(mb, layer)]``); their autograd graphs are dropped at once
+        # needs (``kept[(mb, Node("layer", i))]``); their autograd graphs are dropped at once
         self.remat = self.train and plan.remat == "full"
         self.kept: dict = {}
         self.events: list = []
@@ -209,12 +209,12 @@ def _forward(state, a: Action, flow: _Flow):
         if flow.remat:  # kept: the input and the routing; the rows go on as an output and
             # a recompute makes them again
             result = _detached(result)
-            flow.kept[(mb, layer)] = {"h": h.detach()}
-            flow.routed[(mb, layer)] = result.routed._replace(rows_RD=None)
+            flow.kept[(mb, node.whole_layer)] = {"h": h.detach()}
+            flow.routed[(mb, node.whole_layer)] = result.routed._replace(rows_RD=None)
         else:
             flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
             if train:
-                flow.routed[(mb, layer)] = result.routed
+                flow.routed[(mb, node.whole_layer)] = result.routed
         flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
     elif kind == "dispatch":
         attn = flow.values[(mb, node.sibling("attn"))]
@@ -233,7 +233,7 @@ def _forward(state, a: Action, flow: _Flow):
             y = experts_node(weights, rows, probs, routed, plan, layer, None, mb, flow.kernels)
             flow.values[(mb, node)] = {"y": y.detach()}
             if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
-                flow.kept[(mb, layer)].update(rows=rows.detach(), row_probs=probs)
+                flow.kept[(mb, node.whole_layer)].update(rows=rows.detach(), row_probs=probs)
         else:
             flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, weights, rows, probs, routed)}
     elif kind == "combine":
@@ -264,7 +264,7 @@ def _complete_combine(flow: _Flow, mb: int, node: Node, y, attn: dict) -> torch.
     y = flow.resolve(y)
     if flow.remat:
         if attn["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
-            flow.kept[(mb, node.layer)]["y"] = y.detach()
+            flow.kept[(mb, node.whole_layer)]["y"] = y.detach()
         return _combine(flow, mb, node, y, attn, record=False).detach()
     return _combine(flow, mb, node, y, attn)
 
@@ -288,8 +288,8 @@ def _recompute(state, a: Action, flow: _Flow):
     Same inputs, same kernels: the same values as the forward, bit for bit."""
     plan, mb, layer = flow.plan, a.mb, a.node.layer
     what = f"recompute {a.node} (microbatch {mb})"
-    kept = flow.take(flow.kept, mb, layer, what)
-    routed = flow.routed[(mb, layer)]
+    kept = flow.take(flow.kept, mb, a.node, what)
+    routed = flow.routed[(mb, a.node)]
     attn, _, experts, combine = layer_nodes(layer)
     h = _leaf(kept["h"], True)
     weights = _weights(state, a.unit, attn, flow, what)
@@ -307,12 +307,12 @@ def _backward(state, a: Action, flow: _Flow):
     """Run one node's backward; gradients for its inputs go to their producers (the
     all-to-all nodes send theirs back across ranks, in flight until needed)."""
     mb, node = a.mb, a.node
-    kind, layer = node.kind, node.layer
+    kind = node.kind
     if a.unit is not None:
         lc.require_gathered(state, a.unit, f"backward {node} (microbatch {mb})")
     if kind == "dispatch":
         got = flow.take(flow.grads, mb, node, f"backward {node}")
-        routed = flow.routed[(mb, layer)]
+        routed = flow.routed[(mb, node.whole_layer)]
         if routed.exchange is not None:
             got = {name: None if g is None else flow.send(
                        from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
@@ -327,9 +327,9 @@ def _backward(state, a: Action, flow: _Flow):
     if kind in ("head", "attn"):
         flow.grads_for(mb, flow.previous[node])["h"] = got["h"]
         if kind == "attn":
-            del flow.routed[(mb, layer)]
+            del flow.routed[(mb, node.whole_layer)]
     elif kind == "combine":
-        routed = flow.routed[(mb, layer)]
+        routed = flow.routed[(mb, node.whole_layer)]
         g_y = got.pop("y")
         if routed.exchange is not None and g_y is not None:
             g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),

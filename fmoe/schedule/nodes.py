@@ -70,6 +70,11 @@ class Node(NamedTuple):
         """The node ``kind`` of the same layer."""
         return Node(kind, self.layer)
 
+    @property
+    def whole_layer(self) -> "Node":
+        """Its layer as one node, ``Node("layer", i)`` (what a recompute re-runs)."""
+        return Node("layer", self.layer)
+
     def uses(self, leaf: Leaf, cfg: ModelConfig) -> bool:
         """Whether it computes with ``leaf``: its own kind's leaves of its member, and,
         with tied embeddings, ``embed`` in ``head`` too."""

@@ -52,15 +52,32 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-class _QuietSelectiveUnderCompile(logging.Filter):
+class _QuietWhileFmoeCompiles(logging.Filter):
     # torch warns, once per process, that a region with a checkpoint policy under
-    # torch.compile must not mutate what it saves. The kernels wrapped here mutate
-    # nothing they save (the router's only in-place op fills a fresh integer count).
+    # torch.compile must not mutate what it saves. fmoe's kernels mutate nothing they
+    # save (the router's only in-place op fills a fresh integer count); the warning is
+    # dropped only while one of them runs (compiles), never for the user's own code.
+    active = 0
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+        return not (self.active and "context_fn is passed to torch.utils.checkpoint" in record.getMessage())
 
 
-logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QuietSelectiveUnderCompile())
+_QUIET = _QuietWhileFmoeCompiles()
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QUIET)
+
+
+def quiet_compiled(fn: Callable) -> Callable:
+    """A compiled selective kernel that compiles without torch's warning (see above)."""
+    @functools.wraps(fn)
+    def run(*args):
+        _QUIET.active += 1
+        try:
+            return fn(*args)
+        finally:
+            _QUIET.active -= 1
+
+    return run
 
 
 def selective(fn: Callable, name: str | None = None) -> Callable:

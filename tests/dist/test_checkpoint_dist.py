@@ -6,8 +6,10 @@ import optree
 import pytest
 import torch
 
+import fmoe
+
 from .harness import run_ranks
-from .workloads import checkpoint_reader, checkpoint_writer
+from .workloads import CFG, checkpoint_reader, checkpoint_writer, user_state_round_trip
 
 SAVED_AT = (2, 1, "optim_grads_params")
 TARGETS = [(1, 1, "no_shard"), (4, 1, "optim"), (2, 2, "optim_grads_params"), SAVED_AT]
@@ -38,3 +40,15 @@ def test_resumed_training_is_bitwise_the_uninterrupted_one(saved):
     path, writers = saved
     for resumed, uninterrupted in zip(read(str(path), *SAVED_AT), writers):
         assert torch.equal(resumed["after"], uninterrupted["after"])
+
+
+@pytest.mark.parametrize("kind", ["by_name", "subset"])
+def test_a_state_the_user_built_comes_back_to_each_rank(tmp_path, kind):
+    # Its tensors that mirror a parameter (found by their place in the state or their
+    # dotted name) are saved in global shape like the parameter, not as one replicated
+    # tensor: each ZeRO-3 rank gets its own shards back.
+    n_params = len(optree.tree_leaves(fmoe.init(fmoe.Plan(model=CFG), seed=0)))
+    n_layer_params = n_params - 3  # embed, final_norm, head
+    for res in run_ranks(2, user_state_round_trip, str(tmp_path / "ck"), kind):
+        assert res["same"]
+        assert res["mirrored"] == (n_params if kind == "by_name" else n_layer_params)

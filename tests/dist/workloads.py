@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import json
 import warnings
+from pathlib import Path
 
 import optree
 import torch
@@ -434,3 +436,24 @@ def remat_configs(rank, world, dp, ep, device="cpu"):
                              device=device, **kw)
             out[(case, remat)] = train(plan, tokens)
     return out
+
+
+def user_state_round_trip(rank, world, path, kind):
+    """Save a state the user built (not adamw's) on ZeRO-3 ranks and load it back:
+    ``by_name``: tensors keyed by the parameters' dotted names; ``subset``: a moment over
+    the layers only. Returns how many tensors were saved as parameter mirrors and
+    whether every rank got its own shards back."""
+    from fmoe.params import named_leaves
+
+    plan = fmoe.Plan(model=CFG, dp=world, sharding="optim_grads_params")
+    params = fmoe.init(plan, seed=0)
+    if kind == "by_name":
+        state = {"ema": {p: t.detach() + rank + 1 for p, t in named_leaves(params).items()}}
+    else:
+        state = {"mu": {"layers": optree.tree_map(lambda t: t.detach() + rank + 1, params["layers"])},
+                 "count": torch.tensor(3)}
+    fmoe.save(path, plan, params, opt_state=state)
+    back = fmoe.load(path, plan).opt_state
+    same = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(state)))
+    mirrored = json.loads((Path(path) / "fmoe.json").read_text())["opt_params"]
+    return {"mirrored": len(mirrored), "same": same}
