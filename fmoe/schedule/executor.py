@@ -185,67 +185,89 @@ def _detached(tree):
     return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
 
 
+def _input_h(flow: _Flow, mb: int, node: Node) -> torch.Tensor:
+    """The hidden states ``node`` reads (the previous layer's combine, or the embedding),
+    as a leaf of its own graph."""
+    prev = flow.take(flow.values, mb, flow.previous[node], f"forward {node}")
+    return _leaf(flow.resolve(prev["h"]), flow.train)
+
+
+def _forward_embed(flow: _Flow, mb: int, node: Node, weights: dict):
+    h = embed_node(weights, flow.tokens_mb[mb])
+    flow.values[(mb, node)] = {"h": h}
+    flow.save(mb, node, _Computed({}, {"h": h}, weights))
+
+
+def _forward_head(flow: _Flow, mb: int, node: Node, weights: dict):
+    plan, h = flow.plan, _input_h(flow, mb, node)
+    objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps,
+                                  mb, flow.kernels, plan.loss_chunk)
+    flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
+    return objective.detach(), ce_sum
+
+
+def _forward_attn(flow: _Flow, mb: int, node: Node, weights: dict) -> Attended:
+    h = _input_h(flow, mb, node)
+    result = attn_node(weights, h, flow.plan, node.layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
+    if flow.remat:  # kept: the input and the routing; the rows go on as an output and
+        # a recompute makes them again
+        result = _detached(result)
+        flow.kept[(mb, node.whole_layer)] = {"h": h.detach()}
+        flow.routed[(mb, node.whole_layer)] = result.routed._replace(rows_RD=None)
+    else:
+        flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
+        if flow.train:
+            flow.routed[(mb, node.whole_layer)] = result.routed
+    flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
+    return result
+
+
+def _forward_dispatch(flow: _Flow, mb: int, node: Node, weights: dict):
+    """Issue the all-to-all of the rows (and their probabilities) to their experts' ranks."""
+    attn = flow.values[(mb, node.sibling("attn"))]
+    rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
+    if routed.exchange is not None:
+        cap = routed.dispatch.capacity
+        rows = flow.send(to_experts(rows, routed.exchange, flow.ep, cap), node, mb)
+        probs = None if probs is None else flow.send(to_experts(probs, routed.exchange, flow.ep, cap), node, mb)
+    flow.values[(mb, node)] = {"rows": rows, "row_probs": probs}
+
+
+def _forward_experts(flow: _Flow, mb: int, node: Node, weights: dict):
+    sent = flow.take(flow.values, mb, node.sibling("dispatch"), f"forward {node}")
+    routed = flow.values[(mb, node.sibling("attn"))]["routed"]
+    rows = _leaf(flow.resolve(sent["rows"]), flow.train)
+    probs = _leaf(flow.resolve(sent["row_probs"]), flow.train)
+    if flow.remat:
+        y = experts_node(weights, rows, probs, routed, flow.plan, node.layer, None, mb, flow.kernels)
+        flow.values[(mb, node)] = {"y": y.detach()}
+        if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
+            flow.kept[(mb, node.whole_layer)].update(rows=rows.detach(), row_probs=probs)
+    else:
+        flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, weights, rows, probs, routed)}
+
+
+def _forward_combine(flow: _Flow, mb: int, node: Node, weights: dict):
+    """Issue the all-to-all bringing the rows back; unpermute and the residual add run
+    when the next node first reads ``h`` (``_complete_combine``)."""
+    y = flow.take(flow.values, mb, node.sibling("experts"), f"forward {node}")["y"]
+    attn = flow.values.pop((mb, node.sibling("attn")))
+    routed = attn["routed"]
+    if routed.exchange is not None:
+        y = flow.send(from_experts(y, routed.exchange, flow.ep, routed.dispatch.capacity), node, mb)
+    flow.values[(mb, node)] = {"h": lambda: _complete_combine(flow, mb, node, y, attn)}
+
+
+FORWARD = {"embed": _forward_embed, "attn": _forward_attn, "dispatch": _forward_dispatch,
+           "experts": _forward_experts, "combine": _forward_combine, "head": _forward_head}
+"""Each node kind's forward: ``(flow, mb, node, weights) -> Attended | (objective, ce_sum) | None``."""
+
+
 def _forward(state, a: Action, flow: _Flow):
     """Run one node's forward; returns ``(state, Attended | head result | None)``."""
-    plan, train, mb, node = flow.plan, flow.train, a.mb, a.node
-    kind, layer = node.kind, node.layer
-    weights = {} if a.unit is None else _weights(state, a.unit, node, flow, f"forward {node} (microbatch {mb})")
-    result = None
-    if kind == "embed":
-        h = embed_node(weights, flow.tokens_mb[mb])
-        flow.values[(mb, node)] = {"h": h}
-        flow.save(mb, node, _Computed({}, {"h": h}, weights))
-    elif kind == "head":
-        prev = flow.previous[node]
-        h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
-        objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps,
-                                      mb, flow.kernels, plan.loss_chunk)
-        flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
-        result = (objective.detach(), ce_sum)
-    elif kind == "attn":
-        prev = flow.previous[node]
-        h = _leaf(flow.resolve(flow.take(flow.values, mb, prev, f"forward {node}")["h"]), train)
-        result = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
-        if flow.remat:  # kept: the input and the routing; the rows go on as an output and
-            # a recompute makes them again
-            result = _detached(result)
-            flow.kept[(mb, node.whole_layer)] = {"h": h.detach()}
-            flow.routed[(mb, node.whole_layer)] = result.routed._replace(rows_RD=None)
-        else:
-            flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
-            if train:
-                flow.routed[(mb, node.whole_layer)] = result.routed
-        flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
-    elif kind == "dispatch":
-        attn = flow.values[(mb, node.sibling("attn"))]
-        rows, probs, routed = attn["rows"], attn["row_probs"], attn["routed"]
-        if routed.exchange is not None:
-            cap = routed.dispatch.capacity
-            rows = flow.send(to_experts(rows, routed.exchange, flow.ep, cap), node, mb)
-            probs = None if probs is None else flow.send(to_experts(probs, routed.exchange, flow.ep, cap), node, mb)
-        flow.values[(mb, node)] = {"rows": rows, "row_probs": probs}
-    elif kind == "experts":
-        sent = flow.take(flow.values, mb, node.sibling("dispatch"), f"forward {node}")
-        routed = flow.values[(mb, node.sibling("attn"))]["routed"]
-        rows = _leaf(flow.resolve(sent["rows"]), train)
-        probs = _leaf(flow.resolve(sent["row_probs"]), train)
-        if flow.remat:
-            y = experts_node(weights, rows, probs, routed, plan, layer, None, mb, flow.kernels)
-            flow.values[(mb, node)] = {"y": y.detach()}
-            if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
-                flow.kept[(mb, node.whole_layer)].update(rows=rows.detach(), row_probs=probs)
-        else:
-            flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, weights, rows, probs, routed)}
-    elif kind == "combine":
-        y = flow.take(flow.values, mb, node.sibling("experts"), f"forward {node}")["y"]
-        attn = flow.values.pop((mb, node.sibling("attn")))
-        routed = attn["routed"]
-        if routed.exchange is not None:
-            y = flow.send(from_experts(y, routed.exchange, flow.ep, routed.dispatch.capacity), node, mb)
-        flow.values[(mb, node)] = {"h": lambda: _complete_combine(flow, mb, node, y, attn)}
-    else:
-        raise ValueError(f"unknown node {node!r}")
-    return state, result
+    node = a.node
+    weights = {} if a.unit is None else _weights(state, a.unit, node, flow, f"forward {node} (microbatch {a.mb})")
+    return state, FORWARD[node.kind](flow, a.mb, node, weights)
 
 
 def _run_experts(flow: _Flow, mb: int, node: Node, weights: dict, rows, probs, routed) -> torch.Tensor:
@@ -303,44 +325,70 @@ def _recompute(state, a: Action, flow: _Flow):
     return state
 
 
-def _backward(state, a: Action, flow: _Flow):
-    """Run one node's backward; gradients for its inputs go to their producers (the
-    all-to-all nodes send theirs back across ranks, in flight until needed)."""
+def _backward_dispatch(state, a: Action, flow: _Flow, got: dict):
+    """Send the rows' gradients back to the ranks they came from (in flight until the
+    attention's backward needs them)."""
     mb, node = a.mb, a.node
-    kind = node.kind
+    routed = flow.routed[(mb, node.whole_layer)]
+    if routed.exchange is not None:
+        got = {name: None if g is None else flow.send(
+                   from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
+               for name, g in got.items()}
+    flow.grads_for(mb, node.sibling("attn")).update(got)
+    return state
+
+
+def _backward_h(state, a: Action, flow: _Flow, got: dict):
+    """``head`` and ``attn``: the input's gradient to the node that produced ``h``."""
+    mb, node = a.mb, a.node
+    flow.grads_for(mb, flow.previous[node])["h"] = got["h"]
+    if node.kind == "attn":
+        del flow.routed[(mb, node.whole_layer)]
+    return state
+
+
+def _backward_combine(state, a: Action, flow: _Flow, got: dict):
+    """The rows' gradient to the experts (across ranks under EP), the rest to ``attn``."""
+    mb, node = a.mb, a.node
+    routed = flow.routed[(mb, node.whole_layer)]
+    g_y = got.pop("y")
+    if routed.exchange is not None and g_y is not None:
+        g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),
+                        node, mb)
+    flow.grads_for(mb, node.sibling("experts"))["y"] = g_y
+    flow.grads_for(mb, node.sibling("attn")).update(got)
+    return state
+
+
+def _backward_experts(state, a: Action, flow: _Flow, got: dict):
+    mb, node = a.mb, a.node
+    flow.grads_for(mb, node.sibling("dispatch")).update(got)
+    if (mb, node) in flow.deferred and flow.deferred[(mb, node)][0].pending:
+        state = lc.defer_wgrad(state, a.unit, mb)
+    return state
+
+
+BACKWARD = {"embed": lambda state, *_: state, "attn": _backward_h, "dispatch": _backward_dispatch,
+            "experts": _backward_experts, "combine": _backward_combine, "head": _backward_h}
+"""Each node kind's backward, given the gradients of its inputs (``got``): where they go."""
+
+
+def _backward(state, a: Action, flow: _Flow):
+    """Run one node's backward: its recorded graph's gradients (weight gradients into
+    the unit's buffer), then its kind sends those of its inputs to their producers (the
+    all-to-all nodes across ranks, in flight until needed)."""
+    mb, node = a.mb, a.node
     if a.unit is not None:
         lc.require_gathered(state, a.unit, f"backward {node} (microbatch {mb})")
-    if kind == "dispatch":
+    if node.kind == "dispatch":  # no graph of its own: its gradients only move
         got = flow.take(flow.grads, mb, node, f"backward {node}")
-        routed = flow.routed[(mb, node.whole_layer)]
-        if routed.exchange is not None:
-            got = {name: None if g is None else flow.send(
-                       from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
-                   for name, g in got.items()}
-        flow.grads_for(mb, node.sibling("attn")).update(got)
-        return state
-    rec = flow.take(flow.records, mb, node, f"backward {node}")
-    grads_out = {name: flow.resolve(g) for name, g in flow.grads.pop((mb, node), {}).items()}
-    got, weight_grads = _backprop(rec, grads_out)
-    if weight_grads:
-        state = lc.accumulate_grads(state, a.unit, weight_grads)
-    if kind in ("head", "attn"):
-        flow.grads_for(mb, flow.previous[node])["h"] = got["h"]
-        if kind == "attn":
-            del flow.routed[(mb, node.whole_layer)]
-    elif kind == "combine":
-        routed = flow.routed[(mb, node.whole_layer)]
-        g_y = got.pop("y")
-        if routed.exchange is not None and g_y is not None:
-            g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),
-                            node, mb)
-        flow.grads_for(mb, node.sibling("experts"))["y"] = g_y
-        flow.grads_for(mb, node.sibling("attn")).update(got)
-    elif kind == "experts":
-        flow.grads_for(mb, node.sibling("dispatch")).update(got)
-        if (mb, node) in flow.deferred and flow.deferred[(mb, node)][0].pending:
-            state = lc.defer_wgrad(state, a.unit, mb)
-    return state
+    else:
+        rec = flow.take(flow.records, mb, node, f"backward {node}")
+        grads_out = {name: flow.resolve(g) for name, g in flow.grads.pop((mb, node), {}).items()}
+        got, weight_grads = _backprop(rec, grads_out)
+        if weight_grads:
+            state = lc.accumulate_grads(state, a.unit, weight_grads)
+    return BACKWARD[node.kind](state, a, flow, got)
 
 
 def _wgrad(state, a: Action, flow: _Flow):
