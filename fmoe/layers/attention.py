@@ -47,21 +47,21 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0):
     Returns:
         ``(q_BHSd, k_BKSd, v_BKSd)``: RoPE applied to q and k; ``K = num_kv_heads``.
     """
-    qkv = x_BSD @ p["qkv"]
+    qkv_BSN = x_BSD @ p["qkv"]  # N = Q + 2K columns: [q | k | v]
     if "qkv_bias" in p:
-        qkv = qkv + p["qkv_bias"]
-    q, k, v = qkv.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
+        qkv_BSN = qkv_BSN + p["qkv_bias"]
+    q_BSQ, k_BSK, v_BSK = qkv_BSN.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
     if cfg.qk_norm == "full":
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q = rearrange(q, "b s (h d) -> b s h d", h=cfg.heads)
-    k, v = (rearrange(t, "b s (h d) -> b s h d", h=cfg.num_kv_heads) for t in (k, v))
+        q_BSQ, k_BSK = rms_norm(q_BSQ, p["q_norm"], cfg.norm_eps), rms_norm(k_BSK, p["k_norm"], cfg.norm_eps)
+    q_BSHd = rearrange(q_BSQ, "b s (h d) -> b s h d", h=cfg.heads)
+    k_BSKd, v_BSKd = (rearrange(t, "b s (h d) -> b s h d", h=cfg.num_kv_heads) for t in (k_BSK, v_BSK))
     if cfg.qk_norm == "head":
         # before the transpose, in the projection's own layout: the compiled attention
         # fuses the norm with the split and transpose (2% faster at the qwen3 shape)
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-    q, k, v = (rearrange(t, "b s h d -> b h s d") for t in (q, k, v))
-    cos, sin = rope_tables(x_BSD.shape[1], cfg.head_dim, cfg.rope_theta, x_BSD.device, start)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q_BSHd, k_BSKd = rms_norm(q_BSHd, p["q_norm"], cfg.norm_eps), rms_norm(k_BSKd, p["k_norm"], cfg.norm_eps)
+    q_BHSd, k_BKSd, v_BKSd = (rearrange(t, "b s h d -> b h s d") for t in (q_BSHd, k_BSKd, v_BSKd))
+    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], cfg.head_dim, cfg.rope_theta, x_BSD.device, start)
+    return apply_rope(q_BHSd, cos_Sh, sin_Sh), apply_rope(k_BKSd, cos_Sh, sin_Sh), v_BKSd
 
 
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -113,7 +113,7 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         ``[B, S, D]``, ``attention(x) @ out``.
     """
     start = 0 if kv is None else kv.start
-    q, k, v = project_qkv(p, x_BSD, cfg, start)
-    if kv is not None:
-        k, v = kv.extend(k, v)
-    return attend(q, k, v, start) @ p["out"]
+    q_BHSd, k_BKLd, v_BKLd = project_qkv(p, x_BSD, cfg, start)
+    if kv is not None:  # L: the keys so far
+        k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
+    return attend(q_BHSd, k_BKLd, v_BKLd, start) @ p["out"]

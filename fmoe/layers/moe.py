@@ -133,15 +133,16 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
         ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
     """
     routed = moe_route(p, x_TD, cfg, ep)
-    rows, probs = routed.rows_RD, routed.row_probs_R1
+    rows_RD, row_probs_R1 = routed.rows_RD, routed.row_probs_R1
     ex, capacity = routed.exchange, routed.dispatch.capacity
+    if ex is not None:  # the rows this rank's experts compute, from every rank
+        sending = dispatch(rows_RD, ex, ep, capacity)
+        if row_probs_R1 is not None:
+            row_probs_R1 = dispatch(row_probs_R1, ex, ep, capacity).wait()
+        rows_RD = sending.wait()
+    y_RD = moe_experts(p, rows_RD, row_probs_R1, routed, cfg, backend)
     if ex is not None:
-        sending = dispatch(rows, ex, ep, capacity)
-        if probs is not None:
-            probs = dispatch(probs, ex, ep, capacity).wait()
-        rows = sending.wait()
-    y = moe_experts(p, rows, probs, routed, cfg, backend)
-    if ex is not None:
-        y = combine(y, ex, ep, capacity).wait()
-    shared = dense_mlp(p["shared"], x_TD, cfg) if "shared" in p else None
-    return moe_output(y, routed.dispatch, output_probs(routed), shared), moe_stats(routed, x_TD.shape[1], x_TD.dtype)
+        y_RD = combine(y_RD, ex, ep, capacity).wait()
+    shared_TD = dense_mlp(p["shared"], x_TD, cfg) if "shared" in p else None
+    y_TD = moe_output(y_RD, routed.dispatch, output_probs(routed), shared_TD)
+    return y_TD, moe_stats(routed, x_TD.shape[1], x_TD.dtype)

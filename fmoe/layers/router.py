@@ -53,19 +53,19 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
         A Routing.
     """
     E, K = cfg.experts, cfg.topk
-    logits = upcast(x_TD) @ upcast(p["router"])
-    scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
-    selection = scores.detach() + upcast(p["expert_bias"].detach())
-    indices = selection.topk(K, dim=-1, sorted=True).indices
-    probs = scores.gather(-1, indices)
+    logits_TE = upcast(x_TD) @ upcast(p["router"])
+    scores_TE = logits_TE.softmax(-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
+    selection_TE = scores_TE.detach() + upcast(p["expert_bias"].detach())
+    indices_TK = selection_TE.topk(K, dim=-1, sorted=True).indices
+    probs_TK = scores_TE.gather(-1, indices_TK)
     if cfg.norm_topk_prob:
-        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-20)
-    counts = expert_counts(indices, E)
-    frac_tokens = counts.to(scores.dtype) / indices.numel()
-    score_share = scores / scores.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores
-    aux = E * (frac_tokens * score_share.mean(0)).sum()
-    z = torch.logsumexp(logits, dim=-1).square().mean()
-    return Routing(indices, probs, counts, aux, z)
+        probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    counts_E = expert_counts(indices_TK, E)
+    token_share_E = counts_E.to(scores_TE.dtype) / indices_TK.numel()
+    score_share_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores_TE
+    aux = E * (token_share_E * score_share_TE.mean(0)).sum()
+    z = torch.logsumexp(logits_TE, dim=-1).square().mean()
+    return Routing(indices_TK, probs_TK, counts_E, aux, z)
 
 
 def router_loss(aux_loss: torch.Tensor, z_loss: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
