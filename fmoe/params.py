@@ -174,6 +174,16 @@ class ParamTable(NamedTuple):
         """The leaf at an ``optree`` path (``("layers", 0, "attn", "qkv")``)."""
         return self.by_keys[tuple(keys)]
 
+    def mirrored_by(self, keys) -> Leaf | None:
+        """The leaf a tensor at ``keys`` in another pytree (an optimizer state, a
+        gradient tree) stands for: the one whose keys end ``keys``
+        (``("adam", "mu", "layers", 0, "attn", "qkv")``) or whose dotted name is its
+        last key (trees keyed by name); None if none does."""
+        keys = tuple(keys)
+        if keys and keys[-1] in self.by_path:
+            return self.by_path[keys[-1]]
+        return next((self.by_keys[keys[i:]] for i in range(len(keys)) if keys[i:] in self.by_keys), None)
+
     def shapes(self) -> dict:
         """``{path: full shape}``."""
         return {leaf.path: leaf.shape for leaf in self.leaves}

@@ -49,23 +49,14 @@ class Checkpoint(NamedTuple):
     rng: torch.Tensor | None = None
 
 
-def _mirrored(keys: tuple, table) -> str | None:
-    """The parameter a state tensor at ``keys`` (its place in the state) mirrors: the
-    one whose pytree keys end its place (``("adam", "mu", "layers", 0, "attn", "qkv")``),
-    or whose dotted name is its last key (states keyed by name); None for the rest."""
-    if keys and keys[-1] in table.by_path:
-        return keys[-1]
-    return next((table.by_keys[keys[i:]].path for i in range(len(keys)) if keys[i:] in table.by_keys), None)
-
-
 def _encode(tree, prefix: str, tensors: dict, mirrors: dict | None = None, table=None, keys: tuple = ()):
     """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key.
     With a ParamTable, ``mirrors`` records which parameter each tensor mirrors
-    (``{key: path}``, see ``_mirrored``)."""
+    (``{key: path}``, see ``ParamTable.mirrored_by``)."""
     if isinstance(tree, torch.Tensor):
         tensors[prefix] = tree.detach()
-        if table is not None and (path := _mirrored(keys, table)) is not None:
-            mirrors[prefix] = path
+        if table is not None and (leaf := table.mirrored_by(keys)) is not None:
+            mirrors[prefix] = leaf.path
         return {"tensor": prefix}
     if isinstance(tree, dict):
         return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors, mirrors, table, keys + (k,))

@@ -84,13 +84,18 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     spec, mesh, table = shard_spec(plan), mesh_for(plan), param_table(plan.model)
     total = torch.zeros((), device=leaves[0].device)
     for domain in ("dense", "expert"):
-        part = sum((q for p, q in zip(paths, sq) if table.at(p).domain == domain), total * 0)
+        part = sum((q for p, q in zip(paths, sq) if _domain(table, p) == domain), total * 0)
         if spec.sharded(domain):
             mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
         elif domain == "expert":
             mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep
         total = total + part
     return total.sqrt()
+
+
+def _domain(table, path) -> str:
+    leaf = table.mirrored_by(path)
+    return "dense" if leaf is None else leaf.domain
 
 
 def check_norm_scope(plan, what: str) -> None:
