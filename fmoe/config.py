@@ -32,6 +32,13 @@ CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement
            "remat": REMATS}
 
 
+def _check_choices(config, own: str) -> None:
+    """Every field of ``config`` listed in ``CHOICES`` holds one of its values."""
+    for field in dataclasses.fields(config):
+        if field.name in CHOICES:
+            check_choice(f"{own}.{field.name}", getattr(config, field.name), CHOICES[field.name])
+
+
 def field_docs(cls) -> dict:
     """``{field: its text}`` from the ``Arguments:`` section of a config class's
     docstring (entries ``name, other: text`` with indented continuation lines), so
@@ -136,15 +143,9 @@ class ModelConfig:
         check_int(f"{own}.glu_interleave", self.glu_interleave, 0, builtin=True)
         check_int(f"{own}.kv_heads", self.kv_heads, 0, builtin=True)
         check_int(f"{own}.head_size", self.head_size, 0, builtin=True)
-        check_choice(f"{own}.qk_norm", self.qk_norm, QK_NORMS)
-        for name in ("qkv_bias", "tie_embeddings", "shared_gate"):
+        _check_choices(self, own)
+        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases"):
             check_bool(f"{own}.{name}", getattr(self, name))
-        check_choice(f"{own}.activation", self.activation, ACTIVATIONS)
-        check_choice(f"{own}.score_func", self.score_func, SCORE_FUNCS)
-        check_choice(f"{own}.prob_placement", self.prob_placement, PROB_PLACEMENTS)
-        check_choice(f"{own}.pad_multiple", self.pad_multiple, PAD_MULTIPLES)
-        check_bool(f"{own}.norm_topk_prob", self.norm_topk_prob)
-        check_bool(f"{own}.expert_biases", self.expert_biases)
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
         for name in ("rope_theta", "norm_eps", "init_std"):
             check_positive(f"{own}.{name}", getattr(self, name))
@@ -277,16 +278,11 @@ class Plan:
             fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
         for name in ("dp", "ep", "microbatches"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
-        check_choice(f"{own}.sharding", self.sharding, SHARDINGS)
-        check_choice(f"{own}.schedule", self.schedule, SCHEDULES)
-        check_choice(f"{own}.dtype", self.dtype, DTYPES)
-        check_choice(f"{own}.expert_backend", self.expert_backend, EXPERT_BACKENDS)
+        _check_choices(self, own)
         check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
         check_bool(f"{own}.compile", self.compile)
-        check_choice(f"{own}.remat", self.remat, REMATS)
         check_int(f"{own}.loss_chunk", self.loss_chunk, 0, builtin=True)
         check_int(f"{own}.prefetch", self.prefetch, 0, builtin=True)
-        check_choice(f"{own}.gather_buffers", self.gather_buffers, GATHER_BUFFERS)
         if self.gather_buffers == "double" and self.prefetch > 1:
             fail(f"{own}.prefetch", self.prefetch,
                   "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
