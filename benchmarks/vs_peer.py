@@ -8,6 +8,10 @@ with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
     python benchmarks/vs_peer.py                                        # 1 GPU, --shape coarse
     python benchmarks/vs_peer.py --shapes coarse fine qwen3-moe-medium  # 1 GPU, three shapes
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --meshes dp dp1ep2
+    torchrun --nproc-per-node 2 benchmarks/vs_peer.py --shapes fine --microbatches 4 \
+        --peers --meshes dp1ep2 dp1ep2+1f1b+dw --profile      # the overlap schedule, no peer
+    python benchmarks/vs_peer.py --out scale.jsonl; torchrun --nproc-per-node 2 \
+        benchmarks/vs_peer.py --meshes dp dp1ep2 --out scale.jsonl    # + a weak-scaling table
     python benchmarks/vs_peer.py --device cpu --shapes coarse fine qwen3-moe-medium  # tiny smoke run
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --device cpu --meshes dp dp1ep2   # gloo
     python benchmarks/vs_peer.py --check --shapes coarse fine qwen3-moe-medium    # CPU fp32 parity
@@ -25,10 +29,12 @@ seconds (fp32, gloo), keeping what tells it apart (top-k, GQA, head size, qk nor
 
 The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params
 / fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
-otherwise. Each system is freed (and dynamo's caches reset) before the next; fmoe runs
-each mesh of ``--meshes``: ``dp`` (``no_shard`` on one rank, ZeRO-3
-``optim_grads_params`` over all ranks otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3
-with expert parallelism). A step is forward + backward + the AdamW update on both
+otherwise (``--peers`` picks eager, compiled, both or neither). Each system is freed
+(and dynamo's caches reset) before the next; fmoe runs each mesh of ``--meshes``:
+``dp`` (``no_shard`` on one rank, ZeRO-3 ``optim_grads_params`` over all ranks
+otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism), each
+optionally followed by ``+1f1b`` (``schedule="1f1b_overlap"``; give it
+``--microbatches`` >= 2) and ``+dw`` (``delay_wgrad``). A step is forward + backward + the AdamW update on both
 sides; neither clips gradients; the median over ``--steps`` timed steps after
 ``--warmup``. The first step's time is shown apart: for compiled systems it is the
 compile time (plus one step). MFU counts the active parameters' FLOPs plus attention
@@ -36,6 +42,14 @@ compile time (plus one step). MFU counts the active parameters' FLOPs plus atten
 per GPU. Prints a markdown table per shape, with each system's loss after its last
 step (both start from a std-0.02 init and see the same batches, so they should be
 close), then a summary over the shapes (fmoe on the first mesh).
+
+``--profile``: one more step of each system under ``torch.profiler`` (rank 0's GPU):
+the NCCL kernels' time, the part of it with no compute kernel on any stream
+(exposed) and the GPU's idle time (the profiled step's wall time with no kernel
+running: host waits such as the dropless exchange's read of split sizes).
+``--out FILE``: rank 0 appends each row to a JSON-lines file and prints a weak-scaling
+table of every row in it: tokens/s per GPU against the same shape and system on one
+GPU (fmoe's ``dp`` row there is the baseline of each of its meshes).
 
 ``--check`` (CPU, fp32, one process): for each shape's toy, copies fmoe's initial
 weights into the peer and compares the loss and gradients of one batch, then the
@@ -46,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import os
 import re
@@ -63,6 +78,7 @@ import fmoe
 import peer
 from interop.cuda_graph import capture_step
 from fsdp_step import lm_parser
+from kernel_time import exposure
 
 PEAK_TFLOPS = 789.0  # dense bf16 GEMM ceiling of one H100/H200 (the other benchmarks' figure)
 PRESETS = Path(fmoe.__file__).parent / "trainer" / "presets"
@@ -92,7 +108,14 @@ def parse():
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a tiny smoke run on gloo")
     ap.add_argument("--shape", choices=tuple(SHAPES), help="one model shape (default coarse)")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), help="several shapes, one table each")
-    ap.add_argument("--meshes", nargs="+", default=["dp"], help="fmoe meshes: dp, or dpXepY (e.g. dp1ep2)")
+    ap.add_argument("--meshes", nargs="+", default=["dp"],
+                    help="fmoe meshes: dp or dpXepY (e.g. dp1ep2), each optionally +1f1b (1f1b_overlap) "
+                         "and +dw (delay_wgrad), e.g. dp1ep2+1f1b+dw")
+    ap.add_argument("--peers", nargs="*", default=["eager", "compiled"], choices=("eager", "compiled"),
+                    help="which peers run (none: --peers alone)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step per system under the profiler: NCCL time, exposed part, GPU idle")
+    ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off"),
                     help="auto: fmoe also with Plan(compile=True) where Plan has that field")
@@ -136,14 +159,18 @@ def count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def mesh_of(name: str, world: int) -> tuple[int, int]:
-    """``dp`` -> (world, 1); ``dpXepY`` -> (X, Y), which must multiply to the world size."""
-    if name == "dp":
-        return world, 1
-    m = re.fullmatch(r"dp(\d+)ep(\d+)", name)
-    if not m or int(m[1]) * int(m[2]) != world:
-        raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpXepY' with X * Y = {world} ranks")
-    return int(m[1]), int(m[2])
+def mesh_of(name: str, world: int) -> dict:
+    """The Plan fields of a ``--meshes`` entry: ``dp`` -> dp=world; ``dpXepY`` -> dp=X,
+    ep=Y (X * Y must be the world size); ``+1f1b`` -> the overlap schedule, ``+dw`` ->
+    delayed weight gradients."""
+    m = re.fullmatch(r"dp(?:(\d+)ep(\d+))?((?:\+1f1b|\+dw)*)", name)
+    dp, ep = ((int(m[1]), int(m[2])) if m[1] else (world, 1)) if m else (0, 0)
+    options = m[3].split("+")[1:] if m else []
+    if dp * ep != world or len(set(options)) != len(options):
+        raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpXepY' with X * Y = {world} ranks, "
+                         f"optionally followed by '+1f1b' and/or '+dw' once each")
+    return dict(dp=dp, ep=ep, schedule="1f1b_overlap" if "1f1b" in options else "standard",
+                delay_wgrad="dw" in options)
 
 
 class Bench:
@@ -183,6 +210,23 @@ class Bench:
     def peak_gib(self) -> float:
         return torch.cuda.max_memory_allocated() / 2**30 if self.device == "cuda" else float("nan")
 
+    def profiled(self, step) -> dict:
+        """One more ``step`` under the profiler (batch 0 again): milliseconds of NCCL
+        kernels, of their exposed part, and of GPU idle time within the step's wall time."""
+        if not (self.args.profile and self.device == "cuda"):
+            return {}
+        from torch.profiler import ProfilerActivity, profile
+
+        self.sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            step(self.batches[0])
+            self.sync()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        ms = exposure(prof)
+        return {"comm_ms": ms["comm"], "exposed_ms": ms["exposed"], "idle_ms": wall_ms - ms["busy"],
+                "profiled_ms": wall_ms}
+
     def timed(self, step) -> tuple[float, float, torch.Tensor]:
         """Median seconds of ``step(tokens)`` over the timed steps, the first step's
         seconds (compilation included) and the last loss."""
@@ -213,25 +257,33 @@ def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
         mesh = "1 rank, plain"
     opt = peer.optimizer(model, args.lr)
     bench.fresh_memory()
-    step_s, first_s, loss = bench.timed(lambda tokens: peer.train_step(model, opt, tokens, args.microbatches))
+
+    def step(tokens):
+        return peer.train_step(model, opt, tokens, args.microbatches)
+
+    step_s, first_s, loss = bench.timed(step)
+    peak = bench.peak_gib()
     if bench.distributed:  # each rank's mean -> the global batch's mean, as fmoe reports
         dist.all_reduce(loss)
         loss = loss / bench.world
-    return dict(system="peer, compiled blocks" if compile else "peer, eager", mesh=mesh, step_s=step_s,
-                first_s=first_s, peak=bench.peak_gib(), loss=float(loss), params=params, compiled=compile)
+    return dict(system="peer, compiled blocks" if compile else "peer, eager", mesh=mesh, mesh_name="dp",
+                step_s=step_s, first_s=first_s, peak=peak, loss=float(loss), params=params, compiled=compile,
+                **bench.profiled(step))
     # the model and its optimizer go with this frame; the caller frees the memory
 
 
-def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool, graph: bool = False) -> dict:
+def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool, graph: bool = False,
+             **plan_fields) -> dict:
     """fmoe's step + fused AdamW; ``graph``: the step replayed from one CUDA graph
     (``interop.capture_step``, captured on the first batch) that reads the params'
-    buffers, which the donating optimizer updates in place."""
+    buffers, which the donating optimizer updates in place. ``plan_fields``: more Plan
+    fields (``fp8="rowwise"``), named in the row's system."""
     args = bench.args
-    dp, ep = mesh_of(mesh_name, bench.world)
+    mesh = mesh_of(mesh_name, bench.world)
     sharding = "no_shard" if bench.world == 1 else "optim_grads_params"
-    plan = fmoe.Plan(model=cfg, dp=dp, ep=ep, sharding=sharding, microbatches=args.microbatches,
+    plan = fmoe.Plan(model=cfg, **mesh, sharding=sharding, microbatches=args.microbatches,
                      dtype="bfloat16" if bench.device == "cuda" else "float32", device=bench.device,
-                     **({"compile": True} if compile else {}))
+                     **({"compile": True} if compile else {}), **plan_fields)
     opt = fmoe_optimizer(plan, args.lr)
     held = {"params": fmoe.init(plan, seed=0)}
     held["state"] = opt.init(held["params"])
@@ -246,10 +298,14 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
 
     bench.fresh_memory()
     step_s, first_s, loss = bench.timed(step)
-    mesh = f"dp{dp}" + (f" x ep{ep}" if ep > 1 else "") + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
-    system = "fmoe" + (", compile=True" if compile else "") + (" + step graph" if graph else "")
-    return dict(system=system, mesh=mesh, mesh_name=mesh_name, step_s=step_s,
-                first_s=first_s, peak=bench.peak_gib(), loss=float(loss), compiled=compile)
+    peak = bench.peak_gib()
+    shown = (f"dp{plan.dp}" + (f" x ep{plan.ep}" if plan.ep > 1 else "")
+             + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
+             + (" 1f1b" if plan.schedule == "1f1b_overlap" else "") + (" delay_wgrad" if plan.delay_wgrad else ""))
+    system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
+              + (" + step graph" if graph else ""))
+    return dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
+                first_s=first_s, peak=peak, loss=float(loss), compiled=compile, **bench.profiled(step))
 
 
 def freed(bench: Bench, row: dict) -> dict:
@@ -269,7 +325,9 @@ def run_shape(bench: Bench, name: str) -> dict:
     cfg = shape_config(name, args, toy=not on_gpu)
     bench.draw(cfg.vocab)
     bench.say(f"\n## {name}")
-    rows = [freed(bench, run_peer(bench, cfg, compile=c)) for c in (False, True)]
+    peers = [freed(bench, run_peer(bench, cfg, compile=kind == "compiled"))
+             for kind in ("eager", "compiled") if kind in args.peers]
+    rows = list(peers)
     for compile in (False, True) if fmoe_has_compile(args) else (False,):
         rows += [freed(bench, run_fmoe(bench, cfg, m, compile)) for m in args.meshes]
     if fmoe_graphs(args, bench):
@@ -283,24 +341,34 @@ def run_shape(bench: Bench, name: str) -> dict:
              else f"CPU, {bench.world} rank(s)" + (" on gloo" if bench.distributed else ""))
     attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
             + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else ""))
+    peer_params = f"{count(peers[0]['params'])} params (fmoe: " if peers else "("
     bench.say(f"\n{where}, torch {torch.__version__}; {name}: vocab {cfg.vocab}, D={cfg.dim}, {cfg.layers} layers, "
               f"{attn}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn} SwiGLU, rope_theta {cfg.rope_theta:g}; "
-              f"{count(rows[0]['params'])} params (fmoe: {count(fmoe_params)}, with expert_bias), "
+              f"{peer_params}{count(fmoe_params)}, with expert_bias), "
               f"{count(fmoe.active_param_count(cfg))} active; {args.batch} x {args.seq} tokens per GPU, "
               f"{args.microbatches} microbatch(es), {'bf16' if on_gpu else 'fp32'}; "
               f"median of {args.steps} steps after {args.warmup} warmup (step + AdamW), lr {args.lr}\n")
+    profiled = " NCCL ms | exposed NCCL ms | GPU idle ms |" if args.profile and on_gpu else ""
     bench.say("| system | mesh | step ms (median) | tokens/s/GPU | MFU | peak GiB | vs compiled peer "
-              "| first step s | loss after last step |")
-    bench.say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    mfu = {id(r): flops / r["step_s"] / (PEAK_TFLOPS * 1e12) for r in rows}
-    compiled_peer_s = rows[1]["step_s"]
+              f"| first step s | loss after last step |{profiled}")
+    bench.say("| --- " * (9 + profiled.count("|")) + "|")
+    compiled_peer = next((r for r in peers if r["compiled"]), None)
     for r in rows:  # MFU and peak memory mean nothing on the CPU
-        mfu_s, peak_s = (f"{mfu[id(r)]:.1%}", f"{r['peak']:.2f}") if on_gpu else ("-", "-")
-        bench.say(f"| {r['system']} | {r['mesh']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
-                  f"{mfu_s} | {peak_s} | {compiled_peer_s / r['step_s']:.2f}x | {r['first_s']:.1f} | "
-                  f"{r['loss']:.4f} |")
-    fmoes = [r for r in rows[2:] if r["mesh_name"] == args.meshes[0]]  # eager, then compiled if any
-    return dict(shape=name, tokens=tokens, peer=rows[:2], fmoe=fmoes, mfu=[mfu[id(r)] for r in fmoes])
+        r["tokens_s_gpu"], r["mfu"] = tokens / r["step_s"], flops / r["step_s"] / (PEAK_TFLOPS * 1e12)
+        mfu_s, peak_s = (f"{r['mfu']:.1%}", f"{r['peak']:.2f}") if on_gpu else ("-", "-")
+        vs = f"{compiled_peer['step_s'] / r['step_s']:.2f}x" if compiled_peer else "-"
+        times = "".join(f" {r[k]:.1f} |" for k in ("comm_ms", "exposed_ms", "idle_ms")) if profiled else ""
+        bench.say(f"| {r['system']} | {r['mesh']} | {r['step_s'] * 1e3:.1f} | {r['tokens_s_gpu']:,.0f} | "
+                  f"{mfu_s} | {peak_s} | {vs} | {r['first_s']:.1f} | {r['loss']:.4f} |{times}")
+    if args.out and bench.rank == 0:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"gpus": bench.world, "shape": name, "microbatches": args.microbatches,
+                                    **{k: r[k] for k in ("system", "mesh", "mesh_name", "step_s", "tokens_s_gpu",
+                                                         "mfu", "peak")}}) + "\n")
+    fmoes = [r for r in rows[len(peers):] if r["mesh_name"] == args.meshes[0]]  # eager, then compiled if any
+    return dict(shape=name, tokens=tokens, peer={("compiled" if r["compiled"] else "eager"): r for r in peers},
+                fmoe=fmoes)
 
 
 def summary(bench: Bench, results: list[dict]):
@@ -312,22 +380,42 @@ def summary(bench: Bench, results: list[dict]):
               f"| fmoe / compiled peer{per} | peak GiB (peer compiled, fmoe{per}) "
               f"| first step s (peer compiled, fmoe{per}) |")
     bench.say("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    peak = (lambda gib: f"{gib:.2f}") if on_gpu else (lambda gib: "-")
     for res in results:
-        eager, compiled = res["peer"]
-        tok, compiled_s = res["tokens"], compiled["step_s"]
+        eager, compiled = res["peer"].get("eager"), res["peer"].get("compiled")
 
         def each(fmt, key):  # one value per fmoe variant, " / "-joined
             return " / ".join(fmt(r[key]) for r in res["fmoe"])
 
-        peak = (lambda gib: f"{gib:.2f}") if on_gpu else (lambda gib: "-")
-        mfus = " / ".join(f"{m:.1%}" for m in res["mfu"]) if on_gpu else "-"
-        bench.say(f"| {res['shape']} | {tok / eager['step_s']:,.0f} | {tok / compiled['step_s']:,.0f} | "
-                  f"{each(lambda s: f'{tok / s:,.0f}', 'step_s')} | {mfus} | "
-                  f"{each(lambda s: f'{compiled_s / s:.2f}x', 'step_s')} | "
-                  f"{peak(compiled['peak'])}, {each(peak, 'peak')} | "
-                  f"{compiled['first_s']:.1f}, {each(lambda s: f'{s:.1f}', 'first_s')} |")
+        def of_peer(row, fmt, key):
+            return fmt(row[key]) if row else "-"
+
+        def tok_s(s):
+            return f"{res['tokens'] / s:,.0f}"
+
+        ratio = each(lambda s: f"{compiled['step_s'] / s:.2f}x", "step_s") if compiled else "-"
+        bench.say(f"| {res['shape']} | {of_peer(eager, tok_s, 'step_s')} | {of_peer(compiled, tok_s, 'step_s')} | "
+                  f"{each(tok_s, 'step_s')} | {each(lambda m: f'{m:.1%}' if on_gpu else '-', 'mfu')} | "
+                  f"{ratio} | {of_peer(compiled, peak, 'peak')}, {each(peak, 'peak')} | "
+                  f"{of_peer(compiled, lambda s: f'{s:.1f}', 'first_s')}, {each(lambda s: f'{s:.1f}', 'first_s')} |")
     if not fmoe_has_compile(bench.args):
         bench.say("\n(fmoe ran eager only: --fmoe-compile off.)")
+
+
+def weak_scaling(path: str):
+    """The table of every row in ``path``: tokens/s per GPU at each GPU count against the
+    same shape, system and microbatches on one GPU (fmoe's ``dp`` row for each of its meshes)."""
+    with open(path) as f:
+        table = [json.loads(line) for line in f if line.strip()]
+    base = {(r["shape"], r["system"], r["microbatches"]): r for r in table if r["gpus"] == 1}
+    print(f"\n## Weak scaling ({path}): tokens/s per GPU against one GPU\n")
+    print("| shape | system | GPUs | mesh | microbatches | tokens/s/GPU | MFU | peak GiB | vs 1 GPU |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in sorted(table, key=lambda r: (r["shape"], r["system"], r["gpus"], r["mesh_name"])):
+        one = base.get((r["shape"], r["system"], r["microbatches"]))
+        eff = f"{r['tokens_s_gpu'] / one['tokens_s_gpu']:.1%}" if one else "-"
+        print(f"| {r['shape']} | {r['system']} | {r['gpus']} | {r['mesh']} | {r['microbatches']} | "
+              f"{r['tokens_s_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak']:.2f} | {eff} |")
 
 
 # --- --check: the peer reads fmoe's weights and gives fmoe's loss ---------------------------
@@ -413,6 +501,8 @@ def main():
         mesh_of(name, bench.world)  # refuse a bad mesh before any work
     results = [run_shape(bench, name) for name in args.shapes]
     summary(bench, results)
+    if args.out and bench.rank == 0:
+        weak_scaling(args.out)
     if bench.distributed:
         dist.destroy_process_group()
 
