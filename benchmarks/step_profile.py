@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py                              # coarse fine qwen3-moe-medium, compiled
     python benchmarks/step_profile.py --shapes fine --no-compile   # eager
+    python benchmarks/step_profile.py --shapes coarse --fp8 rowwise
     python benchmarks/step_profile.py --trace /tmp/traces          # + a Chrome trace per shape
     python benchmarks/trace_gaps.py /tmp/traces/coarse.json        # where the GPU waits for the host
 
@@ -26,8 +27,9 @@ from kernel_time import union
 from vs_peer import SHAPES
 
 
-def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | None = None) -> None:
-    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compiled)
+def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | None = None,
+                 fp8: str = "none") -> None:
+    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compiled, fp8=fp8)
     batch = {"tokens": torch.randint(0, cfg.vocab, (8, 2049), generator=torch.Generator().manual_seed(0)).cuda()}
     params = fmoe.init(plan, seed=0)
     opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True, donate=True)
@@ -64,17 +66,18 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=tuple(SHAPES))
     ap.add_argument("--no-compile", action="store_true", help="profile the eager step")
     ap.add_argument("--top", type=int, default=28)
+    ap.add_argument("--fp8", default="none", choices=("none", "rowwise"), help="Plan.fp8")
     ap.add_argument("--trace", metavar="DIR", help="write each shape's Chrome trace to DIR/<shape>.json")
     args = ap.parse_args()
     torch.cuda.set_device(0)
     for name in args.shapes:
-        print(f"\n## {name} ({'eager' if args.no_compile else 'compile=True'}), "
+        print(f"\n## {name} ({'eager' if args.no_compile else 'compile=True'}, fp8={args.fp8}), "
               f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
         trace = None
         if args.trace:
             os.makedirs(args.trace, exist_ok=True)
             trace = os.path.join(args.trace, f"{name}.json")
-        profile_step(fmoe.ModelConfig(**SHAPES[name]()), not args.no_compile, args.top, trace)
+        profile_step(fmoe.ModelConfig(**SHAPES[name]()), not args.no_compile, args.top, trace, args.fp8)
         torch.cuda.empty_cache()
 
 

@@ -25,11 +25,12 @@ EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
 REMATS = ("none", "selective", "full")
+FP8S = ("none", "rowwise")
 # The fields with a fixed set of values (what the main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
            "dtype": DTYPES, "expert_backend": EXPERT_BACKENDS, "gather_buffers": GATHER_BUFFERS,
-           "remat": REMATS}
+           "remat": REMATS, "fp8": FP8S}
 
 
 def _check_choices(config, own: str) -> None:
@@ -253,6 +254,12 @@ class Plan:
             once). Each piece's logits are computed, used and dropped, in the forward
             and again in the backward, so the ``[tokens, vocab]`` logits never exist
             whole.
+        fp8: ``none | rowwise``. ``rowwise``: the GEMMs of attention's projections,
+            the shared expert and the routed experts run in FP8 E4M3 with one scale per
+            row of each operand, computed on the fly (``fmoe/layers/fp8.py``); master
+            params, gradients and optimizer state stay fp32, router, norms, softmax,
+            the head and the loss as without. Needs ``dtype='bfloat16'`` and a CUDA
+            device with FP8 GEMMs (compute capability 8.9 or newer); refused elsewhere.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -271,6 +278,7 @@ class Plan:
     compile: bool = False
     remat: str = "none"
     loss_chunk: int = 0
+    fp8: str = "none"
 
     def __post_init__(self):
         own = "Plan"
@@ -287,6 +295,8 @@ class Plan:
             fail(f"{own}.prefetch", self.prefetch,
                   "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
                   "(or use gather_buffers 'dynamic' / 'persistent')")
+        if self.fp8 != "none":
+            self._check_fp8()
         if self.units is not None:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
@@ -299,6 +309,28 @@ class Plan:
             torch.device(self.device)
         except RuntimeError:
             fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+
+    def _check_fp8(self) -> None:
+        # What is known without touching a GPU; the device's capability is checked
+        # before the first step (fmoe.runtime).
+        own = "Plan.fp8"
+        if not str(self.device).startswith("cuda"):
+            fail(own, self.fp8, f"needs a CUDA device with FP8 GEMMs, but Plan.device={self.device!r} has none "
+                                "(allowed here: 'none')")
+        if self.dtype != "bfloat16":
+            fail(own, self.fp8, f"computes with bfloat16 around its FP8 GEMMs: set Plan.dtype='bfloat16' "
+                                f"(is {self.dtype!r}) or fp8='none'")
+        if self.expert_backend not in ("torch",):
+            fail(own, self.fp8, f"runs the routed experts through torch's FP8 grouped GEMM: set "
+                                f"Plan.expert_backend='torch' (is {self.expert_backend!r}) or fp8='none'")
+        cfg = self.model
+        widths = {"dim": cfg.dim, "ffn": cfg.ffn, "head_dim": cfg.head_dim}
+        if cfg.shared_ffn:
+            widths["shared_ffn"] = cfg.shared_ffn
+        odd = {k: v for k, v in widths.items() if v % 16}
+        if odd:
+            fail(own, self.fp8, f"FP8 GEMMs need every width a multiple of 16; the model has "
+                                f"{', '.join(f'{k}={v}' for k, v in odd.items())} (or use fp8='none')")
 
     @property
     def world(self) -> int:

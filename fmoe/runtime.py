@@ -32,6 +32,10 @@ def check_device_and_backend(plan: Plan) -> None:
     device = torch.device(plan.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")
+    if plan.fp8 != "none" and torch.cuda.get_device_capability(device) < (8, 9):
+        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        raise ValueError(f"Plan.fp8={plan.fp8!r} needs FP8 GEMMs (compute capability 8.9 or newer: Ada, Hopper), "
+                         f"but {name} is {major}.{minor} (allowed here: 'none')")
     if plan.expert_backend not in ("torch", "loop"):
         backend = registered_backend(plan.expert_backend)
         if backend is None:

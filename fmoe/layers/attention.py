@@ -12,6 +12,7 @@ from einops import rearrange
 
 from ..config import ModelConfig
 from . import triton_kernels
+from .fp8 import PLAIN, Gemms
 from .norm import rms_norm
 from .precision import upcast
 
@@ -35,7 +36,7 @@ def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor)
     return out.to(x_BHSd.dtype)
 
 
-def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0):
+def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, gemms: Gemms = PLAIN):
     """Queries, keys and values of normalised ``x`` at positions ``start..start+S-1``.
 
     Arguments:
@@ -43,11 +44,12 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0):
         x_BSD: ``[B, S, D]`` normalised activations.
         cfg: the ModelConfig.
         start: position of the first row (a KV-cached decode continues a sequence).
+        gemms: the product the projection runs (``fmoe.layers.fp8``).
 
     Returns:
         ``(q_BHSd, k_BKSd, v_BKSd)``: RoPE applied to q and k; ``K = num_kv_heads``.
     """
-    qkv_BSN = x_BSD @ p["qkv"]  # N = Q + 2K columns: [q | k | v]
+    qkv_BSN = gemms.linear(x_BSD, p["qkv"])  # N = Q + 2K columns: [q | k | v]
     if "qkv_bias" in p:
         qkv_BSN = qkv_BSN + p["qkv_bias"]
     q_BSQ, k_BSK, v_BSK = qkv_BSN.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
@@ -98,7 +100,8 @@ class KVSlot(NamedTuple):
         return self.keys_BKLd[:, :, :end], self.values_BKLd[:, :, :end]
 
 
-def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None) -> torch.Tensor:
+def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None,
+              gemms: Gemms = PLAIN) -> torch.Tensor:
     """Causal self-attention of already-normalised ``x``; no residual.
 
     Arguments:
@@ -108,12 +111,13 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, rope_theta).
         kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
             values are written into it and the queries attend over all of them.
+        gemms: the products of the two projections (``fmoe.layers.fp8``).
 
     Returns:
         ``[B, S, D]``, ``attention(x) @ out``.
     """
     start = 0 if kv is None else kv.start
-    q_BHSd, k_BKLd, v_BKLd = project_qkv(p, x_BSD, cfg, start)
+    q_BHSd, k_BKLd, v_BKLd = project_qkv(p, x_BSD, cfg, start, gemms)
     if kv is not None:  # L: the keys so far
         k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
-    return attend(q_BHSd, k_BKLd, v_BKLd, start) @ p["out"]
+    return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start), p["out"])

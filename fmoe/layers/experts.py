@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from . import triton_kernels
+from .fp8 import PLAIN, Gemms
 from .precision import upcast
 
 QUICK_GELU_ALPHA = 1.702
@@ -88,14 +89,16 @@ def _wgrad(x_RD, grad_RN, offsets_E, rows):
 class _GroupedMatmul(torch.autograd.Function):
     # Explicit backward: autograd's rule for _grouped_mm rejects expanded (stride-0)
     # gradients, and the weight gradient must be separable for delayed wgrad.
-    # ``rows`` (host list) selects the per-expert loop, None torch._grouped_mm.
+    # ``rows`` (host list) selects the per-expert loop, None ``grouped`` and
+    # ``grouped_grad`` (a Gemms' products: torch._grouped_mm, or FP8); the weight
+    # gradient stays in bf16.
     @staticmethod
-    def forward(ctx, x_RD, w_EDN, offsets_E, rows, deferred):
+    def forward(ctx, x_RD, w_EDN, offsets_E, rows, deferred, grouped, grouped_grad):
         ctx.save_for_backward(x_RD, w_EDN, offsets_E)
-        ctx.rows, ctx.deferred = rows, deferred
+        ctx.rows, ctx.deferred, ctx.grouped_grad = rows, deferred, grouped_grad
         ctx.weight = w_EDN if deferred is not None else None  # the key its deferred grad is filed under
         if rows is None:
-            return torch._grouped_mm(x_RD, w_EDN, offs=offsets_E)
+            return grouped(x_RD, w_EDN, offsets_E, fast_accum=True)
         return _per_expert(x_RD, w_EDN, rows)
 
     @staticmethod
@@ -105,7 +108,7 @@ class _GroupedMatmul(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if ctx.rows is None:
-                grad_x = torch._grouped_mm(grad_RN, w_EDN.transpose(-2, -1), offs=offsets_E)
+                grad_x = ctx.grouped_grad(grad_RN, w_EDN.transpose(-2, -1), offsets_E)
             else:
                 grad_x = _per_expert(grad_RN, w_EDN, ctx.rows, transpose_w=True)
         if ctx.needs_input_grad[1]:
@@ -114,7 +117,7 @@ class _GroupedMatmul(torch.autograd.Function):
                 grad_w = _wgrad(x_RD, grad_RN, offsets_E, rows)
             else:
                 ctx.deferred.defer(ctx.weight, lambda: _wgrad(x_RD, grad_RN, offsets_E, rows))
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 class _AddExpertBias(torch.autograd.Function):
@@ -138,7 +141,7 @@ def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, segs) -> torch.Te
 
 
 def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str = "torch",
-                   deferred: DeferredWgrad | None = None):
+                   deferred: DeferredWgrad | None = None, gemms: Gemms = PLAIN):
     """Row segment ``e`` of ``x`` times ``w[e]``, for every expert.
 
     Arguments:
@@ -149,12 +152,14 @@ def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str =
         backend: ``torch`` uses ``torch._grouped_mm`` when dtype and strides allow,
             else (or with ``loop``) one matmul per expert: the same arithmetic.
         deferred: when given, the backward leaves ``w``'s gradient GEMM there.
+        gemms: ``gemms.grouped`` runs the product and ``gemms.grouped_grad`` the input
+            gradient when the ``torch`` backend's grouped GEMM applies (``fmoe.layers.fp8``).
 
     Returns:
         ``[R, N]``.
     """
     rows = None if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN) else segs.rows_E.tolist()
-    return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E, rows, deferred)
+    return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E, rows, deferred, gemms.grouped, gemms.grouped_grad)
 
 
 def glu_halves(h: torch.Tensor, interleave: int):
@@ -206,7 +211,8 @@ def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tenso
 
 def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
                row_probs_R: torch.Tensor | None = None, backend: str = "torch",
-               deferred: DeferredWgrad | None = None, act: Callable = activation) -> torch.Tensor:
+               deferred: DeferredWgrad | None = None, act: Callable = activation,
+               gemms: Gemms = PLAIN) -> torch.Tensor:
     """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
 
     Arguments:
@@ -220,26 +226,28 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
             in backward (delayed wgrad); the bias gradients are not deferred.
         act: the activation, ``activation``'s signature (``Plan.compile`` passes a
             compiled one); registered backends use their own.
+        gemms: the grouped products (see ``grouped_matmul``).
 
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
     if backend in _BACKENDS:
         return _BACKENDS[backend].mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
-    h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred)
+    h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred, gemms)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)
     a = act(h, cfg, row_probs_R)
-    y = grouped_matmul(a, p["fc2"], segs, backend, deferred)
+    y = grouped_matmul(a, p["fc2"], segs, backend, deferred, gemms)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)
     return y
 
 
-def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, gemms: Gemms = PLAIN) -> torch.Tensor:
     """The shared expert: ``act(x @ fc1) @ fc2`` with the routed experts' activation,
-    times ``sigmoid(x @ gate)`` per token when it has a ``gate`` (Qwen2-MoE)."""
-    y = activation(x_TD @ p["fc1"], cfg) @ p["fc2"]
+    times ``sigmoid(x @ gate)`` per token when it has a ``gate`` (Qwen2-MoE); fc1 and
+    fc2 through ``gemms.linear`` (the one-column gate stays a plain product)."""
+    y = gemms.linear(activation(gemms.linear(x_TD, p["fc1"]), cfg), p["fc2"])
     if "gate" in p:
         y = y * torch.sigmoid(x_TD @ p["gate"])
     return y

@@ -8,6 +8,7 @@ from ..config import ModelConfig
 from ..params import FP32_LEAVES
 from .attention import KVSlot, attention
 from .embedding import embed
+from .fp8 import PLAIN, Gemms
 from .moe import MoEStats, moe
 from .norm import rms_norm
 from .precision import upcast
@@ -31,29 +32,31 @@ def head_weight(params: dict) -> torch.Tensor:
     return params["head"] if "head" in params else params["embed"].t()
 
 
-def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None):
-    """``h += attn(norm(h))``, then the MoE's input norm (``kv``: see ``attention``).
+def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None,
+                   gemms: Gemms = PLAIN):
+    """``h += attn(norm(h))``, then the MoE's input norm (``kv``, ``gemms``: see ``attention``).
 
     Returns:
         ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
     """
     eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv)
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms)
     return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
 
 
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None,
-          kv: KVSlot | None = None):
+          kv: KVSlot | None = None, gemms: Gemms = PLAIN):
     """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``. The schedule's
     layer nodes run the same phases one at a time; decoding passes its cache as ``kv``.
 
-    ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert).
+    ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert);
+    ``gemms`` the products its weights enter (``fmoe.layers.fp8``).
 
     Returns:
         ``(h_BSD, MoEStats)``.
     """
-    h_BSD, x_TD = attention_half(p, h_BSD, cfg, kv)
-    y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep)
+    h_BSD, x_TD = attention_half(p, h_BSD, cfg, kv, gemms)
+    y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep, gemms)
     return h_BSD + y_TD.view_as(h_BSD), stats
 
 

@@ -1,5 +1,6 @@
 """The MoE layer: route, permute, grouped experts, unpermute (+ shared expert)."""
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -8,6 +9,7 @@ from ..config import ModelConfig
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
 from .expert_parallel import Exchange, ExpertParallel, combine, dispatch, plan_exchange
 from .experts import DeferredWgrad, dense_mlp, expert_mlp
+from .fp8 import PLAIN, Gemms
 from .router import Routing, route
 
 
@@ -112,7 +114,8 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)
 
 
-def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None):
+def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None,
+        gemms: Gemms = PLAIN):
     """Top-k MoE of already-normalised tokens; no residual.
 
     Dropless unless ``cfg.capacity_factor > 0`` (then each expert takes at most
@@ -128,6 +131,7 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
         backend: the experts' backend: ``torch``, ``loop``, or a name given to
             ``register_expert_backend`` (``te``, once ``interop.te`` is imported).
         ep: the expert-parallel group, or None when this rank holds every expert.
+        gemms: the products of the routed and shared experts (``fmoe.layers.fp8``).
 
     Returns:
         ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
@@ -140,9 +144,10 @@ def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", e
         if row_probs_R1 is not None:
             row_probs_R1 = dispatch(row_probs_R1, ex, ep, capacity).wait()
         rows_RD = sending.wait()
-    y_RD = moe_experts(p, rows_RD, row_probs_R1, routed, cfg, backend)
+    y_RD = moe_experts(p, rows_RD, row_probs_R1, routed, cfg, backend,
+                       mlp=functools.partial(expert_mlp, gemms=gemms))
     if ex is not None:
         y_RD = combine(y_RD, ex, ep, capacity).wait()
-    shared_TD = dense_mlp(p["shared"], x_TD, cfg) if "shared" in p else None
+    shared_TD = dense_mlp(p["shared"], x_TD, cfg, gemms) if "shared" in p else None
     y_TD = moe_output(y_RD, routed.dispatch, output_probs(routed), shared_TD)
     return y_TD, moe_stats(routed, x_TD.shape[1], x_TD.dtype)

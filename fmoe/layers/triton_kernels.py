@@ -13,6 +13,10 @@
   and as many again backward; ~15 ms of a 150 ms step on the 1.4B benchmark model).
 - ``gather_sum_TD``: the permute's backward, ``sum_k grad[pos[t, k]]``, on the unpermute's
   forward kernel (no ``[T, K, D]`` gather before the sum).
+- ``quantize_rows_RW``: ``fp8.quantize_rows`` of a contiguous tensor, a row per program
+  held in registers: one read, one FP8 write, the same bits as the torch code (inductor
+  compiles that code for a symbolic width as a two-pass loop: 3x the time on the
+  experts' rows).
 
 Each runs as a ``torch.library`` custom op (``fmoe::rope``, ``fmoe::swiglu``,
 ``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops; registered in
@@ -256,6 +260,49 @@ if triton is not None:
         out_at = rows[:, None] * (2 * HALF) + cols[None, :]
         tl.store(out_ptr + out_at, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + out_at + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, W, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
+                              TINY: tl.constexpr, BLOCK: tl.constexpr):
+        # One row per program: amax, scale = max(amax, TINY) * (1 / FP8_MAX), q = x / scale
+        # (IEEE division, then the clamp), cast to E4M3 rounding to nearest even: torch's
+        # arithmetic, bit for bit.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < W
+        x = tl.load(x_ptr + row * W + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) * INV_MAX
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * W + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(scale_ptr + row, scale)
+
+
+QUANTIZE_MAX_WIDTH = 16384  # a row in registers: wider rows take the compiled torch code
+
+
+def quantize_fusable(x: torch.Tensor) -> bool:
+    """``quantize_rows_RW`` takes ``x``: a contiguous CUDA tensor of a kernel dtype whose
+    rows fit a program (no interpreter: it has no FP8 stores)."""
+    return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
+            and 0 < x.shape[-1] <= QUANTIZE_MAX_WIDTH)
+
+
+def quantize_rows_RW(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of ``fp8.quantize_rows`` for contiguous ``x`` (check
+    ``quantize_fusable`` first): ``q`` E4M3 of x's shape, ``scale`` fp32 ``[..., 1]``."""
+    W = x.shape[-1]
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    rows = x.numel() // W
+    if rows:
+        block = triton.next_power_of_2(W)
+        with _on(x):
+            _quantize_rows_kernel[(rows,)](x, q, scale, W, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny,
+                                           BLOCK=block, num_warps=8 if block >= 4096 else _NUM_WARPS)
+    return q, scale
 
 
 def rope_fusable(x_BHSd: torch.Tensor) -> bool:

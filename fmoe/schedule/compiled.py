@@ -35,14 +35,13 @@ import torch
 
 from ..config import Plan
 from ..layers.dispatch import make_dispatch
-from ..layers.experts import activation, expert_mlp, fused_activation, torch_activation
+from ..layers.experts import activation, dense_mlp, expert_mlp, fused_activation, torch_activation
+from ..layers.fp8 import GEMMS, PLAIN, Gemms
 from ..layers.loss import cross_entropy_sum
 from ..layers.model import attention_half
 from ..layers.router import route
 from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
 from .remat import quiet_compiled, selective, selective_experts, selective_kernels
-
-SELECTIVE_EAGER = selective_kernels(EAGER)
 
 
 def _compile(fn):
@@ -92,33 +91,47 @@ def _compiled_dispatch():
     return dispatch
 
 
-def compiled_kernels(selective_remat: bool = False) -> Kernels:
-    """The Kernels ``Plan(compile=True)`` runs (built once per process and policy;
-    ``torch.compile`` compiles each on its first call and keeps one graph per shape and
-    config). ``selective_remat``: ``Plan.remat='selective'``, its policy inside the
-    compiled attention and router (``remat.py``) and around the experts."""
-    return _compiled_kernels(bool(selective_remat))
+def compiled_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN) -> Kernels:
+    """The Kernels ``Plan(compile=True)`` runs (built once per process, policy and
+    products; ``torch.compile`` compiles each on its first call and keeps one graph per
+    shape and config). ``selective_remat``: ``Plan.remat='selective'``, its policy
+    inside the compiled attention and router (``remat.py``) and around the experts.
+    ``gemms``: the products of ``Plan.fp8`` (``fmoe.layers.fp8``)."""
+    return _compiled_kernels(bool(selective_remat), gemms)
 
 
 @functools.cache
-def _compiled_kernels(selective_remat: bool) -> Kernels:
+def _compiled_kernels(selective_remat: bool, gemms: Gemms) -> Kernels:
     act = _compiled_activation()
 
     def keep(fn):  # the policy inside the region to compile
         return quiet_compiled(_compile(selective(fn))) if selective_remat else _compile(fn)
 
     def experts(site, p, x_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
-        return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act)
+        return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act, gemms=gemms)
 
-    return Kernels(attn=at_any_site(keep(attention_half)), router=at_any_site(keep(route)),
+    return Kernels(attn=at_any_site(keep(functools.partial(attention_half, gemms=gemms))),
+                   router=at_any_site(keep(route)),
                    experts=selective_experts(experts) if selective_remat else experts,
-                   head=at_any_site(_compiled_head()), dispatch=at_any_site(_compiled_dispatch()))
+                   head=at_any_site(_compiled_head()), dispatch=at_any_site(_compiled_dispatch()),
+                   shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)))
+
+
+@functools.cache
+def eager_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN) -> Kernels:
+    """The Kernels of an eager step: ``EAGER`` with ``gemms``' products bound in, under
+    ``Plan.remat='selective'``'s policy or not."""
+    kernels = EAGER if gemms == PLAIN else EAGER._replace(
+        attn=at_any_site(functools.partial(attention_half, gemms=gemms)),
+        experts=at_any_site(functools.partial(expert_mlp, gemms=gemms)),
+        shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)))
+    return selective_kernels(kernels) if selective_remat else kernels
 
 
 def kernels_for(plan: Plan) -> Kernels:
     """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager,
-    under ``Plan.remat='selective'``'s policy or not."""
-    selective_remat = plan.remat == "selective"
+    under ``Plan.remat='selective'``'s policy or not, with ``Plan.fp8``'s products."""
+    selective_remat, gemms = plan.remat == "selective", GEMMS[plan.fp8]
     if plan.compile:
-        return compiled_kernels(selective_remat)
-    return SELECTIVE_EAGER if selective_remat else EAGER
+        return compiled_kernels(selective_remat, gemms)
+    return eager_kernels(selective_remat, gemms)

@@ -137,6 +137,11 @@ class Kernels(NamedTuple):
             ``head_loss_sum`` (``site = ("head", microbatch)``).
         dispatch: ``(site, indices_TK, experts, pad_multiple, capacity) -> Dispatch``, as
             ``make_dispatch`` (index arithmetic only: no weights, no gradient).
+        shared: ``(site, p_shared, x_TD, cfg) -> y_TD``, as ``dense_mlp`` (the shared
+            expert).
+
+    ``kernels_for(plan)`` binds the plan's products (``Plan.fp8``: ``fmoe.layers.fp8``)
+    into ``attn``, ``experts`` and ``shared``.
     """
 
     attn: Callable = at_any_site(attention_half)
@@ -144,6 +149,7 @@ class Kernels(NamedTuple):
     experts: Callable = at_any_site(expert_mlp)
     head: Callable = at_any_site(head_loss_sum)
     dispatch: Callable = at_any_site(make_dispatch)
+    shared: Callable = at_any_site(dense_mlp)
 
 
 EAGER = Kernels()
@@ -174,7 +180,7 @@ def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world:
     h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg)
     routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, site),
                        functools.partial(kernels.dispatch, site), decided)
-    shared = dense_mlp(p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
+    shared = kernels.shared(site, p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
     stats = moe_stats(routed, x_TD.shape[1], x_TD.dtype)
     objective = None
     if cfg.aux_loss_coef or cfg.z_loss_coef:

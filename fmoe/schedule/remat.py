@@ -36,7 +36,7 @@ from .nodes import Kernels
 
 _aten = torch.ops.aten
 KEPT_OPS = frozenset({
-    _aten.mm, _aten.addmm, _aten.bmm, _aten._grouped_mm,
+    _aten.mm, _aten.addmm, _aten.bmm, _aten._grouped_mm, _aten._scaled_mm, _aten._scaled_grouped_mm,
     _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
     _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
 })

@@ -1,0 +1,110 @@
+"""``Plan.fp8='rowwise'`` against fmoe's own bf16 step, side by side in one process.
+
+    python benchmarks/fp8_step.py --shapes coarse fine            # compiled and eager
+    python benchmarks/fp8_step.py --shapes coarse --fmoe-compile off --profile
+
+For each shape of ``vs_peer.py`` (coarse: D=2048, E=16 top-4 F=1408; fine: E=64 top-8
+F=704; 8 layers, vocab 32000, 8 x 2048 tokens per step) fmoe runs its step + fused
+AdamW in bf16 and in FP8, eager, with ``compile=True`` and (unless ``--fmoe-graph
+off``) compiled with the whole step replayed as one CUDA graph (``capture_step``),
+on one GPU, ``no_shard``, the same batches and init. Prints tokens/s, MFU (active
+parameters + attention against 789 TFLOP/s, the bf16 ceiling: FP8 is counted at the
+same FLOPs), peak memory, the loss after the last step, and FP8's speed-up over bf16
+in the same mode. With ``--profile``, the GPU time of one step by kernel family
+(GEMMs bf16 / FP8, attention, Triton kernels: inductor's fusions, the FP8 casts among
+them, and fmoe's own; the rest) for each system, and the top kernels of the FP8 ones.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from vs_peer import PEAK_TFLOPS, Bench, fmoe_graphs, fmoe_has_compile, freed, parse, run_fmoe, shape_config
+
+import fmoe
+
+
+def kernel_family(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "comm"
+    if "flash" in n or "fmha" in n or "attention" in n:
+        return "attention"
+    if n.startswith("triton") or "_kernel" in n and "gemm" not in n:
+        return "triton"
+    if "e4m3" in n or "f8" in n:
+        return "fp8 GEMM"
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
+        return "bf16 GEMM"
+    return "other"
+
+
+def profile_families(bench: Bench, cfg, compile: bool, fp8: str) -> tuple[dict, list]:
+    """GPU milliseconds by kernel family over one step + update (after two warm-up
+    steps), and the ten kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compile, fp8=fp8)
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-4, plan=plan, fused=True, donate=True)
+    state = opt.init(params)
+    batch = {"tokens": bench.batches[0]}
+    for _ in range(2):
+        params, state = opt.update(fmoe.step(params, batch, plan).grads, state, params)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        params, state = opt.update(fmoe.step(params, batch, plan).grads, state, params)
+        torch.cuda.synchronize()
+    ms, by_name = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            took = (e.time_range.end - e.time_range.start) / 1e3
+            ms[kernel_family(e.name)] += took
+            by_name[e.name[:90]] += took
+    return dict(ms), by_name.most_common(10)
+
+
+def main():
+    args = parse()
+    if args.device != "cuda":
+        raise SystemExit("fp8_step.py: Plan.fp8 needs a CUDA GPU with FP8 GEMMs; there is no CPU run")
+    bench = Bench(args)
+    modes = (False, True) if fmoe_has_compile(args) else (False,)
+    for name in args.shapes:
+        cfg = shape_config(name, args, toy=False)
+        bench.draw(cfg.vocab)
+        kinds = [(c, False) for c in modes] + ([(True, True)] if fmoe_graphs(args, bench) and True in modes else [])
+        rows = {(c, g, f): freed(bench, run_fmoe(bench, cfg, "dp", c, g, **({"fp8": f} if f != "none" else {})))
+                for c, g in kinds for f in ("none", "rowwise")}
+        tokens = args.batch * args.seq
+        flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
+        print(f"\n## {name}: D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, "
+              f"vocab {cfg.vocab}; {args.batch} x {args.seq} tokens, {torch.cuda.get_device_name()}, "
+              f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup}\n")
+        print("| system | step ms | tokens/s | MFU | peak GiB | loss after last step | FP8 / bf16 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for (c, g, f), r in rows.items():
+            ratio = f"**{rows[(c, g, 'none')]['step_s'] / r['step_s']:.2f}x**" if f != "none" else "1.00x"
+            print(f"| {r['system']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
+                  f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | {ratio} |")
+        if args.profile:
+            print("\nGPU ms of one step + update by kernel family:\n")
+            found = {(c, g, f): profile_families(bench, cfg, c, f) for c, g, f in rows if not g}
+            torch._dynamo.reset()
+            names = sorted({k for fams, _ in found.values() for k in fams})
+            print("| system | " + " | ".join(names) + " | total |")
+            print("| --- |" + " ---: |" * (len(names) + 1))
+            for key, (fams, _) in found.items():
+                print(f"| {rows[key]['system']} | " + " | ".join(f"{fams.get(n, 0):.1f}" for n in names)
+                      + f" | {sum(fams.values()):.1f} |")
+            for key, (_, top) in found.items():
+                if key[2] != "none":
+                    print(f"\ntop kernels, {rows[key]['system']}:")
+                    for kernel, took in top:
+                        print(f"  {took:7.2f} ms  {kernel}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""FP8 GEMMs with rowwise scales (``Plan.fp8='rowwise'``), and the value that picks them.
+
+A layer's weights enter two kinds of product: a dense one (``x @ w``: attention's
+q/k/v and output projections, the shared expert) and a grouped one (each expert's row
+segment times its ``[D, N]`` slice, whose input gradient is a grouped product too).
+``Gemms`` holds the function for each, and the layer functions take it as an argument,
+so which products run in FP8 is a value a reader can see (``GEMMS[plan.fp8]``), bound
+into the schedule's ``Kernels`` by ``kernels_for(plan)``.
+
+The FP8 recipe (``ROWWISE``): before each product both operands are cast to
+``float8_e4m3fn`` with one fp32 scale per row of the left operand and per column of
+the right one, ``scale = amax * (1 / 448)`` over the contraction axis; the GEMM
+(``torch._scaled_mm``, ``torch._scaled_grouped_mm``) writes bf16 with both scales
+applied. The forward products use Hopper's fast accumulation (as torchao's float8
+forward; 1.2-1.3x faster on the probe's shapes); the backward's accumulate in fp32.
+The backward quantises the same way along the other axes:
+
+- dense: the input gradient ``g @ w.T`` and the weight gradient ``x.T @ g`` both in
+  FP8 E4M3 (a row- or column-wise scale gives the gradients the range E5M2 would; as
+  torchao's ``rowwise`` recipe). When the token count is not a multiple of 16 (the
+  weight gradient's contraction axis), that product runs in bf16.
+- grouped: the forward product in FP8; the input and weight gradients in bf16. The
+  input gradient in FP8 (``scaled_grouped_mm``, which ``Gemms.grouped_grad`` can
+  name) measured 3% slower on the fine-grained model: its casts cost more than its
+  GEMMs save at those sizes. The weight gradient's contraction axis is each expert's
+  rows, whose scales would be per segment, and ``torch._scaled_grouped_mm`` needs
+  those segments 16-row aligned on sm_90.
+
+Scales are computed on the fly from the current tensor (no history); nothing here
+changes what is stored: params, gradients and optimizer state stay fp32. Inside a
+compiled kernel (``Plan.compile``) inductor fuses the casts with the norm or
+activation before them; eager on CUDA a contiguous operand is cast by one Triton
+kernel (``triton_kernels.quantize_rows_RW``) and a transposed one by a compiled
+function (a 64 MiB operand: 0.33 ms as separate eager kernels, 0.10 ms compiled,
+against 0.55 ms for its bf16 GEMM).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import triton_kernels
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+TINY = 1e-12  # the amax of a row of zeros: its scale stays finite, its values 0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` with ``q * scale ~ x``: ``q`` contiguous ``float8_e4m3fn`` of
+    ``x``'s shape, ``scale`` fp32 ``[..., 1]``, one per row (over the last axis)."""
+    # times the reciprocal (what torch's CUDA division by a number computes), so the
+    # Triton kernel reproduces these bits
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(TINY) * (1.0 / E4M3_MAX)
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.contiguous(), scale
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows`` of ``x``'s transpose (its last two axes): ``q`` contiguous
+    ``[..., C, R]``, one scale per column of ``x``."""
+    return quantize_rows(x.transpose(-2, -1))
+
+
+@functools.cache
+def _compiled(quantize):
+    # dynamic: one graph for every size; each function sees contiguous inputs of two
+    # ranks only, so it compiles a handful of graphs, not one per layout
+    return torch.compile(quantize, dynamic=True, fullgraph=True)
+
+
+def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(t)``. Inside a compiled kernel: traced, and fused with its
+    neighbours. Eager on CUDA: a contiguous tensor through a Triton kernel (one read per
+    row, ``triton_kernels.quantize_rows_RW``), a transposed view's storage through one
+    compiled function that reads it as columns. Eager on the CPU (tests only: a plan
+    refuses fp8 there): plain torch."""
+    if torch.compiler.is_compiling() or not t.is_cuda:
+        return quantize_rows(t)
+    if triton_kernels.quantize_fusable(t):
+        return triton_kernels.quantize_rows_RW(t, E4M3_MAX, TINY)
+    if t.is_contiguous():
+        return _compiled(quantize_rows)(t)
+    if t.transpose(-2, -1).is_contiguous():
+        return _compiled(quantize_columns)(t.transpose(-2, -1))
+    return _compiled(quantize_rows)(t.contiguous())
+
+
+def scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
+    """``a @ b`` (bf16 out) with both operands quantised here: ``a`` per row, ``b`` per
+    column (the scaled GEMM's layout: ``a`` row-major, ``b`` column-major)."""
+    qa_MK, sa_M1 = _quantize(a_MK)
+    qb_NK, sb_N1 = _quantize(b_KN.t())
+    return torch._scaled_mm(qa_MK, qb_NK.t(), scale_a=sa_M1, scale_b=sb_N1.t(), out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+def scaled_grouped_mm(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
+                      fast_accum: bool = False) -> torch.Tensor:
+    """Row segment ``e`` of ``a`` times ``b[e]`` (bf16 out), quantised here: ``a`` per
+    row, each ``b[e]`` per column. ``offsets_E``: int32 segment ends."""
+    qa_RK, sa_R1 = _quantize(a_RK)
+    qb_ENK, sb_EN1 = _quantize(b_EKN.transpose(-2, -1))
+    return torch._scaled_grouped_mm(qa_RK, qb_ENK.transpose(-2, -1), sa_R1.squeeze(-1), sb_EN1.squeeze(-1),
+                                    offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    # x_MK @ w_KN with the forward product in FP8, the backward's too when ``fp8_grads``
+    # (see the module doc).
+    @staticmethod
+    def forward(ctx, x_MK, w_KN, fp8_grads):
+        ctx.save_for_backward(x_MK, w_KN)
+        ctx.fp8_grads = fp8_grads
+        return scaled_mm(x_MK, w_KN, fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, g_MN):
+        x_MK, w_KN = ctx.saved_tensors
+        g_MN = g_MN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(g_MN, w_KN.t()) if ctx.fp8_grads else g_MN @ w_KN.t()
+        if ctx.needs_input_grad[1]:
+            fits = x_MK.shape[0] % 16 == 0  # the contraction axis here is the tokens
+            grad_w = scaled_mm(x_MK.t(), g_MN) if ctx.fp8_grads and fits else x_MK.t() @ g_MN
+        return grad_x, grad_w, None
+
+
+def rowwise_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for ``x`` of shape ``[..., K]`` with FP8 rowwise products, forward and
+    backward."""
+    y_MN = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN, True)
+    return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
+
+
+def rowwise_forward_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` with the forward product in FP8 and the backward's in bf16."""
+    y_MN = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN, False)
+    return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
+
+
+def plain_grouped_mm(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
+                     fast_accum: bool = False) -> torch.Tensor:
+    return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E)
+
+
+class Gemms(NamedTuple):
+    """The products a layer's weights enter.
+
+    Attributes:
+        linear: ``(x_..K, w_KN) -> y_..N``, differentiable (attention's projections,
+            the shared expert).
+        grouped: ``(a_RK, b_EKN, offsets_E, fast_accum) -> y_RN``, segment ``e`` of
+            ``a`` times ``b[e]``: ``experts.grouped_matmul``'s forward product
+            (``fast_accum=True``; not differentiated itself).
+        grouped_grad: the same signature, for the grouped product's input gradient.
+        name: the ``Plan.fp8`` value it stands for.
+    """
+
+    linear: Callable = torch.matmul
+    grouped: Callable = plain_grouped_mm
+    grouped_grad: Callable = plain_grouped_mm
+    name: str = "none"
+
+
+PLAIN = Gemms()
+# The experts' input gradients stay bf16: in FP8 they cost 3% of the fine-grained
+# model's step and gained nothing on the coarse one (BENCHMARKS.md, issue 25).
+ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, "rowwise")
+GEMMS = {"none": PLAIN, "rowwise": ROWWISE}

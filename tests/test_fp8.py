@@ -1,0 +1,219 @@
+"""``Plan.fp8``: the field, its refusals, and the FP8 products against references.
+
+CPU: the field's validation, the refusals (before any compute), and the dense FP8
+product (``torch._scaled_mm`` runs rowwise-scaled E4M3 on the CPU too) against a
+float64 product of the same quantised operands, which pins which axis each scale
+runs along. GPU (marked): each FP8 path against bf16 on random inputs, and whole
+steps. E4M3 keeps 3 mantissa bits, so one rounding moves a value by up to 2^-4 of
+itself; a product's relative error (Frobenius) lands near 3.7e-2 (measured on an
+H200: bf16's is 1.7e-3), hence the 0.06 bounds below.
+"""
+
+from types import SimpleNamespace
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe import layers
+from fmoe.layers.fp8 import (E4M3_MAX, PLAIN, ROWWISE, quantize_rows, rowwise_forward_linear, rowwise_linear,
+                             scaled_grouped_mm)
+from fmoe.runtime import check_device_and_backend
+
+FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``q * scale``: what the scaled GEMM multiplies, per row of ``x``."""
+    q, scale = quantize_rows(x)
+    return q.double() * scale.double()
+
+
+# --- the field ---------------------------------------------------------------------------
+
+def test_fp8_accepts_its_values_and_names_them_when_wrong():
+    assert fmoe.Plan().fp8 == "none"
+    with pytest.raises(ValueError, match=r"Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise'"):
+        fmoe.Plan(fp8="e5m2")
+
+
+def test_fp8_is_refused_on_the_cpu_when_the_plan_is_built():
+    with pytest.raises(ValueError, match=r"Plan.fp8='rowwise' is invalid: needs a CUDA device with FP8 GEMMs, "
+                                         r"but Plan.device='cpu' has none"):
+        fmoe.Plan(fp8="rowwise", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(dtype="float32"), "set Plan.dtype='bfloat16'"),
+    (dict(expert_backend="loop"), "set Plan.expert_backend='torch'"),
+    (dict(model=fmoe.ModelConfig(dim=72, heads=4, ffn=200)), "dim=72, ffn=200, head_dim=18"),
+    (dict(model=fmoe.ModelConfig(shared_ffn=40)), "shared_ffn=40"),
+])
+def test_fp8_names_what_else_it_needs(changes, needle):
+    with pytest.raises(ValueError, match="Plan.fp8='rowwise' is invalid") as err:
+        fmoe.Plan(**{"fp8": "rowwise", "dtype": "bfloat16", "device": "cuda", **changes})
+    assert needle in str(err.value)
+
+
+def test_a_gpu_without_fp8_gemms_is_refused_before_the_first_step(monkeypatch):
+    plan = fmoe.Plan(fp8="rowwise", dtype="bfloat16", device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"Plan.fp8='rowwise' needs FP8 GEMMs .* but NVIDIA A100 is 8.0"):
+        check_device_and_backend(plan)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_device_and_backend(plan)  # Hopper: accepted
+    check_device_and_backend(plan.replace(fp8="none"))
+
+
+# --- the products on the CPU -------------------------------------------------------------
+
+def test_quantize_rows_maps_each_rows_amax_to_the_e4m3_maximum():
+    x = torch.randn(6, 96) * torch.logspace(-3, 3, 6)[:, None]  # rows six decades apart
+    x[2] = 0.0
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and scale.shape == (6, 1)
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    nonzero = torch.tensor([i != 2 for i in range(6)])
+    assert torch.equal(q.float().abs().amax(1)[nonzero], torch.full((5,), E4M3_MAX))
+    assert torch.equal(q[2].float(), torch.zeros(96))
+    # each value to within one E4M3 rounding (3 mantissa bits), subnormals to 2^-9 of the scale
+    err = (q.float() * scale - x).abs()
+    assert (err <= 2**-4 * x.abs() + 2**-9 * scale).all()
+
+
+@pytest.mark.parametrize("tokens", [48, 40])
+def test_rowwise_linear_multiplies_the_operands_quantised_along_the_contraction(tokens):
+    x = torch.randn(tokens, 64).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
+    g = torch.randn(tokens, 32).bfloat16()
+    y = rowwise_linear(x, w)
+    y.backward(g)
+    x_, w_, g_ = x.detach(), w.detach(), g
+    # x per token, w per output column; then g per token with w per input row; for the
+    # weight gradient x and g per feature, over the tokens
+    want_y = dequantized(x_) @ dequantized(w_.t()).t()
+    want_dx = dequantized(g_) @ dequantized(w_).t()
+    torch.testing.assert_close(y.double(), want_y.bfloat16().double(), rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), want_dx.bfloat16().double(), rtol=2**-7, atol=1e-6)
+    if tokens % 16 == 0:
+        want_dw = dequantized(x_.t()) @ dequantized(g_.t()).t()
+        torch.testing.assert_close(w.grad.double(), want_dw.bfloat16().double(), rtol=2**-7, atol=1e-6)
+    else:  # the tokens are the weight gradient's contraction: not a multiple of 16, bf16
+        assert torch.equal(w.grad, x_.t() @ g_)
+    exact = x_.double() @ w_.double()
+    assert rel(y, exact) < FP8_REL and rel(x.grad, g_.double() @ w_.double().t()) < FP8_REL
+
+
+def test_rowwise_forward_linear_runs_its_backward_as_plain_bf16_products():
+    x = torch.randn(48, 64).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
+    g = torch.randn(48, 32).bfloat16()
+    y = rowwise_forward_linear(x, w)
+    y.backward(g)
+    torch.testing.assert_close(y.double(), (dequantized(x.detach()) @ dequantized(w.detach().t()).t()).bfloat16()
+                               .double(), rtol=2**-7, atol=1e-6)
+    x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (x_ @ w_).backward(g)
+    assert torch.equal(x.grad, x_.grad) and torch.equal(w.grad, w_.grad)
+
+
+def test_rowwise_linear_keeps_leading_axes():
+    x = torch.randn(2, 16, 64).bfloat16()
+    w = torch.randn(64, 48).bfloat16()
+    y = rowwise_linear(x, w)
+    assert y.shape == (2, 16, 48)
+    assert torch.equal(y, rowwise_linear(x.reshape(32, 64), w).view(2, 16, 48))
+
+
+# --- on the GPU ------------------------------------------------------------------------------
+
+def _grouped(x, w, segs, gemms, upstream, deferred=None):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    y = layers.grouped_matmul(x, w, segs, "torch", deferred, gemms)
+    y.backward(upstream)
+    return y.detach(), x.grad, w.grad if deferred is None else dict((id(k), v) for k, v in deferred.run())[id(w)]
+
+
+@pytest.mark.gpu
+def test_cuda_rowwise_linear_is_within_fp8_rounding_of_bf16():
+    x = torch.randn(4096, 1024, device="cuda").bfloat16().requires_grad_()
+    w = (0.02 * torch.randn(1024, 3072, device="cuda")).bfloat16().requires_grad_()
+    g = torch.randn(4096, 3072, device="cuda").bfloat16()
+    y = rowwise_linear(x, w)
+    y.backward(g)
+    xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
+    assert rel(y, xd @ wd) < FP8_REL
+    assert rel(x.grad, gd @ wd.t()) < FP8_REL
+    assert rel(w.grad, xd.t() @ gd) < FP8_REL
+    # inside a compiled region the casts are traced and fused with the silu before them
+    # (which then skips its bf16 rounding, so values may land on neighbouring E4M3 codes)
+    compiled = torch.compile(lambda a, b: rowwise_linear(torch.nn.functional.silu(a), b), fullgraph=True)
+    exact = torch.nn.functional.silu(xd) @ wd
+    assert rel(compiled(x.detach(), w.detach()), exact) < FP8_REL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delay_wgrad", [False, True])
+def test_cuda_fp8_grouped_matmul_is_within_fp8_rounding_and_keeps_the_bf16_gradients(delay_wgrad):
+    E, D, N = 8, 256, 384
+    rows_E = torch.tensor([0, 37, 1, 300, 16, 0, 129, 29], device="cuda")  # empty, odd, unaligned
+    segs = SimpleNamespace(rows_E=rows_E, offsets_E=rows_E.cumsum(0).to(torch.int32))
+    x = torch.randn(int(rows_E.sum()), D, device="cuda").bfloat16()
+    w = (0.05 * torch.randn(E, D, N, device="cuda")).bfloat16()
+    g = torch.randn(x.shape[0], N, device="cuda").bfloat16()
+    deferred = (lambda: layers.DeferredWgrad()) if delay_wgrad else (lambda: None)
+    y8, dx8, dw8 = _grouped(x, w, segs, ROWWISE, g, deferred())
+    y, dx, dw = _grouped(x, w, segs, PLAIN, g, deferred())
+    assert rel(y8, y) < FP8_REL and 0 < rel(y8, y)
+    # the gradients are the same bf16 products of the same rows, weights and gradient
+    assert torch.equal(dx8, dx) and torch.equal(dw8, dw)
+    # and FP8 input gradients, which the recipe leaves out, would be within FP8 rounding
+    fp8_grads = ROWWISE._replace(grouped_grad=scaled_grouped_mm)
+    assert rel(_grouped(x, w, segs, fp8_grads, g)[1], dx) < FP8_REL
+
+
+def _coarse_like(**changes):
+    return fmoe.ModelConfig(vocab=512, dim=256, layers=2, heads=4, experts=8, topk=2, ffn=128, shared_ffn=64,
+                            **changes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_fp8_step_is_close_to_the_bf16_step(compile):
+    cfg = _coarse_like()
+    batch = {"tokens": torch.randint(0, cfg.vocab, (8, 129), device="cuda")}
+    base = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, compile=compile)
+    params = fmoe.init(base, seed=3)
+    bf16 = fmoe.step(params, batch, base)
+    fp8 = fmoe.step(params, batch, base.replace(fp8="rowwise"))
+    fp32 = fmoe.step(params, batch, base.replace(dtype="float32", compile=False))
+    assert abs(fp8.loss.item() - bf16.loss.item()) < 1e-2 * bf16.loss.item()
+    flat = lambda out: torch.cat([t.flatten() for t in optree.tree_leaves(out.grads)])  # noqa: E731
+    # the whole gradient within a few FP8 roundings of fp32's, and nowhere near bf16's noise
+    # floor (the router and head stay bf16, so their share of the error is bf16's)
+    assert rel(flat(fp8), flat(fp32)) < 0.1
+    assert rel(flat(fp8), flat(fp32)) > rel(flat(bf16), flat(fp32))
+    assert torch.equal(fp8.metrics["expert_counts"].sum(), bf16.metrics["expert_counts"].sum())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1000, 2816), (3, 64, 1408), (5, 2048)])
+def test_cuda_triton_quantize_gives_the_bits_of_the_torch_code(shape):
+    from fmoe.layers import triton_kernels
+    from fmoe.layers.fp8 import TINY
+
+    x = (torch.randn(shape, device="cuda") * torch.rand(shape[:-1], device="cuda")[..., None] * 10).bfloat16()
+    x[0] = 0.0  # a row of zeros
+    assert triton_kernels.quantize_fusable(x)
+    q, scale = triton_kernels.quantize_rows_RW(x, E4M3_MAX, TINY)
+    want_q, want_scale = quantize_rows(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
