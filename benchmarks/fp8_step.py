@@ -24,6 +24,7 @@ import torch
 from vs_peer import PEAK_TFLOPS, Bench, fmoe_graphs, fmoe_has_compile, freed, parse, run_fmoe, shape_config
 
 import fmoe
+from fmoe.config import FP8S
 
 
 def kernel_family(name: str) -> str:
@@ -70,6 +71,7 @@ def main():
     args = parse()
     if args.device != "cuda":
         raise SystemExit("fp8_step.py: Plan.fp8 needs a CUDA GPU with FP8 GEMMs; there is no CPU run")
+    families, args.profile = args.profile, False  # vs_peer's own --profile (NCCL time) means nothing here
     bench = Bench(args)
     modes = (False, True) if fmoe_has_compile(args) else (False,)
     for name in args.shapes:
@@ -77,7 +79,7 @@ def main():
         bench.draw(cfg.vocab)
         kinds = [(c, False) for c in modes] + ([(True, True)] if fmoe_graphs(args, bench) and True in modes else [])
         rows = {(c, g, f): freed(bench, run_fmoe(bench, cfg, "dp", c, g, **({"fp8": f} if f != "none" else {})))
-                for c, g in kinds for f in ("none", "rowwise")}
+                for c, g in kinds for f in FP8S}
         tokens = args.batch * args.seq
         flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
         print(f"\n## {name}: D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, "
@@ -89,7 +91,7 @@ def main():
             ratio = f"**{rows[(c, g, 'none')]['step_s'] / r['step_s']:.2f}x**" if f != "none" else "1.00x"
             print(f"| {r['system']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
                   f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | {ratio} |")
-        if args.profile:
+        if families:
             print("\nGPU ms of one step + update by kernel family:\n")
             found = {(c, g, f): profile_families(bench, cfg, c, f) for c, g, f in rows if not g}
             torch._dynamo.reset()

@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fmoe
+from fmoe.config import FP8S
 from kernel_time import union
 from vs_peer import SHAPES
 
@@ -66,7 +67,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=tuple(SHAPES))
     ap.add_argument("--no-compile", action="store_true", help="profile the eager step")
     ap.add_argument("--top", type=int, default=28)
-    ap.add_argument("--fp8", default="none", choices=("none", "rowwise"), help="Plan.fp8")
+    ap.add_argument("--fp8", default="none", choices=FP8S, help="Plan.fp8")
     ap.add_argument("--trace", metavar="DIR", help="write each shape's Chrome trace to DIR/<shape>.json")
     args = ap.parse_args()
     torch.cuda.set_device(0)

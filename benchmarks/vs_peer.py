@@ -407,7 +407,8 @@ def weak_scaling(path: str):
     same shape, system and microbatches on one GPU (fmoe's ``dp`` row for each of its meshes)."""
     with open(path) as f:
         table = [json.loads(line) for line in f if line.strip()]
-    base = {(r["shape"], r["system"], r["microbatches"]): r for r in table if r["gpus"] == 1}
+    # the latest one-GPU row of the plain mesh (the file may hold several runs)
+    base = {(r["shape"], r["system"], r["microbatches"]): r for r in table if r["gpus"] == 1 and r["mesh_name"] == "dp"}
     print(f"\n## Weak scaling ({path}): tokens/s per GPU against one GPU\n")
     print("| shape | system | GPUs | mesh | microbatches | tokens/s/GPU | MFU | peak GiB | vs 1 GPU |")
     print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -258,8 +258,9 @@ class Plan:
             the shared expert and the routed experts run in FP8 E4M3 with one scale per
             row of each operand, computed on the fly (``fmoe/layers/fp8.py``); master
             params, gradients and optimizer state stay fp32, router, norms, softmax,
-            the head and the loss as without. Needs ``dtype='bfloat16'`` and a CUDA
-            device with FP8 GEMMs (compute capability 8.9 or newer); refused elsewhere.
+            the head and the loss as without. Needs ``dtype='bfloat16'``, the ``torch``
+            expert backend, GEMM widths that are multiples of 16 and a Hopper GPU
+            (compute capability 9.x); refused elsewhere.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -320,11 +321,11 @@ class Plan:
         if self.dtype != "bfloat16":
             fail(own, self.fp8, f"computes with bfloat16 around its FP8 GEMMs: set Plan.dtype='bfloat16' "
                                 f"(is {self.dtype!r}) or fp8='none'")
-        if self.expert_backend not in ("torch",):
+        if self.expert_backend != "torch":
             fail(own, self.fp8, f"runs the routed experts through torch's FP8 grouped GEMM: set "
                                 f"Plan.expert_backend='torch' (is {self.expert_backend!r}) or fp8='none'")
-        cfg = self.model
-        widths = {"dim": cfg.dim, "ffn": cfg.ffn, "head_dim": cfg.head_dim}
+        cfg = self.model  # the K and N of every FP8 product
+        widths = {"dim": cfg.dim, "ffn": cfg.ffn, "q_width": cfg.q_width, "kv_width": cfg.kv_width}
         if cfg.shared_ffn:
             widths["shared_ffn"] = cfg.shared_ffn
         odd = {k: v for k, v in widths.items() if v % 16}

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from .config import Plan
+from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .layers.router import router_loss
 from .params import named_leaves
@@ -105,7 +106,7 @@ def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, tota
     """
     cfg = plan.model
     compute_params = cast_for_compute(params, plan.compute_dtype)
-    ce_sum, layer_stats = lm_loss_sum(compute_params, tokens_mb, cfg, plan.expert_backend)
+    ce_sum, layer_stats = lm_loss_sum(compute_params, tokens_mb, cfg, plan.expert_backend, GEMMS[plan.fp8])
     s = stack_stats(layer_stats)
     router_losses = router_loss(s.aux_loss.sum(), s.z_loss.sum(), cfg)
     return ce_sum / total_targets + router_losses / plan.microbatches, ce_sum, s

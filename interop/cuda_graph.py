@@ -29,6 +29,7 @@ import torch
 
 from fmoe import Plan, StepOutput, as_flat
 from fmoe.layers import attention_half, expert_mlp, route
+from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
 from fmoe.step import check_batch, check_params, prepare_step, run_step
 
@@ -173,10 +174,11 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
 
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
 
-def _attn_flat(p_layer: dict):
+def _attn_flat(p_layer: dict, plan: Plan):
     sub = {"attn": p_layer["attn"], "moe": {"norm": p_layer["moe"]["norm"]}}
     leaves, treedef = optree.tree_flatten(sub)
-    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg))
+    gemms = GEMMS[plan.fp8]
+    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg, gemms=gemms))
 
 
 def _router_flat(p_moe: dict):
@@ -211,7 +213,7 @@ class _ScopeGraphs:
         chosen = {}
         if "attn" in self.scopes:
             def attn(site, p, h, cfg):
-                leaves, make = _attn_flat(p)
+                leaves, make = _attn_flat(p, self.plan)
                 return self._call("attn", site, make, [h, *leaves])
             chosen["attn"] = attn
         if "router" in self.scopes:
@@ -240,7 +242,8 @@ class _ScopeGraphs:
                 fields = list(segs)
                 for i, _ in seg_fields:
                     fields[i] = rest.pop(0)
-                return expert_mlp(weights, rows, type(segs)(*fields), cfg, pr, backend, None)
+                return expert_mlp(weights, rows, type(segs)(*fields), cfg, pr, backend, None,
+                                  gemms=GEMMS[self.plan.fp8])
             return fn
         tensors = [rows, *([probs] if has_probs else []), *(p[n] for n in names), *(v for _, v in seg_fields)]
         return self._call("experts", site, make, tensors)

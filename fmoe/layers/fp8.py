@@ -172,3 +172,6 @@ PLAIN = Gemms()
 # model's step and gained nothing on the coarse one (BENCHMARKS.md, issue 25).
 ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, "rowwise")
 GEMMS = {"none": PLAIN, "rowwise": ROWWISE}
+
+__all__ = ["E4M3", "E4M3_MAX", "GEMMS", "PLAIN", "ROWWISE", "Gemms", "TINY", "plain_grouped_mm", "quantize_columns",
+           "quantize_rows", "rowwise_forward_linear", "rowwise_linear", "scaled_grouped_mm", "scaled_mm"]

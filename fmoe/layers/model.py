@@ -60,7 +60,8 @@ def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"
     return h_BSD + y_TD.view_as(h_BSD), stats
 
 
-def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
+def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
+            gemms: Gemms = PLAIN):
     """Logits for every position.
 
     Arguments:
@@ -68,6 +69,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         tokens_BS: ``[B, S]`` token ids.
         cfg: the ModelConfig.
         backend: expert matmul backend.
+        gemms: the layers' products (``Plan.fp8``: ``fmoe.layers.fp8``); the head's is plain.
 
     Returns:
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
@@ -75,20 +77,22 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
     h = embed(params["embed"], tokens_BS)
     stats = []
     for p in params["layers"]:
-        h, s = block(p, h, cfg, backend)
+        h, s = block(p, h, cfg, backend, gemms=gemms)
         stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     return h @ head_weight(params), stats
 
 
-def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch"):
-    """Summed next-token cross-entropy (fp32) of ``tokens[:, :-1] -> tokens[:, 1:]``.
+def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
+                gemms: Gemms = PLAIN):
+    """Summed next-token cross-entropy (fp32) of ``tokens[:, :-1] -> tokens[:, 1:]``
+    (``backend``, ``gemms``: as ``forward``).
 
     Returns:
         ``(ce_sum, stats)``: a fp32 scalar summed over all ``B * S`` targets, and the
         per-layer MoEStats.
     """
-    logits, stats = forward(params, tokens_BS1[:, :-1], cfg, backend)
+    logits, stats = forward(params, tokens_BS1[:, :-1], cfg, backend, gemms)
     targets = tokens_BS1[:, 1:]
     ce = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum")
     return ce, stats

@@ -18,10 +18,12 @@
   compiles that code for a symbolic width as a two-pass loop: 3x the time on the
   experts' rows).
 
-Each runs as a ``torch.library`` custom op (``fmoe::rope``, ``fmoe::swiglu``,
-``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops; registered in
-``kernel_ops.py``) with a fake (shape) rule and a registered backward, so
-``torch.compile`` traces them as operators.
+Each but ``quantize_rows_RW`` runs as a ``torch.library`` custom op (``fmoe::rope``,
+``fmoe::swiglu``, ``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops;
+registered in ``kernel_ops.py``) with a fake (shape) rule and a registered backward, so
+``torch.compile`` traces them as operators. ``quantize_rows_RW`` is launched directly:
+``fp8._quantize`` calls it only outside compiled regions (inside them inductor fuses
+the torch code with its neighbours) and it has no gradient.
 ``dispatch.py``, ``experts.py`` and ``attention.py`` call these when
 ``fused_kernels_available`` says so and keep their pure-torch code as the CPU and reference path; the results agree up to
 fp32 summation order (bf16 outputs are rounded once from fp32, where the torch path
@@ -269,13 +271,18 @@ if triton is not None:
                               TINY: tl.constexpr, BLOCK: tl.constexpr):
         # One row per program: amax, scale = max(amax, TINY) * (1 / FP8_MAX), q = x / scale
         # (IEEE division, then the clamp), cast to E4M3 rounding to nearest even: torch's
-        # arithmetic, bit for bit.
+        # arithmetic, bit for bit. NaN propagates as in torch (a NaN makes the row's scale
+        # NaN, an inf makes it inf), so a non-finite input stays visible downstream.
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < W
         x = tl.load(x_ptr + row * W + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0), TINY) * INV_MAX
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        amax = tl.max(tl.abs(x), axis=0)
+        amax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)  # tl.max skips NaN
+        scale = tl.maximum(amax, TINY, propagate_nan=tl.PropagateNan.ALL) * INV_MAX
+        q = tl.div_rn(x, scale)
+        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + row * W + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(scale_ptr + row, scale)
 
