@@ -48,9 +48,31 @@ def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
         (0, "backward", "layers.1.combine"), (1, "forward", "layers.0.attn"), (1, "forward", "layers.0.dispatch"),
         (0, "backward", "layers.1.experts"), (0, "backward", "layers.1.dispatch"), (1, "forward", "layers.0.experts"),
         (0, "wgrad", "layers.1.experts"), (1, "forward", "layers.0.combine"), (0, "backward", "layers.1.attn")]
-    assert ops[:ops.index((1, "forward", "embed"))] == [op for op in ops if op[0] == 0 and op[1] == "forward"]
+    assert ops[:ops.index((1, "forward", "embed"))] == [op for op in ops if op[0] == 0 and op[1] in ("forward", "land")]
     one = plan(schedule="1f1b_overlap").replace(microbatches=1)
     assert schedule_ops(one) == schedule_ops(one.replace(schedule="standard"))
+
+
+@pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
+def test_each_combine_lands_right_before_its_output_is_read(schedule):
+    ops = [(mb, op, str(node)) for mb, op, node in schedule_ops(plan(schedule=schedule, delay_wgrad=True))]
+    for mb in range(3):
+        for i, reader in ((0, "layers.1.attn"), (1, "head")):
+            land = ops.index((mb, "land", f"layers.{i}.combine"))
+            assert ops[land + 1] == (mb, "forward", reader)
+            issued = ops.index((mb, "forward", f"layers.{i}.combine"))
+            between = ops[issued + 1:land]
+            assert all(op[0] != mb for op in between)  # nothing of its own microbatch in between
+            if schedule == "1f1b_overlap" and mb > 0 and i == 0:  # the previous microbatch's backward
+                assert (mb - 1, "backward", "layers.1.attn") in between  # is what the all-to-all overlaps
+    assert sum(op[1] == "land" for op in ops) == 2 * 3  # one per layer and microbatch
+
+
+def test_a_program_without_a_landing_is_caught():
+    p = plan()
+    program = [a for a in build_program(p) if not (a.op == "land" and a.node == Node("combine", 0))]
+    with pytest.raises(LifecycleError, match=r"forward layers.1.attn \(microbatch 0\): layers.0.combine has not landed"):
+        run(p, program)
 
 
 def run(p, program):

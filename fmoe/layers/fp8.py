@@ -16,9 +16,9 @@ forward; 1.2-1.3x faster on the probe's shapes); the backward's accumulate in fp
 The backward quantises the same way along the other axes:
 
 - dense: the input gradient ``g @ w.T`` and the weight gradient ``x.T @ g`` both in
-  FP8 E4M3 (a row- or column-wise scale gives the gradients the range E5M2 would; as
-  torchao's ``rowwise`` recipe). When the token count is not a multiple of 16 (the
-  weight gradient's contraction axis), that product runs in bf16.
+  FP8 E4M3: a scale per row or column of the gradient gives it the range E5M2's wider
+  exponent would, at E4M3's precision. When the token count is not a multiple of 16
+  (the weight gradient's contraction axis), that product runs in bf16.
 - grouped: the forward product in FP8; the input and weight gradients in bf16. The
   input gradient in FP8 (``scaled_grouped_mm``, which ``Gemms.grouped_grad`` can
   name) measured 3% slower on the fine-grained model: its casts cost more than its

@@ -6,12 +6,13 @@ backward is ``torch.autograd.grad`` from the saved outputs, so the executor, not
 hook, decides when weights are gathered, released and reduced, and every node first
 asks the lifecycle for its unit (which raises if the unit is not gathered).
 
-The all-to-all nodes issue an exchange and return at once; the exchange is waited
-for only where its result is first needed (the next compute node of that
-microbatch, forward or backward). Whatever the program runs in between, typically
-another microbatch's compute, overlaps the exchange: on CUDA the collective runs on
-NCCL's stream, ordered against the compute stream by events; on CPU on gloo's
-threads.
+The all-to-all nodes issue an exchange and return at once. A forward ``combine``'s
+rows are waited for where the program lists its ``land`` action (right before the
+next node of that microbatch reads them); the other exchanges where their result is
+first needed (the next compute node of that microbatch, forward or backward).
+Whatever the program runs in between, typically another microbatch's compute,
+overlaps the exchange: on CUDA the collective runs on NCCL's stream, ordered against
+the compute stream by events; on CPU on gloo's threads.
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class _Flow:
     """What moves between nodes during one step.
 
     ``values[(mb, node)]``: a node's forward outputs by name: tensors, Transfers in
-    flight, or (``combine``) a completion run when first needed. ``grads[(mb, node)]``:
+    flight, or (``combine``, until its ``land``) the rows in flight with what landing
+    them needs. ``grads[(mb, node)]``:
     gradients w.r.t. those outputs, possibly in flight. ``records``: autograd records
     waiting for their backward. ``routed[(mb, Node("layer", i))]``: a layer's routing, from its
     forward to its attention's backward. ``events``: exchanges that landed, for the trace.
@@ -151,8 +153,6 @@ class _Flow:
             if first:
                 self.events.append(value.event())
             return out
-        if callable(value):
-            return value()
         return value
 
     def take(self, table: dict, mb: int, node, what: str) -> dict:
@@ -186,10 +186,13 @@ def _detached(tree):
 
 
 def _input_h(flow: _Flow, mb: int, node: Node) -> torch.Tensor:
-    """The hidden states ``node`` reads (the previous layer's combine, or the embedding),
-    as a leaf of its own graph."""
+    """The hidden states ``node`` reads (the previous layer's landed combine, or the
+    embedding), as a leaf of its own graph."""
     prev = flow.take(flow.values, mb, flow.previous[node], f"forward {node}")
-    return _leaf(flow.resolve(prev["h"]), flow.train)
+    if "h" not in prev:
+        raise lc.LifecycleError(f"forward {node} (microbatch {mb}): {flow.previous[node]} has not landed; "
+                                "the program needs a land action before it")
+    return _leaf(prev["h"], flow.train)
 
 
 def _forward_embed(flow: _Flow, mb: int, node: Node, weights: dict):
@@ -249,13 +252,13 @@ def _forward_experts(flow: _Flow, mb: int, node: Node, weights: dict):
 
 def _forward_combine(flow: _Flow, mb: int, node: Node, weights: dict):
     """Issue the all-to-all bringing the rows back; unpermute and the residual add run
-    when the next node first reads ``h`` (``_complete_combine``)."""
+    at the node's ``land`` action (``_land``)."""
     y = flow.take(flow.values, mb, node.sibling("experts"), f"forward {node}")["y"]
     attn = flow.values.pop((mb, node.sibling("attn")))
     routed = attn["routed"]
     if routed.exchange is not None:
         y = flow.send(from_experts(y, routed.exchange, flow.ep, routed.dispatch.capacity), node, mb)
-    flow.values[(mb, node)] = {"h": lambda: _complete_combine(flow, mb, node, y, attn)}
+    flow.values[(mb, node)] = {"y": y, "attn": attn}
 
 
 FORWARD = {"embed": _forward_embed, "attn": _forward_attn, "dispatch": _forward_dispatch,
@@ -281,14 +284,20 @@ def _run_experts(flow: _Flow, mb: int, node: Node, weights: dict, rows, probs, r
     return y
 
 
-def _complete_combine(flow: _Flow, mb: int, node: Node, y, attn: dict) -> torch.Tensor:
-    """The combine's landing: wait for the rows, unpermute, add the residual."""
-    y = flow.resolve(y)
+def _land(state, a: Action, flow: _Flow):
+    """A combine's landing: wait for its rows, unpermute, add the residual; the layer's
+    output ``h`` is then the value the next node reads."""
+    mb, node = a.mb, a.node
+    sent = flow.take(flow.values, mb, node, f"land {node}")
+    y, attn = flow.resolve(sent["y"]), sent["attn"]
     if flow.remat:
         if attn["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
             flow.kept[(mb, node.whole_layer)]["y"] = y.detach()
-        return _combine(flow, mb, node, y, attn, record=False).detach()
-    return _combine(flow, mb, node, y, attn)
+        h = _combine(flow, mb, node, y, attn, record=False).detach()
+    else:
+        h = _combine(flow, mb, node, y, attn)
+    flow.values[(mb, node)] = {"h": h}
+    return state
 
 
 def _combine(flow: _Flow, mb: int, node: Node, y: torch.Tensor, attn: dict, record: bool = True) -> torch.Tensor:
@@ -435,7 +444,7 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
                 state = lc.release(state, a.unit)
             elif a.op == "reduce":
                 state = lc.reduce_grads(state, a.unit, a.mb, last=a.mb == plan.microbatches - 1)
-            elif a.op in ("forward", "backward", "wgrad", "recompute"):
+            elif a.op in ("forward", "land", "backward", "wgrad", "recompute"):
                 if a.op == "forward":
                     state, res = _forward(state, a, flow)
                     if isinstance(res, Attended):
@@ -447,6 +456,8 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
                         ce_sum += res[1]
                 elif a.op == "backward":
                     state = _backward(state, a, flow)
+                elif a.op == "land":
+                    state = _land(state, a, flow)
                 elif a.op == "recompute":
                     state = _recompute(state, a, flow)
                 else:

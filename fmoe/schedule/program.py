@@ -18,9 +18,10 @@ from .nodes import EMBED, HEAD, Node, layer_nodes
 class Action(NamedTuple):
     """``op`` is ``gather | wait | release | reduce`` (on ``unit``),
     ``forward | backward | wgrad`` (of ``node`` for microbatch ``mb``; ``unit`` is
-    the node's FSDP unit, None for the communication nodes), or ``recompute``
-    (``Plan.remat='full'``: re-run the layer ``node``, ``Node("layer", i)``, before
-    its backward)."""
+    the node's FSDP unit, None for the communication nodes), ``land`` (a ``combine``
+    node's rows are back: wait for its all-to-all, unpermute, add the residual), or
+    ``recompute`` (``Plan.remat='full'``: re-run the layer ``node``,
+    ``Node("layer", i)``, before its backward)."""
 
     op: str
     unit: str | None = None
@@ -29,8 +30,8 @@ class Action(NamedTuple):
 
 
 class Use(NamedTuple):
-    """One node run in a schedule's order: ``op`` is ``forward``, ``backward``, ``wgrad``
-    or ``recompute`` (whose node is a layer)."""
+    """One node run in a schedule's order: ``op`` is ``forward``, ``land``, ``backward``,
+    ``wgrad`` or ``recompute`` (whose node is a layer)."""
 
     mb: int
     op: str
@@ -83,16 +84,35 @@ def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat:
                   ("b", "backward", B["attn"])]     # ... attention's backward of b
 
 
+def _with_landings(ops: list) -> list:
+    """``ops`` with each forward ``combine``'s ``land`` right before the node that reads
+    its output (the next layer's ``attn``, or the ``head``, of that microbatch): what
+    the schedule runs between the two overlaps the combine's all-to-all."""
+    out, pending = [], {}
+    for mb, op, node in ops:
+        if op == "forward" and node.kind in ("attn", "head") and mb in pending:
+            out.append((mb, "land", pending.pop(mb)))
+        out.append((mb, op, node))
+        if op == "forward" and node.kind == "combine":
+            pending[mb] = node
+    return out
+
+
 def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, str, Node]]:
     """``(mb, op, node)`` in the order the plan's schedule runs them.
 
     ``standard``: each microbatch's forward, then its backward. ``1f1b_overlap``:
     after microbatch 0's forward, the forward of microbatch ``f`` is interleaved with
     the backward of ``f - 1`` layer by layer (forward layer j with backward layer
-    L-1-j), then the last backward runs alone. ``delay_wgrad`` adds a ``wgrad`` op
-    per layer after its dispatch's backward; ``remat='full'`` a ``recompute`` of each
-    layer before its backward.
+    L-1-j), then the last backward runs alone. Each forward ``combine`` lands right
+    before the next node of its microbatch reads its output. ``delay_wgrad`` adds a
+    ``wgrad`` op per layer after its dispatch's backward; ``remat='full'`` a
+    ``recompute`` of each layer before its backward.
     """
+    return _with_landings(_schedule(plan, train))
+
+
+def _schedule(plan: Plan, train: bool) -> list[tuple[int, str, Node]]:
     cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat == "full"
     if not train:
         return [(mb, op, node) for mb in range(M) for op, node in _forward(cfg)]

@@ -19,7 +19,8 @@ class Event:
     Attributes:
         kind: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``release``,
             ``all_to_all``, ``a2a_splits`` (the dropless split read), ``forward``,
-            ``backward`` or ``wgrad``.
+            ``land`` (a combine's rows waited for, unpermuted, added), ``backward``,
+            ``wgrad`` or ``recompute``.
         unit: the FSDP unit (None for compute-only or metric events).
         node: the node (``embed``, ``layers.3.attn``, ``layers.3.dispatch``, ``head``...);
             for an all-to-all, the node that issued it.
@@ -67,7 +68,8 @@ def export_chrome_trace(trace, path, rank: int = 0) -> Path:
     t0 = min(e.start for e in trace)
     events = []
     for e in trace:
-        row = "compute" if e.kind in ("forward", "backward", "wgrad", "recompute") else f"comm {e.unit or e.purpose}"
+        row = "compute" if e.kind in ("forward", "land", "backward", "wgrad", "recompute") \
+            else f"comm {e.unit or e.purpose}"
         name = f"{e.kind} {e.node or e.unit or e.purpose}" + (f" mb{e.mb}" if e.mb >= 0 else "")
         events.append({
             "name": name, "cat": e.kind, "ph": "X", "pid": rank, "tid": row,
