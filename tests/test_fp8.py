@@ -265,3 +265,27 @@ def test_cuda_fp8_graphed_scopes_and_the_module_compute_as_the_step():
     bf16_loss = float(FMoEModule(plan.replace(fp8="none"), seed=0)(batch))
     assert abs(fp8_loss - want.loss.item()) < 1e-3 * want.loss.item()
     assert abs(fp8_loss - want.loss.item()) < abs(bf16_loss - want.loss.item())
+
+
+def test_selective_remat_around_the_fp8_products_is_bitwise_the_kept_run():
+    # the policy keeps _scaled_mm's output and recomputes the norms, RoPE and casts
+    # around it; the FP8 function saves its bf16 inputs, which the recompute rebuilds
+    from fmoe.layers import cast_for_compute
+    from fmoe.schedule.compiled import eager_kernels
+    from fmoe.schedule.remat import keeps
+
+    cfg = fmoe.ModelConfig(vocab=64, dim=64, layers=1, heads=4, experts=4, topk=2, ffn=32)
+    p0 = cast_for_compute(fmoe.init(fmoe.Plan(model=cfg), seed=0), torch.bfloat16)["layers"][0]
+    h0 = torch.randn(2, 16, 64).bfloat16()
+    g_h, g_x = torch.randn(2, 16, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    assert keeps(torch.ops.aten._scaled_mm.default)
+
+    def run(selective_remat):
+        p = optree.tree_map(lambda t: t.detach().requires_grad_(), p0)
+        h = h0.detach().requires_grad_()
+        out_h, out_x = eager_kernels(selective_remat, ROWWISE).attn((0, 0), p, h, cfg)
+        torch.autograd.backward([out_h, out_x], [g_h, g_x])
+        return [out_h.detach(), out_x.detach(), h.grad, *(t.grad for t in optree.tree_leaves(p["attn"]))]
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
