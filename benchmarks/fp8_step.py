@@ -11,8 +11,9 @@ on one GPU, ``no_shard``, the same batches and init. Prints tokens/s, MFU (activ
 parameters + attention against 789 TFLOP/s, the bf16 ceiling: FP8 is counted at the
 same FLOPs), peak memory, the loss after the last step, and FP8's speed-up over bf16
 in the same mode. With ``--profile``, the GPU time of one step by kernel family
-(GEMMs bf16 / FP8, attention, Triton kernels: inductor's fusions, the FP8 casts among
-them, and fmoe's own; the rest) for each system, and the top kernels of the FP8 ones.
+(GEMMs bf16 / FP8, attention, elementwise: inductor's fusions with the FP8 casts among
+them, fmoe's Triton kernels, torch's own with the fused AdamW; the rest) for each
+system, and the top kernels of the FP8 ones.
 """
 
 from __future__ import annotations
@@ -21,10 +22,17 @@ import collections
 
 import torch
 
+from step_profile import kernel_times, profiled_step
 from vs_peer import PEAK_TFLOPS, Bench, fmoe_graphs, fmoe_has_compile, freed, parse, run_fmoe, shape_config
 
 import fmoe
 from fmoe.config import FP8S
+
+
+# Markers of the FP8 GEMM kernels in their (mangled) names, as torch 2.11 launches them
+# on an H200: CUTLASS's grouped and rowwise kernels carry e4m3 types or torch's sm9x
+# wrapper, cuBLASLt's FP8 kernels an ``ovscale`` (outer-vector scaling) suffix.
+FP8_GEMM_MARKS = ("e4m3", "f8", "ovscale", "enable_3x_kernel_for_sm9x")
 
 
 def kernel_family(name: str) -> str:
@@ -33,38 +41,23 @@ def kernel_family(name: str) -> str:
         return "comm"
     if "flash" in n or "fmha" in n or "attention" in n:
         return "attention"
-    if n.startswith("triton") or "_kernel" in n and "gemm" not in n:
-        return "triton"
-    if "e4m3" in n or "f8" in n:
+    if n.startswith("triton") or "_kernel" in n and "gemm" not in n and "cutlass" not in n:
+        return "elementwise"  # inductor's and fmoe's Triton kernels, torch's own (AdamW's included)
+    if any(mark in n for mark in FP8_GEMM_MARKS):
         return "fp8 GEMM"
     if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "bf16 GEMM"
     return "other"
 
 
-def profile_families(bench: Bench, cfg, compile: bool, fp8: str) -> tuple[dict, list]:
-    """GPU milliseconds by kernel family over one step + update (after two warm-up
-    steps), and the ten kernels that took longest."""
-    from torch.profiler import ProfilerActivity, profile
-
-    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compile, fp8=fp8)
-    params = fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, plan=plan, fused=True, donate=True)
-    state = opt.init(params)
-    batch = {"tokens": bench.batches[0]}
-    for _ in range(2):
-        params, state = opt.update(fmoe.step(params, batch, plan).grads, state, params)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        params, state = opt.update(fmoe.step(params, batch, plan).grads, state, params)
-        torch.cuda.synchronize()
-    ms, by_name = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            took = (e.time_range.end - e.time_range.start) / 1e3
-            ms[kernel_family(e.name)] += took
-            by_name[e.name[:90]] += took
-    return dict(ms), by_name.most_common(10)
+def profile_families(cfg, compile: bool, fp8: str) -> tuple[dict, list]:
+    """GPU milliseconds by kernel family over one step + update (``step_profile``'s),
+    and the ten kernels that took longest."""
+    _, ms, _ = kernel_times(profiled_step(cfg, compile, fp8)[0])
+    families = collections.Counter()
+    for name, took in ms.items():
+        families[kernel_family(name)] += took
+    return dict(families), [(name[:90], took) for name, took in ms.most_common(10)]
 
 
 def main():
@@ -93,7 +86,7 @@ def main():
                   f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | {ratio} |")
         if families:
             print("\nGPU ms of one step + update by kernel family:\n")
-            found = {(c, g, f): profile_families(bench, cfg, c, f) for c, g, f in rows if not g}
+            found = {(c, g, f): profile_families(cfg, c, f) for c, g, f in rows if not g}
             torch._dynamo.reset()
             names = sorted({k for fams, _ in found.values() for k in fams})
             print("| system | " + " | ".join(names) + " | total |")

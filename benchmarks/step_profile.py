@@ -28,8 +28,9 @@ from kernel_time import union
 from vs_peer import SHAPES
 
 
-def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | None = None,
-                 fp8: str = "none") -> None:
+def profiled_step(cfg: fmoe.ModelConfig, compiled: bool, fp8: str = "none"):
+    """``(profile, wall ms)`` of one step + update after 3 warm-up steps (8 x 2048
+    tokens, one GPU, ``no_shard``, the donating fused AdamW)."""
     plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", compile=compiled, fp8=fp8)
     batch = {"tokens": torch.randint(0, cfg.vocab, (8, 2049), generator=torch.Generator().manual_seed(0)).cuda()}
     params = fmoe.init(plan, seed=0)
@@ -45,21 +46,34 @@ def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | N
         params, state = opt.update(out.grads, state, params)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
+    return prof, wall
+
+
+def kernel_times(prof) -> tuple[list, collections.Counter, collections.Counter]:
+    """``(spans, ms, calls)`` of a profile's GPU kernels: their ``(start, end)``
+    intervals (us), and milliseconds and launches per kernel name."""
     spans, ms, calls = [], collections.Counter(), collections.Counter()
     for e in prof.events():
         # kernels only: the program's named ranges show up on the GPU too, spanning its gaps
         if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) \
                 and not e.name.startswith("fmoe "):
             spans.append((e.time_range.start, e.time_range.end))
-            ms[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3
-            calls[e.name[:90]] += 1
+            ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3
+            calls[e.name] += 1
+    return spans, ms, calls
+
+
+def profile_step(cfg: fmoe.ModelConfig, compiled: bool, top: int, trace: str | None = None,
+                 fp8: str = "none") -> None:
+    prof, wall = profiled_step(cfg, compiled, fp8)
+    spans, ms, calls = kernel_times(prof)
     busy = sum(e - s for s, e in union(spans)) / 1e3
     if trace:  # the program's actions are named ranges ("fmoe forward layers.0.attn mb0")
         prof.export_chrome_trace(trace)
         print(f"trace: {trace}")
     print(f"wall {wall:.1f} ms, GPU busy {busy:.1f} ms, {len(spans)} kernels; top kernels:")
     for name, t in ms.most_common(top):
-        print(f"  {t:7.2f} ms  x{calls[name]:4d}  {name}")
+        print(f"  {t:7.2f} ms  x{calls[name]:4d}  {name[:90]}")
 
 
 def main():

@@ -32,12 +32,12 @@ def check_device_and_backend(plan: Plan) -> None:
     device = torch.device(plan.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"Plan.device={plan.device!r}, but CUDA is not available here (allowed: 'cpu')")
-    if plan.fp8 != "none" and torch.cuda.get_device_capability(device)[0] != 9:
-        # torch's FP8 grouped GEMM with rowwise scales (the routed experts') runs on sm_90
-        # only: Ada has FP8 GEMMs but not that one, Blackwell's grouped FP8 is MXFP8
-        name, (major, minor) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    # torch's FP8 grouped GEMM with rowwise scales (the routed experts') runs on sm_90
+    # only: Ada has FP8 GEMMs but not that one, Blackwell's grouped FP8 is MXFP8
+    if plan.fp8 != "none" and (capability := torch.cuda.get_device_capability(device))[0] != 9:
         raise ValueError(f"Plan.fp8={plan.fp8!r} needs a Hopper GPU (compute capability 9.x: torch's rowwise "
-                         f"FP8 grouped GEMM runs there only), but {name} is {major}.{minor} (allowed here: 'none')")
+                         f"FP8 grouped GEMM runs there only), but {torch.cuda.get_device_name(device)} is "
+                         f"{capability[0]}.{capability[1]} (allowed here: 'none')")
     if plan.expert_backend not in ("torch", "loop"):
         backend = registered_backend(plan.expert_backend)
         if backend is None:

@@ -17,8 +17,7 @@ import torch
 
 import fmoe
 from fmoe import layers
-from fmoe.layers.fp8 import (E4M3_MAX, PLAIN, ROWWISE, quantize_rows, rowwise_forward_linear, rowwise_linear,
-                             scaled_grouped_mm)
+from fmoe.layers.fp8 import E4M3_MAX, PLAIN, ROWWISE, quantize_rows, rowwise_linear, scaled_grouped_mm
 from fmoe.runtime import check_device_and_backend
 
 FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
@@ -115,11 +114,11 @@ def test_rowwise_linear_multiplies_the_operands_quantised_along_the_contraction(
     assert rel(y, exact) < FP8_REL and rel(x.grad, g_.double() @ w_.double().t()) < FP8_REL
 
 
-def test_rowwise_forward_linear_runs_its_backward_as_plain_bf16_products():
+def test_rowwise_linear_without_fp8_grads_runs_its_backward_as_plain_bf16_products():
     x = torch.randn(48, 64).bfloat16().requires_grad_()
     w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
     g = torch.randn(48, 32).bfloat16()
-    y = rowwise_forward_linear(x, w)
+    y = rowwise_linear(x, w, fp8_grads=False)
     y.backward(g)
     torch.testing.assert_close(y.double(), (dequantized(x.detach()) @ dequantized(w.detach().t()).t()).bfloat16()
                                .double(), rtol=2**-7, atol=1e-6)

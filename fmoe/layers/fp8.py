@@ -130,16 +130,10 @@ class _RowwiseLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def rowwise_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for ``x`` of shape ``[..., K]`` with FP8 rowwise products, forward and
-    backward."""
-    y_MN = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN, True)
-    return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
-
-
-def rowwise_forward_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` with the forward product in FP8 and the backward's in bf16."""
-    y_MN = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN, False)
+def rowwise_linear(x: torch.Tensor, w_KN: torch.Tensor, fp8_grads: bool = True) -> torch.Tensor:
+    """``x @ w`` for ``x`` of shape ``[..., K]`` with an FP8 rowwise product forward, and
+    backward too unless ``fp8_grads=False`` (then the gradients' products are bf16)."""
+    y_MN = _RowwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN, fp8_grads)
     return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
 
 
@@ -174,4 +168,4 @@ ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, "rowwise")
 GEMMS = {"none": PLAIN, "rowwise": ROWWISE}
 
 __all__ = ["E4M3", "E4M3_MAX", "GEMMS", "PLAIN", "ROWWISE", "Gemms", "TINY", "plain_grouped_mm", "quantize_columns",
-           "quantize_rows", "rowwise_forward_linear", "rowwise_linear", "scaled_grouped_mm", "scaled_mm"]
+           "quantize_rows", "rowwise_linear", "scaled_grouped_mm", "scaled_mm"]
