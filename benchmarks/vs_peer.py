@@ -149,9 +149,9 @@ def fmoe_graphs(args, bench) -> bool:
 
 
 def fmoe_optimizer(plan: fmoe.Plan, lr: float) -> fmoe.Optimizer:
-    """fmoe's side of the comparison: fused AdamW over the flat buffers, no clipping.
-    ``donate=True`` writes the update into the buffers passed in, as torch.optim.AdamW
-    updates its params in place."""
+    """fmoe's side of the comparison: fused AdamW, no clipping. ``donate=True`` writes
+    the update into the tensors passed in, as torch.optim.AdamW updates its params in
+    place."""
     return fmoe.adamw(lr=lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, plan=plan, fused=True, donate=True)
 
 
@@ -276,7 +276,7 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
              **plan_fields) -> dict:
     """fmoe's step + fused AdamW; ``graph``: the step replayed from one CUDA graph
     (``interop.capture_step``, captured on the first batch) that reads the params'
-    buffers, which the donating optimizer updates in place. ``plan_fields``: more Plan
+    tensors, which the donating optimizer updates in place. ``plan_fields``: more Plan
     fields (``fp8="rowwise"``), named in the row's system."""
     args = bench.args
     mesh = mesh_of(mesh_name, bench.world)

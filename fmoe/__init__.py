@@ -18,7 +18,7 @@ from .optim import (
     update_expert_bias,
     warmup_cosine,
 )
-from .flat import as_flat, init
+from .initialize import init
 from .params import active_param_count, glu_from_interleaved, glu_to_interleaved, param_shapes, train_flops_per_token
 from .shard.gather import gather_full
 from .shard.trace import export_chrome_trace
@@ -30,7 +30,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
-    "as_flat",
     "apply_if_finite", "chain", "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full",
     "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "last_grad_norm", "layers", "load",
     "optimizer",

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .backends import expert_backend_names
 from .checks import check_bool, check_choice, check_int, check_positive, fail, is_number
 from .units import check_units
 
@@ -21,23 +22,32 @@ PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("standard", "1f1b_overlap")
 DTYPES = ("float32", "bfloat16")
-EXPERT_BACKENDS = ("torch", "loop", "te")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
 REMATS = ("none", "selective", "full")
 FP8S = ("none", "rowwise")
-# The fields with a fixed set of values (what the main job's --help lists).
+# The fields with a fixed set of values (with expert_backend's names: ``choices``, what the
+# main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
-           "dtype": DTYPES, "expert_backend": EXPERT_BACKENDS, "gather_buffers": GATHER_BUFFERS,
+           "dtype": DTYPES, "gather_buffers": GATHER_BUFFERS,
            "remat": REMATS, "fp8": FP8S}
 
 
+def choices(field: str) -> tuple | None:
+    """The values a config field may hold, or None for a field without a fixed set:
+    ``CHOICES``, and for ``expert_backend`` the names known now (``fmoe.backends``)."""
+    if field == "expert_backend":
+        return expert_backend_names()
+    return CHOICES.get(field)
+
+
 def _check_choices(config, own: str) -> None:
-    """Every field of ``config`` listed in ``CHOICES`` holds one of its values."""
+    """Every field of ``config`` with a set of values (``choices``) holds one of them."""
     for field in dataclasses.fields(config):
-        if field.name in CHOICES:
-            check_choice(f"{own}.{field.name}", getattr(config, field.name), CHOICES[field.name])
+        allowed = choices(field.name)
+        if allowed is not None:
+            check_choice(f"{own}.{field.name}", getattr(config, field.name), allowed)
 
 
 def field_docs(cls) -> dict:
@@ -224,9 +234,10 @@ class Plan:
         delay_wgrad: the experts' backward computes input gradients only; their
             weight-gradient GEMMs run later, under the dispatch's backward all-to-all.
         expert_backend: ``torch`` (``torch._grouped_mm`` where shapes allow, an exact
-            per-expert loop otherwise), ``loop`` (always the loop) or ``te``
+            per-expert loop otherwise), ``loop`` (always the loop), or a backend
+            registered or declared by name (``fmoe.backends``), such as ``te``
             (TransformerEngine's grouped GEMMs and scaled GLU kernels on CUDA; provided
-            by ``interop.te``, which must be imported first).
+            by ``interop.te``, which must be imported before the first step).
         device: where params live and compute runs (``cpu``, ``cuda``, ``cuda:1``...).
         units: FSDP units as groups of members (``embed``, ``layers.<i>``, ``head``),
             e.g. ``(("embed", "head"), ("layers.0", "layers.1"))``; None: one unit per

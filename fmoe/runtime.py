@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Plan
-from .layers.experts import registered_backend
+from .backends import BUILT_IN, declared_backends, registered_backend
 
 
 def world_size() -> int:
@@ -38,12 +38,12 @@ def check_device_and_backend(plan: Plan) -> None:
         raise ValueError(f"Plan.fp8={plan.fp8!r} needs a Hopper GPU (compute capability 9.x: torch's rowwise "
                          f"FP8 grouped GEMM runs there only), but {torch.cuda.get_device_name(device)} is "
                          f"{capability[0]}.{capability[1]} (allowed here: 'none')")
-    if plan.expert_backend not in ("torch", "loop"):
+    if plan.expert_backend not in BUILT_IN:
         backend = registered_backend(plan.expert_backend)
         if backend is None:
-            raise ValueError(
-                f"Plan.expert_backend={plan.expert_backend!r} is provided by interop.{plan.expert_backend}, "
-                f"which is not loaded: import the module interop.{plan.expert_backend} before the first "
-                f"step (or use 'torch' or 'loop')"
-            )
+            module = declared_backends().get(plan.expert_backend)
+            where = (f"is provided by {module}, which is not loaded: import the module {module}" if module else
+                     "is not registered in this process: import the module that registers it")
+            raise ValueError(f"Plan.expert_backend={plan.expert_backend!r} {where} before the first step "
+                             f"(or use {' or '.join(map(repr, BUILT_IN))})")
         backend.check(plan)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import optree
 import torch
 
-from fmoe import Plan, StepOutput, as_flat
+from fmoe import Plan, StepOutput
 from fmoe.layers import attention_half, expert_mlp, route
 from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
@@ -146,11 +146,11 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
         params, batch, plan: as for ``fmoe.step``; every rank captures together
             (the collectives are part of the graph). Their shapes are fixed from now on.
         warmup: eager steps run on a side stream before the capture.
-        donate: the graph reads ``params``' own flat buffers (``fmoe.flat``) instead of
-            a copy of them. Pair it with an optimizer that updates those buffers in place
-            (``adamw(fused=True, donate=True)``): each call then finds the new params
-            where the graph reads them and copies nothing. Params passed later that live
-            elsewhere are copied into these buffers, overwriting them.
+        donate: the graph reads ``params``' own tensors instead of a copy of them.
+            Pair it with an optimizer that updates them in place (``adamw(fused=True,
+            donate=True)``): each call then finds the new params where the graph reads
+            them and copies nothing. Params passed later that live elsewhere are copied
+            into these tensors, overwriting them.
 
     Returns:
         A GraphedStep: ``graphed(params, batch)`` replays the step on new values.
@@ -161,9 +161,8 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     """
     check_capturable(plan, ("step",))
     prepared = prepare_step(params, batch, plan)
-    # In flat storage, the graph's own copy unless donated: replays read it as it is
-    # (no per-step copy into shards).
-    static_params = as_flat(params if donate else optree.tree_map(lambda t: t.detach().clone(), params), plan)
+    # the graph's own copy unless donated: replays read it as it is
+    static_params = params if donate else optree.tree_map(lambda t: t.detach().clone(), params)
     prepared = prepared._replace(tokens=prepared.tokens.clone())
     _warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()

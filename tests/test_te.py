@@ -14,14 +14,15 @@ import torch
 import fmoe
 import interop.te as te
 from fmoe.layers.dispatch import make_dispatch
-from fmoe.layers.experts import _BACKENDS, DeferredWgrad, ExpertBackend, expert_mlp
+import fmoe.backends as backends
+from fmoe.layers import DeferredWgrad, ExpertBackend, expert_mlp
 
 needs_te = pytest.mark.skipif(te.IMPORT_ERROR is not None, reason="needs TransformerEngine")
 
 
 def test_plan_names_te_and_step_refuses_it_without_the_module(monkeypatch):
     plan = fmoe.Plan(model=fmoe.ModelConfig(), expert_backend="te")
-    monkeypatch.delitem(_BACKENDS, "te")
+    monkeypatch.delitem(backends._registered, "te")
     with pytest.raises(ValueError, match=r"expert_backend='te' is provided by interop.te.*import the module interop.te before the first step"):
         fmoe.step(fmoe.init(plan.replace(expert_backend="torch")), {"tokens": torch.zeros(2, 5, dtype=torch.long)},
                   plan)
@@ -124,7 +125,7 @@ def test_registered_backend_runs_the_experts_of_every_layer_and_microbatch(monke
         return expert_mlp(p, x_RD, segs, cfg, row_probs_R, "torch", deferred)
 
     checked = []
-    monkeypatch.setitem(_BACKENDS, "te", ExpertBackend(counting_mlp, checked.append))
+    monkeypatch.setitem(backends._registered, "te", ExpertBackend(counting_mlp, checked.append))
     model = fmoe.ModelConfig(vocab=32, dim=32, layers=3, heads=2, experts=4, topk=2, ffn=16)
     plan = fmoe.Plan(model=model, microbatches=2, expert_backend="te")
     params, batch = fmoe.init(plan, seed=0), {"tokens": torch.randint(0, 32, (4, 9))}

@@ -578,7 +578,7 @@ def test_ids_beyond_the_vocabulary_found_at_a_step_name_the_corpus(tmp_path):
     prepare.prepare([ROOT / "README.md"], data, quiet=True)
     meta = json.loads((data / "meta.json").read_text())
     ids = np.fromfile(data / "tokens.bin", dtype=meta["dtype"])
-    ids[::50] = 255  # a corrupted corpus: ids beyond the vocabulary its meta.json states
+    ids[::7] = 255  # a corrupted corpus (every window of 7 ids): ids beyond the vocabulary its meta.json states
     ids.tofile(data / "tokens.bin")
     args = SMALL + ["--data", data, "--out", tmp_path / "run"]
     meta.update(vocab=200, max_id=199)

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import optim
 from ..config import ModelConfig, Plan
-from ..flat import as_flat
 from ..params import flat_shapes, named_leaves, param_table
 from ..runtime import check_runtime
 from ..shard.comm import Group
@@ -295,6 +294,6 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
-    params = as_flat(param_table(plan.model).unflatten(values["params." + p] for p in shapes), plan)
+    params = param_table(plan.model).unflatten(values["params." + p] for p in shapes)
     opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)
     return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))

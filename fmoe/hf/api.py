@@ -17,12 +17,11 @@ import torch
 from ..checkpoint.convert import safetensors_torch
 from ..checkpoint.files import staged_directory, write_atomically
 from ..config import ModelConfig, Plan
-from ..flat import as_flat
 from ..params import flat_shapes, named_leaves, param_table
 from ..runtime import check_runtime
 from ..shard.comm import Group
 from ..shard.gather import iter_full
-from ..shard.spec import leaf_piece, local_full_shape, shard_leaf
+from ..shard.spec import leaf_piece, local_full_shape, local_shapes, shard_leaf
 from ..step import check_params
 from .families import TRAINING_FIELDS, family_of, to_hf_config, to_model_config
 from .weights import SafetensorsDir, file_keys, read_local_leaf, recipes, to_file_tensors
@@ -92,6 +91,7 @@ def load(directory, plan: Plan) -> dict:
         raise ValueError(f"fmoe.hf.load: {directory} holds tensors this model has no place for, e.g. {unread[:3]} "
                          f"(an architecture feature fmoe does not implement)")
     rank = Group.world().rank
+    local = local_shapes(plan, rank)
     leaves = []
     for path, shape in flat_shapes(cfg).items():
         if path not in by_path:  # expert_bias: no such tensor in these families
@@ -99,8 +99,8 @@ def load(directory, plan: Plan) -> dict:
         else:
             piece = leaf_piece(path, shape, plan, rank)
             leaf = read_local_leaf(files, by_path[path], cfg, local_full_shape(path, shape, plan), *piece)
-        leaves.append(leaf.to(plan.device))
-    return as_flat(param_table(cfg).unflatten(leaves), plan)
+        leaves.append(leaf.reshape(local[path]).to(device=plan.device, dtype=torch.float32).contiguous())
+    return param_table(cfg).unflatten(leaves)
 
 
 def _check_expert_bias(named: dict, plan: Plan) -> None:

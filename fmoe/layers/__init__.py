@@ -1,12 +1,15 @@
-"""Pure layer functions: ``y = f(params_subtree, x, cfg)``, no modules, no state (a
-registered expert backend is the one table kept here: ``register_expert_backend``)."""
+"""Pure layer functions: ``y = f(params_subtree, x, cfg)``, no modules, no state.
+``ExpertBackend``, ``register_expert_backend`` and ``registered_backend`` are
+re-exported from ``fmoe.backends``, where the table of named backends lives."""
+
+from ..backends import ExpertBackend, register_expert_backend, registered_backend
 
 from .attention import apply_rope, attend, attention, project_qkv, rope_tables
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
 from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch, from_experts, plan_exchange, to_experts
-from .experts import (QUICK_GELU_ALPHA, DeferredWgrad, ExpertBackend, activation, add_expert_bias, dense_mlp,
-                      expert_mlp, glu_halves, grouped_matmul, register_expert_backend, registered_backend, static_rows)
+from .experts import (QUICK_GELU_ALPHA, DeferredWgrad, activation, add_expert_bias, dense_mlp, expert_mlp, glu_halves,
+                      grouped_matmul, static_rows)
 from .model import attention_half, block, cast_for_compute, forward, head_weight, lm_loss_sum, stack_stats
 from .moe import MoEStats, Routed, moe, moe_experts, moe_output, moe_route
 from .norm import rms_norm

@@ -1,10 +1,11 @@
 """Grouped expert MLPs over permuted rows, and the activations they use."""
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..backends import registered_backend
 from ..config import ModelConfig
 from . import triton_kernels
 from .fp8 import PLAIN, Gemms
@@ -40,33 +41,6 @@ class DeferredWgrad:
             done = [(w, compute()) for w, compute in self.pending]
         self.pending = []
         return done
-
-
-class ExpertBackend(NamedTuple):
-    """An expert MLP implementation selected by ``Plan.expert_backend``.
-
-    Attributes:
-        mlp: ``mlp(p, x_RD, segs, cfg, row_probs_R, deferred) -> y_RD`` with
-            ``expert_mlp``'s meaning and contract.
-        check: ``check(plan)`` raises ValueError if the backend cannot run ``plan`` here
-            (called by ``fmoe.step`` before any compute).
-    """
-
-    mlp: Callable
-    check: Callable
-
-
-_BACKENDS: dict[str, ExpertBackend] = {}
-
-
-def register_expert_backend(name: str, backend: ExpertBackend) -> None:
-    """Make ``Plan(expert_backend=name)`` run ``backend`` (``interop.te`` registers ``te``)."""
-    _BACKENDS[name] = backend
-
-
-def registered_backend(name: str) -> ExpertBackend | None:
-    """The backend registered under ``name``; None for the built-in ``torch`` and ``loop``."""
-    return _BACKENDS.get(name)
 
 
 def static_rows(segs) -> list | None:
@@ -231,8 +205,9 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
-    if backend in _BACKENDS:
-        return _BACKENDS[backend].mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
+    registered = registered_backend(backend)
+    if registered is not None:
+        return registered.mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred, gemms)
     if "fc1_bias" in p:
         h = add_expert_bias(h, p["fc1_bias"], segs)

@@ -10,7 +10,7 @@ every state is a NamedTuple of tensors (a ``named_chain``'s a dict of them by na
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
 ``last_grad_norm`` (the norm the last update computed, read from the state);
 ``optimizers.py``: ``optimizer`` and ``adamw`` (a chain, or ``fused=True``: ``fused.py``,
-torch's fused kernel over flat storage, optionally donating its inputs).
+torch's multi-tensor fused kernel, optionally donating its inputs).
 """
 
 from .finite import ApplyIfFiniteState, apply_if_finite, last_grad_norm, skipped_steps

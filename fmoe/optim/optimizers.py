@@ -64,9 +64,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             several ranks.
         fused: True runs each update as torch's fused AdamW kernel (one pass over
             memory instead of one per elementwise op; the same state, the same update
-            up to rounding), over the flat buffers behind params from ``fmoe.init``
-            (a few tensors per unit), keeping new params and moments in such buffers.
-            False: the optax-style chain of elementwise transforms, bitwise the same
+            up to rounding), one multi-tensor launch per class of leaves (trainable and
+            decayed, trainable, frozen). False: the optax-style chain of elementwise transforms, bitwise the same
             for any sharding.
         skip_nonfinite: 0 (off), or n > 0: wrap the update in
             ``apply_if_finite(..., max_skips=n)``. A step whose gradients hold a NaN or
@@ -77,13 +76,13 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             reads it (for a log) without a second reduction.
 
         donate: with ``fused=True`` only. False (default): the update is pure; it
-            copies each flat buffer of params and moments (and of grads, when
-            clipping) once and updates the copies. True: as JAX's donated buffers, the
-            update writes the new params and moments into the storage of those passed
-            in (and the clipped grads into the grads'), copying nothing: the old
-            ``params``, ``state`` and ``grads`` values are gone, so pass only values you
-            will not read again (``params, state = opt.update(grads, state, params)``).
-            Leaves that are not views into flat storage are never written into.
+            copies each leaf of params and moments (and of grads, when clipping) once
+            and updates the copies. True: as JAX's donated buffers, the update writes
+            the new params and moments into the tensors passed in (and the clipped
+            grads into the grads'), copying nothing: the old ``params``, ``state`` and
+            ``grads`` values are gone, so pass only values you will not read again
+            (``params, state = opt.update(grads, state, params)``). Frozen leaves
+            (``expert_bias``) and grads that are not fp32 are never written into.
 
     Returns:
         An Optimizer. ``expert_bias`` leaves are never changed by it. Without

@@ -334,9 +334,10 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
         donate: False (default): pure, the new biases are new tensors. True: as
             ``adamw(donate=True)``, the new biases are written into the ``expert_bias``
             leaves passed in (their storage, bit for bit what the pure form computes)
-            and ``params`` itself is returned: params from ``fmoe.init`` stay views into
-            their flat buffers, so the next ``fmoe.step`` uses those without copying a
-            unit. The old bias values are gone: pass only params you will not read again.
+            and ``params`` itself is returned, so a CUDA-graphed step that reads these
+            tensors (``interop.capture_step(..., donate=True)``) finds the new biases
+            where it reads. The old bias values are gone: pass only params you will not
+            read again.
         applied: None, or a 0-dim device bool (``ApplyIfFiniteState.applied``): where
             it is False the biases are kept bit for bit, so an optimizer step that was
             skipped changes no parameter, with no host read to find out.

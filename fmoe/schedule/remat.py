@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..layers.experts import registered_backend
+from ..backends import registered_backend
 from .nodes import Kernels
 
 _aten = torch.ops.aten

@@ -84,6 +84,18 @@ class FlatLayout:
             out.append((pos, self.full_size))
         return tuple(out)
 
+    def local_gaps(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """The padding ``[start, end)`` ranges inside ``rank``'s shard, shard-relative."""
+        return self._gaps_by_rank[rank]
+
+    @functools.cached_property
+    def _gaps_by_rank(self) -> tuple:
+        by_rank = []
+        for rank in range(self.group_size):
+            lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+            by_rank.append(tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in self.gaps if a < hi and b > lo))
+        return tuple(by_rank)
+
     def local_slots(self, rank: int) -> tuple:
         """``(slot, first_row, last_row, offset_in_shard)`` for each parameter on ``rank``."""
         return self._slots_by_rank[rank]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,7 +22,7 @@ import torch
 
 from ..config import Plan
 from .mesh import Mesh
-from .spec import ShardSpec, flat_shard, full_views, shard_rank
+from .spec import ShardSpec, full_views, shard_rank, write_shard
 from .trace import Event, now
 
 
@@ -363,52 +362,12 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
 
 
 def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> dict:
-    """``{unit: {(domain, dtype): flat shard in that dtype}}`` from this rank's leaves.
-
-    Leaves in flat storage (``fmoe.flat``) give their buffer as it is, cast once to the
-    compute dtype (fp32 groups: no copy at all; the step only reads it); others are
-    copied into a new shard first. Where other leaves do live in flat storage, such a
-    copy means the fast path was lost (a leaf replaced by a new tensor), and
-    ``warn_copied`` says so; params with no leaf in flat storage (a pytree built by
-    hand, the new leaves of ``adamw``'s chain) are copied as documented, without a word.
-    """
-    shards, copies = {}, []
-    for u in spec.units:
-        shards[u.name] = {}
-        for key, layout in u.groups.items():
-            flat, copied = flat_shard(params_named, layout, shard_rank(plan, mesh.world.rank, key[0]),
-                                      spec.sharded(key[0]), plan.device)
-            shards[u.name][key] = flat.to(u.dtype(key, plan))
-            if copied:
-                copies.append((u.name, key))
-    if copies and any(_in_flat_storage(t) for t in params_named.values()):
-        warn_copied(copies)
-    return shards
-
-
-def _in_flat_storage(leaf: torch.Tensor) -> bool:
-    """Whether ``leaf`` views a 1-D fp32 buffer, as leaves from ``fmoe.init``,
-    ``fmoe.as_flat`` and ``adamw(fused=True)`` do."""
-    base = leaf._base
-    return base is not None and base.dim() == 1 and base.dtype == torch.float32
-
-
-# The unit groups a step of this process had to copy and said so: a lost fast path is
-# worth one warning per group, not one per step.
-_REPORTED_COPIES: set = set()
-
-
-def warn_copied(copies: list) -> None:
-    """Warn (once per process and unit group) that these ``(unit, (domain, dtype))``
-    groups were copied into new flat shards instead of used where they live: a copy of
-    each every step they come so, which params kept in flat storage never pay."""
-    new = [c for c in copies if c not in _REPORTED_COPIES]
-    if not new:
-        return
-    _REPORTED_COPIES.update(new)
-    names = ", ".join(f"{unit} ({domain}, {dtype})" for unit, (domain, dtype) in new)
-    warnings.warn(f"fmoe.step: copied unit group(s) {names} into new flat shards: their params are not views "
-                  "into the flat buffers fmoe.init lays out (a leaf replaced by a new tensor?), so every step given "
-                  "such params copies them. Keep params from fmoe.init or fmoe.as_flat and update them with the "
-                  "donated forms (fmoe.adamw(fused=True, donate=True), fmoe.update_expert_bias(..., donate=True)). "
-                  "Said once per process and unit group.", stacklevel=2)
+    """``{unit: {(domain, dtype): flat shard in that dtype}}``: this rank's leaves copied
+    into new flat shards, cast to each group's dtype on the way. This is the step's one
+    pass over the params before it gathers, as cheap as the cast it includes; the params
+    are plain tensors and the step never writes into them."""
+    rank = mesh.world.rank
+    return {u.name: {key: write_shard(params_named, layout, shard_rank(plan, rank, key[0]),
+                                      torch.empty(layout.shard_size, dtype=u.dtype(key, plan), device=plan.device))
+                     for key, layout in u.groups.items()}
+            for u in spec.units}

@@ -125,46 +125,21 @@ def local_leaves(flat: torch.Tensor, layout: FlatLayout, rank: int, sharded: boo
 
 
 def write_shard(named: dict, layout: FlatLayout, rank: int, out: torch.Tensor) -> torch.Tensor:
-    """Copy this rank's leaves (``{path: tensor}``) into its flat shard ``out`` (padding zeroed)."""
-    out.zero_()
-    for i, slot in enumerate(layout.slots):
-        view = local_leaf(out, layout, i, rank, sharded=True)
-        view.copy_(named[slot.path].reshape(view.shape))
+    """Copy this rank's leaves (``{path: tensor}``) into its flat shard ``out``, cast to
+    ``out``'s dtype on the way, and zero its padding: two multi-tensor kernels."""
+    with torch.no_grad():
+        gaps = [out[lo:hi] for lo, hi in layout.local_gaps(rank)]
+        if gaps:
+            torch._foreach_zero_(gaps)
+        views, leaves = [], []
+        for i, slot in enumerate(layout.slots):
+            view = local_leaf(out, layout, i, rank, sharded=True)
+            if view.numel():
+                views.append(view)
+                leaves.append(named[slot.path].reshape(view.shape))
+        if views:
+            torch._foreach_copy_(views, leaves)
     return out
-
-
-def stored_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool) -> torch.Tensor | None:
-    """The fp32 flat shard the leaves of ``layout`` already live in, or None.
-
-    Leaves from ``fmoe.init``, ``fmoe.flat.as_flat`` and the fused optimizer are views
-    into one flat shard per unit and group, each at its place in the layout; then the
-    shard is that buffer and needs no copy. Anything else (a leaf computed anew, a view
-    of another buffer, a shape-compatible tensor elsewhere) gives None.
-    """
-    base = None
-    for slot, first, last, offset in layout.local_slots(rank):
-        leaf = named[slot.path]
-        if last == first:
-            continue  # this rank holds no rows of it: nothing to find
-        if base is None:
-            base = leaf._base
-            if (base is None or base.dim() != 1 or base.dtype != torch.float32 or not base.is_contiguous()
-                    or base.numel() != layout.shard_size):
-                return None
-        shape = (last - first, slot.cols) if sharded else slot.shape  # local_leaf's view, without making it
-        if leaf._base is not base or not leaf.is_contiguous() \
-                or leaf.storage_offset() - base.storage_offset() != offset or tuple(leaf.shape) != tuple(shape):
-            return None
-    return base
-
-
-def flat_shard(named: dict, layout: FlatLayout, rank: int, sharded: bool, device) -> tuple[torch.Tensor, bool]:
-    """This rank's fp32 flat shard of ``layout``'s leaves, and whether it is a copy: the
-    buffer they live in (``stored_shard``), else a new one they are copied into."""
-    found = stored_shard(named, layout, rank, sharded)
-    if found is not None:
-        return found, False
-    return write_shard(named, layout, rank, torch.empty(layout.shard_size, dtype=torch.float32, device=device)), True
 
 
 def full_views(full: torch.Tensor, layout: FlatLayout) -> dict:

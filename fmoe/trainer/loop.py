@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .. import hf
 from ..checkpoint import load, save
 from ..data import corpus_fingerprint, heldout_batches, sample_batch, unigram_cross_entropy
-from ..flat import init
+from ..initialize import init
 from ..generate import generate, load_tokenizer
 from ..optim import adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
 from ..params import flat_shapes, train_flops_per_token

@@ -20,7 +20,7 @@ import math
 import tomllib
 from pathlib import Path
 
-from ..config import CHOICES, ModelConfig, Plan, field_docs
+from ..config import ModelConfig, Plan, choices, field_docs
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -36,7 +36,7 @@ RUN_OPTIONS = (
     ("min_lr_ratio", float, 0.1, "the cosine decay ends at this fraction of --lr"),
     ("weight_decay", float, 0.1, "decoupled weight decay of the matrices"),
     ("clip", float, 1.0, "global grad-norm clip (0: off)"),
-    ("fused_optimizer", bool, False, "torch's fused AdamW kernel over flat storage, updating params and moments in place (same state and update up to rounding)"),
+    ("fused_optimizer", bool, False, "torch's fused AdamW kernel, updating params and moments in place (same state and update up to rounding)"),
     ("max_skips", int, 5, "skip updates whose gradients hold NaN/inf; stop after this many in a row (0: off)"),
     ("seed", int, 0, "init and data sampling seed"),
     ("data", str, "", "a directory written by `python -m fmoe.data prepare` (default: the embedded corpus)"),
@@ -139,8 +139,9 @@ def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
         group = ap.add_argument_group(title)
         for name, kind in fields.items():
             help_ = helps.get(name, "")
-            if name in CHOICES:
-                help_ += " One of: " + ", ".join(map(str, CHOICES[name])) + "."
+            allowed = choices(name)
+            if allowed is not None:
+                help_ += " One of: " + ", ".join(map(str, allowed)) + "."
             if name not in ("config", "print_config"):
                 help_ += f" (default: {_shown(defaults[name])})"
             help_ = help_.replace("%", "%%")

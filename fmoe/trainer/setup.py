@@ -13,7 +13,7 @@ from .. import hf
 from ..config import Plan
 from ..data import TokenCorpus, check_vocab, embedded_corpus, open_corpus
 from ..hf.families import TRAINING_FIELDS
-from ..layers.experts import registered_backend
+from ..backends import BUILT_IN, registered_backend
 from ..runtime import check_device_and_backend
 from . import options
 from .launch import World, rank_device, world_from_env
@@ -111,7 +111,7 @@ def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
 def load_expert_backend(name: str, adapters: Adapters | None) -> None:
     """Make ``--expert-backend name`` runnable: the built-in ones are; others come from
     the adapters (``te``)."""
-    if name in ("torch", "loop") or registered_backend(name) is not None:
+    if name in BUILT_IN or registered_backend(name) is not None:
         return
     if adapters is None:
         _bad("expert_backend", name, _ADAPTERS_NEEDED)
@@ -160,12 +160,12 @@ def prepare(argv=None, adapters: Adapters | None = None) -> Run | str:
     corpus = open_corpus(s["data"], s["heldout_fraction"]) if s["data"] else embedded_corpus(s["heldout_fraction"])
     cfg = _model_config(s, explicit, corpus)
     check_vocab(corpus, cfg.vocab)
+    load_expert_backend(s["expert_backend"], adapters)  # a name its module registers: loaded before the Plan
     plan = options.plan_for(s, cfg, dp=s["dp"], device=rank_device(s["device"], world))
     per_rank = s["batch"] // world.size
     if s["batch"] % world.size or per_rank % plan.microbatches:
         _bad("batch", s["batch"], f"must split into {world.size} rank(s) x --microbatches={plan.microbatches} "
              f"equal parts (a multiple of {world.size * plan.microbatches})")
-    load_expert_backend(plan.expert_backend, adapters)
     check_device_and_backend(plan)
     scopes = parse_scopes(s["cuda_graph"], plan, adapters)
     checkpoint = Path(s["out"]) / "checkpoint"

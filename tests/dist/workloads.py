@@ -374,22 +374,18 @@ def hf_sharded_round_trip(rank, world, hf_dir, out_dir):
     return {"full": fmoe.gather_full(params, plan), "shapes": shapes}
 
 
-def flat_storage_steps(rank, world, dp, ep, sharding):
-    """Two steps from the same params three ways: in flat storage with the pure fused
-    AdamW, in flat storage donating, and from standalone leaves (step copies them in).
-    Returns each run's losses, grads and params, and whether the donated run's params
-    stayed in the buffers they started in."""
+def fused_adamw_steps(rank, world, dp, ep, sharding):
+    """Two steps from the same params three ways: the pure fused AdamW, the donating
+    one, and the chain. Returns each run's losses, grads and params, and whether the
+    run's params stayed in the tensors they started in."""
     from fmoe.params import named_leaves
-    from fmoe.shard.spec import shard_rank, shard_spec, stored_shard
 
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
     tokens = rank_rows(global_batch(), rank, world)
     runs = {}
-    for name, donate in (("flat", False), ("donated", True), ("standalone", False)):
+    for name, fused, donate in (("pure", True, False), ("donated", True, True), ("chain", False, False)):
         params = fmoe.init(plan, seed=0)
-        if name == "standalone":
-            params = optree.tree_map(torch.clone, params)
-        opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan, fused=True, donate=donate)
+        opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan, fused=fused, donate=donate)
         state = opt.init(params)
         first = {p: leaf.data_ptr() for p, leaf in named_leaves(params).items()}
         losses, grads = [], []
@@ -398,12 +394,10 @@ def flat_storage_steps(rank, world, dp, ep, sharding):
             losses.append(out.loss)
             grads.append(optree.tree_map(torch.clone, out.grads))
             params, state = opt.update(out.grads, state, params)
-        spec, named = shard_spec(plan), named_leaves(params)
-        in_place = all(stored_shard(named, layout, shard_rank(plan, rank, key[0]), spec.sharded(key[0])) is not None
-                       for u in spec.units for key, layout in u.groups.items())
+        named = named_leaves(params)
         kept = all(named[p].data_ptr() == ptr for p, ptr in first.items() if named[p].numel())
         runs[name] = {"losses": torch.stack(losses), "grads": grads, "params": params, "state": state,
-                      "in_place": in_place, "kept_storage": kept}
+                      "kept_storage": kept}
     return runs
 
 

@@ -1,0 +1,72 @@
+"""Expert backends by name: what ``Plan.expert_backend`` may say.
+
+``torch`` and ``loop`` are built in (``fmoe.layers.experts``). Any other name is a
+backend another module registers (``register_expert_backend``) when it is imported,
+or one an installed package declares under the ``fmoe.expert_backends`` entry-point
+group (``name = "module"``) so that a plan can name it before that module is imported;
+the step then asks for the import (``fmoe.runtime``). fmoe's own ``pyproject.toml``
+declares ``te = "interop.te"``. The core lists no backend beyond its own two.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Callable, NamedTuple
+
+BUILT_IN = ("torch", "loop")
+ENTRY_POINT_GROUP = "fmoe.expert_backends"
+
+
+class ExpertBackend(NamedTuple):
+    """An expert MLP implementation selected by ``Plan.expert_backend``.
+
+    Attributes:
+        mlp: ``mlp(p, x_RD, segs, cfg, row_probs_R, deferred) -> y_RD`` with
+            ``fmoe.layers.expert_mlp``'s meaning and contract.
+        check: ``check(plan)`` raises ValueError if the backend cannot run ``plan`` here
+            (called by ``fmoe.step`` before any compute).
+    """
+
+    mlp: Callable
+    check: Callable
+
+
+_registered: dict[str, ExpertBackend] = {}
+
+
+def register_expert_backend(name: str, backend: ExpertBackend) -> None:
+    """Make ``Plan(expert_backend=name)`` run ``backend`` (``interop.te`` registers ``te``).
+
+    Raises:
+        ValueError: ``name`` is a built-in backend's, or not a non-empty string.
+    """
+    if not isinstance(name, str) or not name or name in BUILT_IN:
+        raise ValueError(f"register_expert_backend name={name!r} is invalid: must be a non-empty string other than "
+                         + " and ".join(map(repr, BUILT_IN)) + " (built in)")
+    _registered[name] = backend
+
+
+def registered_backend(name: str) -> ExpertBackend | None:
+    """The backend registered under ``name``; None for the built-in ones and names not loaded."""
+    return _registered.get(name)
+
+
+_declared: dict[str, str] | None = None  # read from the installed packages' metadata once
+
+
+def declared_backends() -> dict[str, str]:
+    """``{name: module}`` declared by installed packages (read once per process)."""
+    global _declared
+    if _declared is None:
+        _declared = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return _declared
+
+
+def expert_backend_names() -> tuple[str, ...]:
+    """Every name ``Plan.expert_backend`` accepts now: the built-in ones, then the
+    registered and declared ones, sorted."""
+    return BUILT_IN + tuple(sorted((set(_registered) | set(declared_backends())) - set(BUILT_IN)))
+
+
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "declared_backends", "expert_backend_names",
+           "register_expert_backend", "registered_backend"]

@@ -1,0 +1,57 @@
+"""Expert backends by name: the core knows ``torch`` and ``loop``; ``Plan.expert_backend``
+takes any name registered in this process or declared by an installed package."""
+
+import pytest
+import torch
+
+import fmoe
+import fmoe.backends as backends
+from fmoe.layers import ExpertBackend, expert_mlp
+
+MODEL = fmoe.ModelConfig(vocab=32, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16)
+
+
+def delegating(calls):
+    def mlp(p, x_RD, segs, cfg, row_probs_R=None, deferred=None):
+        calls.append(x_RD.shape)
+        return expert_mlp(p, x_RD, segs, cfg, row_probs_R, "loop", deferred)
+    return ExpertBackend(mlp, lambda plan: None)
+
+
+def test_a_name_is_refused_until_registered_then_its_backend_runs_every_expert_mlp(monkeypatch):
+    monkeypatch.setattr(backends, "_registered", dict(backends._registered))
+    with pytest.raises(ValueError, match=r"Plan.expert_backend='mine' is invalid: allowed: 'torch', 'loop'"):
+        fmoe.Plan(model=MODEL, expert_backend="mine")
+    calls = []
+    backends.register_expert_backend("mine", delegating(calls))
+    assert "mine" in backends.expert_backend_names()
+    plan = fmoe.Plan(model=MODEL, microbatches=2, expert_backend="mine")
+    params, batch = fmoe.init(plan, seed=0), {"tokens": torch.randint(0, 32, (4, 9))}
+    got = fmoe.step(params, batch, plan)
+    assert len(calls) == MODEL.layers * 2
+    assert torch.equal(got.loss, fmoe.step(params, batch, plan.replace(expert_backend="loop")).loss)
+
+
+@pytest.mark.parametrize("name", ["torch", "loop", "", 3])
+def test_the_built_in_names_cannot_be_registered_over(name):
+    with pytest.raises(ValueError, match=r"register_expert_backend name=.* must be a non-empty string other than 'torch' and 'loop'"):
+        backends.register_expert_backend(name, delegating([]))
+
+
+def test_the_core_lists_only_its_own_backends_and_te_comes_from_the_entry_point(monkeypatch):
+    assert backends.BUILT_IN == ("torch", "loop")
+    assert backends.declared_backends().get("te") == "interop.te"  # pyproject.toml's entry point
+    monkeypatch.setattr(backends, "_registered", {})
+    monkeypatch.setattr(backends, "_declared", {})  # a process where no package declares te
+    with pytest.raises(ValueError, match=r"Plan.expert_backend='te' is invalid: allowed: 'torch', 'loop'$"):
+        fmoe.Plan(model=MODEL, expert_backend="te")
+
+
+def test_a_declared_backend_not_yet_imported_is_named_by_its_module_before_any_compute(monkeypatch):
+    monkeypatch.setattr(backends, "_registered", {})
+    monkeypatch.setattr(backends, "_declared", {"fast": "somepkg.fast_experts"})
+    plan = fmoe.Plan(model=MODEL, expert_backend="fast")
+    with pytest.raises(ValueError, match=r"expert_backend='fast' is provided by somepkg.fast_experts, which is not "
+                                         r"loaded: import the module somepkg.fast_experts before the first step"):
+        fmoe.step(fmoe.init(plan.replace(expert_backend="torch")), {"tokens": torch.zeros(2, 5, dtype=torch.long)},
+                  plan)
