@@ -2,10 +2,12 @@
 
 ``torch`` and ``loop`` are built in (``fmoe.layers.experts``). Any other name is a
 backend another module registers (``register_expert_backend``) when it is imported,
-or one an installed package declares under the ``fmoe.expert_backends`` entry-point
-group (``name = "module"``) so that a plan can name it before that module is imported;
-the step then asks for the import (``fmoe.runtime``). fmoe's own ``pyproject.toml``
-declares ``te = "interop.te"``. The core lists no backend beyond its own two.
+or one declared as ``name -> module`` so that a plan can name it before that module
+is imported (the step then asks for the import, ``fmoe.runtime``). A name is declared
+by an installed package under the ``fmoe.expert_backends`` entry-point group (fmoe's
+``pyproject.toml`` declares ``te = "interop.te"``), or by ``declare_expert_backend``
+(the ``interop`` package calls it on import, which covers a source tree that was
+never installed). The core lists no backend beyond its own two.
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ def register_expert_backend(name: str, backend: ExpertBackend) -> None:
     Raises:
         ValueError: ``name`` is a built-in backend's, or not a non-empty string.
     """
-    if not isinstance(name, str) or not name or name in BUILT_IN:
-        raise ValueError(f"register_expert_backend name={name!r} is invalid: must be a non-empty string other than "
-                         + " and ".join(map(repr, BUILT_IN)) + " (built in)")
+    _check_name("register_expert_backend", name)
     _registered[name] = backend
+
+
+def _check_name(what: str, name) -> None:
+    if not isinstance(name, str) or not name or name in BUILT_IN:
+        raise ValueError(f"{what} name={name!r} is invalid: must be a non-empty string other than "
+                         + " and ".join(map(repr, BUILT_IN)) + " (built in)")
 
 
 def registered_backend(name: str) -> ExpertBackend | None:
@@ -55,11 +61,18 @@ _declared: dict[str, str] | None = None  # read from the installed packages' met
 
 
 def declared_backends() -> dict[str, str]:
-    """``{name: module}`` declared by installed packages (read once per process)."""
+    """``{name: module}`` declared so far: installed packages' entry points (read once
+    per process) and ``declare_expert_backend``'s."""
     global _declared
     if _declared is None:
         _declared = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return _declared
+
+
+def declare_expert_backend(name: str, module: str) -> None:
+    """Let plans name backend ``name`` before ``module`` (which registers it) is imported."""
+    _check_name("declare_expert_backend", name)
+    declared_backends()[name] = module
 
 
 def expert_backend_names() -> tuple[str, ...]:
@@ -68,5 +81,5 @@ def expert_backend_names() -> tuple[str, ...]:
     return BUILT_IN + tuple(sorted((set(_registered) | set(declared_backends())) - set(BUILT_IN)))
 
 
-__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "declared_backends", "expert_backend_names",
-           "register_expert_backend", "registered_backend"]
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "declare_expert_backend", "declared_backends",
+           "expert_backend_names", "register_expert_backend", "registered_backend"]

@@ -4,10 +4,15 @@
 ``nn.Module``s (plain autograd, canonical ``state_dict``); ``capture_step`` and
 ``capture_scopes`` replay a step or its layer scopes from CUDA graphs. ``interop.te``
 (imported on its own: it loads TransformerEngine) registers the ``te`` expert
-backend. The core never imports from here.
+backend; importing this package declares the name, so a plan may say ``te`` before.
+The core never imports from here.
 """
+
+from fmoe.backends import declare_expert_backend
 
 from .cuda_graph import GraphedStep, capture_scopes, capture_step, check_capturable
 from .module import FMoEModule, MoELayer
+
+declare_expert_backend("te", "interop.te")
 
 __all__ = ["FMoEModule", "GraphedStep", "MoELayer", "capture_scopes", "capture_step", "check_capturable"]

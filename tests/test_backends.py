@@ -39,8 +39,11 @@ def test_the_built_in_names_cannot_be_registered_over(name):
 
 
 def test_the_core_lists_only_its_own_backends_and_te_comes_from_the_entry_point(monkeypatch):
+    from importlib.metadata import entry_points
+
     assert backends.BUILT_IN == ("torch", "loop")
-    assert backends.declared_backends().get("te") == "interop.te"  # pyproject.toml's entry point
+    # pyproject.toml's entry point (the test command installs fmoe, so its metadata is there)
+    assert {ep.name: ep.value for ep in entry_points(group=backends.ENTRY_POINT_GROUP)} == {"te": "interop.te"}
     monkeypatch.setattr(backends, "_registered", {})
     monkeypatch.setattr(backends, "_declared", {})  # a process where no package declares te
     with pytest.raises(ValueError, match=r"Plan.expert_backend='te' is invalid: allowed: 'torch', 'loop'$"):
@@ -55,3 +58,20 @@ def test_a_declared_backend_not_yet_imported_is_named_by_its_module_before_any_c
                                          r"loaded: import the module somepkg.fast_experts before the first step"):
         fmoe.step(fmoe.init(plan.replace(expert_backend="torch")), {"tokens": torch.zeros(2, 5, dtype=torch.long)},
                   plan)
+
+
+def test_declaring_a_name_lets_a_plan_use_it_before_its_module_registers_it(monkeypatch):
+    monkeypatch.setattr(backends, "_registered", {})
+    monkeypatch.setattr(backends, "_declared", {})
+    with pytest.raises(ValueError, match=r"Plan.expert_backend='later' is invalid"):
+        fmoe.Plan(model=MODEL, expert_backend="later")
+    backends.declare_expert_backend("later", "somepkg.later")
+    assert fmoe.Plan(model=MODEL, expert_backend="later").expert_backend == "later"
+    with pytest.raises(ValueError, match=r"declare_expert_backend name='loop' is invalid"):
+        backends.declare_expert_backend("loop", "somepkg.loop")
+
+
+def test_importing_the_adapters_declares_te():
+    import interop  # noqa: F401
+
+    assert backends.declared_backends()["te"] == "interop.te"

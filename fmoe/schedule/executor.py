@@ -28,6 +28,7 @@ from ..config import Plan
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
 from ..layers.model import stack_stats
+from ..layers.moe import Routed
 from ..params import param_table
 from ..shard import lifecycle as lc
 from ..shard.mesh import Mesh
@@ -74,13 +75,20 @@ def check_program(plan: Plan, program: list[Action]) -> dict | None:
 
 
 class _Computed(NamedTuple):
-    """A node's autograd record: detached ``inputs`` (by name), differentiable
-    ``outputs`` (by name), weight leaves and an optional scalar objective."""
+    """A node's record for its later actions: detached ``inputs`` (by name),
+    differentiable ``outputs`` (by name), weight leaves and an optional scalar
+    objective, for its backward; ``routed``: an ``attn`` record's routing, which its
+    layer's ``combine`` and ``dispatch`` backwards read to send gradients across ranks;
+    ``wgrad``: an ``experts`` record's held-back weight GEMMs (``Plan.delay_wgrad``) and
+    ``{id(weight): path}``, which stay recorded after the backward until the ``wgrad``
+    action runs them."""
 
     inputs: dict
     outputs: dict
     weights: dict
     objective: torch.Tensor | None = None
+    routed: Routed | None = None
+    wgrad: tuple | None = None
 
 
 def _leaf(x, train: bool):
@@ -108,14 +116,17 @@ def _backprop(rec: _Computed, grads_out: dict):
 
 
 class _Flow:
-    """What moves between nodes during one step.
+    """What moves between actions during one step: three tables keyed by
+    ``(microbatch, node)``, each entry written by one action and taken by a later one.
 
-    ``values[(mb, node)]``: a node's forward outputs by name: tensors, Transfers in
-    flight, or (``combine``, until its ``land``) the rows in flight with what landing
-    them needs. ``grads[(mb, node)]``:
-    gradients w.r.t. those outputs, possibly in flight. ``records``: autograd records
-    waiting for their backward. ``routed[(mb, Node("layer", i))]``: a layer's routing, from its
-    forward to its attention's backward. ``events``: exchanges that landed, for the trace.
+    ``values``: a node's forward outputs by name (tensors, or Transfers in flight), for
+    the next forward of its microbatch; a ``combine``'s until its ``land`` are the rows
+    in flight with what landing them needs. Under ``Plan.remat='full'`` the whole
+    layer's node (``Node("layer", i)``) holds what its ``recompute`` needs: the layer's
+    input ``h`` and routing, and the rows that crossed ranks. ``grads``: gradients
+    w.r.t. those outputs, possibly in flight, for the node's backward. ``records``:
+    autograd records (``_Computed``) waiting for their backward (and an ``experts``
+    record for its ``wgrad``). ``events``: exchanges that landed, for the trace.
     """
 
     def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int, kernels: Kernels):
@@ -127,12 +138,9 @@ class _Flow:
         self.values: dict = {}
         self.grads: dict = {}
         self.records: dict = {}
-        self.routed: dict = {}
-        self.deferred: dict = {}
         # Plan.remat='full': layer forwards keep only what their layer's recompute
-        # needs (``kept[(mb, Node("layer", i))]``); their autograd graphs are dropped at once
+        # needs (in ``values``, under the layer's node); their autograd graphs are dropped at once
         self.remat = self.train and plan.remat == "full"
-        self.kept: dict = {}
         self.events: list = []
         # the node whose output "h" each embed/attn/head node reads
         order = [n for n in all_nodes(plan.model) if n.kind in ("embed", "attn", "head")]
@@ -168,6 +176,15 @@ class _Flow:
 
     def grads_for(self, mb: int, node: Node) -> dict:
         return self.grads.setdefault((mb, node), {})
+
+    def routing(self, mb: int, node: Node) -> Routed:
+        """The routing of ``node``'s layer, from its ``attn`` record (kept until the
+        ``attn`` backward, the layer's last)."""
+        rec = self.records.get((mb, node.sibling("attn")))
+        if rec is None:
+            raise lc.LifecycleError(f"backward {node} (microbatch {mb}): its layer's attn has no record; "
+                                    "the program runs nodes out of order")
+        return rec.routed
 
 
 def _weights(state, unit: str, node: Node, flow: _Flow, what: str) -> dict:
@@ -215,12 +232,9 @@ def _forward_attn(flow: _Flow, mb: int, node: Node, weights: dict) -> Attended:
     if flow.remat:  # kept: the input and the routing; the rows go on as an output and
         # a recompute makes them again
         result = _detached(result)
-        flow.kept[(mb, node.whole_layer)] = {"h": h.detach()}
-        flow.routed[(mb, node.whole_layer)] = result.routed._replace(rows_RD=None)
+        flow.values[(mb, node.whole_layer)] = {"h": h.detach(), "routed": result.routed._replace(rows_RD=None)}
     else:
-        flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective))
-        if flow.train:
-            flow.routed[(mb, node.whole_layer)] = result.routed
+        flow.save(mb, node, _Computed({"h": h}, result.outputs, weights, result.objective, result.routed))
     flow.values[(mb, node)] = dict(result.outputs, routed=result.routed)
     return result
 
@@ -245,7 +259,7 @@ def _forward_experts(flow: _Flow, mb: int, node: Node, weights: dict):
         y = experts_node(weights, rows, probs, routed, flow.plan, node.layer, None, mb, flow.kernels)
         flow.values[(mb, node)] = {"y": y.detach()}
         if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
-            flow.kept[(mb, node.whole_layer)].update(rows=rows.detach(), row_probs=probs)
+            flow.values[(mb, node.whole_layer)].update(rows=rows.detach(), row_probs=probs)
     else:
         flow.values[(mb, node)] = {"y": _run_experts(flow, mb, node, weights, rows, probs, routed)}
 
@@ -278,9 +292,8 @@ def _run_experts(flow: _Flow, mb: int, node: Node, weights: dict, rows, probs, r
     plan = flow.plan
     deferred = DeferredWgrad() if flow.train and plan.delay_wgrad else None
     y = experts_node(weights, rows, probs, routed, plan, node.layer, deferred, mb, flow.kernels)
-    flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights))
-    if deferred is not None:
-        flow.deferred[(mb, node)] = (deferred, {id(w): p for p, w in weights.items()})
+    wgrad = None if deferred is None else (deferred, {id(w): p for p, w in weights.items()})
+    flow.save(mb, node, _Computed({"rows": rows, "row_probs": probs}, {"y": y}, weights, wgrad=wgrad))
     return y
 
 
@@ -292,7 +305,7 @@ def _land(state, a: Action, flow: _Flow):
     y, attn = flow.resolve(sent["y"]), sent["attn"]
     if flow.remat:
         if attn["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
-            flow.kept[(mb, node.whole_layer)]["y"] = y.detach()
+            flow.values[(mb, node.whole_layer)]["y"] = y.detach()
         h = _combine(flow, mb, node, y, attn, record=False).detach()
     else:
         h = _combine(flow, mb, node, y, attn)
@@ -319,13 +332,13 @@ def _recompute(state, a: Action, flow: _Flow):
     Same inputs, same kernels: the same values as the forward, bit for bit."""
     plan, mb, layer = flow.plan, a.mb, a.node.layer
     what = f"recompute {a.node} (microbatch {mb})"
-    kept = flow.take(flow.kept, mb, a.node, what)
-    routed = flow.routed[(mb, a.node)]
+    kept = flow.take(flow.values, mb, a.node, what)
+    routed = kept["routed"]
     attn, _, experts, combine = layer_nodes(layer)
     h = _leaf(kept["h"], True)
     weights = _weights(state, a.unit, attn, flow, what)
     res = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed)
-    flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective))
+    flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective, routed))
     crossed = routed.exchange is not None
     rows, probs = (kept["rows"], kept["row_probs"]) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
     y = _run_experts(flow, mb, experts, _weights(state, a.unit, experts, flow, what), _leaf(rows, True),
@@ -334,11 +347,11 @@ def _recompute(state, a: Action, flow: _Flow):
     return state
 
 
-def _backward_dispatch(state, a: Action, flow: _Flow, got: dict):
+def _backward_dispatch(state, a: Action, flow: _Flow, got: dict, rec: _Computed | None):
     """Send the rows' gradients back to the ranks they came from (in flight until the
     attention's backward needs them)."""
     mb, node = a.mb, a.node
-    routed = flow.routed[(mb, node.whole_layer)]
+    routed = flow.routing(mb, node)
     if routed.exchange is not None:
         got = {name: None if g is None else flow.send(
                    from_experts(g, routed.exchange, flow.ep, routed.dispatch.capacity, "dispatch_grad"), node, mb)
@@ -347,19 +360,16 @@ def _backward_dispatch(state, a: Action, flow: _Flow, got: dict):
     return state
 
 
-def _backward_h(state, a: Action, flow: _Flow, got: dict):
+def _backward_h(state, a: Action, flow: _Flow, got: dict, rec: _Computed):
     """``head`` and ``attn``: the input's gradient to the node that produced ``h``."""
-    mb, node = a.mb, a.node
-    flow.grads_for(mb, flow.previous[node])["h"] = got["h"]
-    if node.kind == "attn":
-        del flow.routed[(mb, node.whole_layer)]
+    flow.grads_for(a.mb, flow.previous[a.node])["h"] = got["h"]
     return state
 
 
-def _backward_combine(state, a: Action, flow: _Flow, got: dict):
+def _backward_combine(state, a: Action, flow: _Flow, got: dict, rec: _Computed):
     """The rows' gradient to the experts (across ranks under EP), the rest to ``attn``."""
     mb, node = a.mb, a.node
-    routed = flow.routed[(mb, node.whole_layer)]
+    routed = flow.routing(mb, node)
     g_y = got.pop("y")
     if routed.exchange is not None and g_y is not None:
         g_y = flow.send(to_experts(g_y, routed.exchange, flow.ep, routed.dispatch.capacity, "combine_grad"),
@@ -369,17 +379,21 @@ def _backward_combine(state, a: Action, flow: _Flow, got: dict):
     return state
 
 
-def _backward_experts(state, a: Action, flow: _Flow, got: dict):
+def _backward_experts(state, a: Action, flow: _Flow, got: dict, rec: _Computed):
+    """The rows' gradients to ``dispatch``; held-back weight GEMMs stay recorded
+    (without the graph's tensors) for the ``wgrad`` action."""
     mb, node = a.mb, a.node
     flow.grads_for(mb, node.sibling("dispatch")).update(got)
-    if (mb, node) in flow.deferred and flow.deferred[(mb, node)][0].pending:
+    if rec.wgrad is not None and rec.wgrad[0].pending:
+        flow.records[(mb, node)] = _Computed({}, {}, {}, wgrad=rec.wgrad)
         state = lc.defer_wgrad(state, a.unit, mb)
     return state
 
 
 BACKWARD = {"embed": lambda state, *_: state, "attn": _backward_h, "dispatch": _backward_dispatch,
             "experts": _backward_experts, "combine": _backward_combine, "head": _backward_h}
-"""Each node kind's backward, given the gradients of its inputs (``got``): where they go."""
+"""Each node kind's backward, given the gradients of its inputs (``got``) and its record
+(None for ``dispatch``, which has no graph): where they go."""
 
 
 def _backward(state, a: Action, flow: _Flow):
@@ -389,6 +403,7 @@ def _backward(state, a: Action, flow: _Flow):
     mb, node = a.mb, a.node
     if a.unit is not None:
         lc.require_gathered(state, a.unit, f"backward {node} (microbatch {mb})")
+    rec = None
     if node.kind == "dispatch":  # no graph of its own: its gradients only move
         got = flow.take(flow.grads, mb, node, f"backward {node}")
     else:
@@ -397,13 +412,13 @@ def _backward(state, a: Action, flow: _Flow):
         got, weight_grads = _backprop(rec, grads_out)
         if weight_grads:
             state = lc.accumulate_grads(state, a.unit, weight_grads)
-    return BACKWARD[node.kind](state, a, flow, got)
+    return BACKWARD[node.kind](state, a, flow, got, rec)
 
 
 def _wgrad(state, a: Action, flow: _Flow):
     """The delayed weight-gradient GEMMs of an ``experts`` node."""
     lc.require_gathered(state, a.unit, f"wgrad {a.node} (microbatch {a.mb})")
-    deferred, paths = flow.take(flow.deferred, a.mb, a.node, f"wgrad {a.node}")
+    deferred, paths = flow.take(flow.records, a.mb, a.node, f"wgrad {a.node}").wgrad
     state = lc.wgrad_done(state, a.unit, a.mb)
     return lc.accumulate_grads(state, a.unit, {paths[id(w)]: g for w, g in deferred.run()})
 
