@@ -30,8 +30,6 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
     clipping = max_grad_norm is not None
     names = list(ADAMW_STATES[0 if clipping else 1:])
 
-    init = chain_init
-
     def fused_update(grads, state, params, norm, apply):
         check_named_state(state, names)
         adam, schedule = state["adam"], state["lr"]
@@ -86,4 +84,4 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         new_params, inner_state = fused_update(grads, state.inner_state, params, norm, apply)
         return new_params, next_finite_state(state, norm, apply, inner_state)
 
-    return (finite_init(init) if max_skips else init), update
+    return (finite_init(chain_init) if max_skips else chain_init), update

@@ -65,8 +65,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
         fused: True runs each update as torch's fused AdamW kernel (one pass over
             memory instead of one per elementwise op; the same state, the same update
             up to rounding), one multi-tensor launch per class of leaves (trainable and
-            decayed, trainable, frozen). False: the optax-style chain of elementwise transforms, bitwise the same
-            for any sharding.
+            decayed, trainable, frozen). False: the optax-style chain of elementwise
+            transforms, bitwise the same for any sharding.
         skip_nonfinite: 0 (off), or n > 0: wrap the update in
             ``apply_if_finite(..., max_skips=n)``. A step whose gradients hold a NaN or
             an inf leaves params and state unchanged, bit for bit, and is counted
@@ -81,7 +81,7 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             the new params and moments into the tensors passed in (and the clipped
             grads into the grads'), copying nothing: the old ``params``, ``state`` and
             ``grads`` values are gone, so pass only values you will not read again
-            (``params, state = opt.update(grads, state, params)``). Frozen leaves
+            (``params, state = opt.update(grads, state, params)``). Frozen params
             (``expert_bias``) and grads that are not fp32 are never written into.
 
     Returns:
