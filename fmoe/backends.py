@@ -39,6 +39,10 @@ _registered: dict[str, ExpertBackend] = {}
 def register_expert_backend(name: str, backend: ExpertBackend) -> None:
     """Make ``Plan(expert_backend=name)`` run ``backend`` (``interop.te`` registers ``te``).
 
+    Arguments:
+        name: what plans call it.
+        backend: its ``ExpertBackend``.
+
     Raises:
         ValueError: ``name`` is a built-in backend's, or not a non-empty string.
     """
@@ -60,25 +64,40 @@ def registered_backend(name: str) -> ExpertBackend | None:
 _declared: dict[str, str] | None = None  # read from the installed packages' metadata once
 
 
-def declared_backends() -> dict[str, str]:
-    """``{name: module}`` declared so far: installed packages' entry points (read once
-    per process) and ``declare_expert_backend``'s."""
+def _declarations() -> dict[str, str]:
     global _declared
     if _declared is None:
         _declared = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return _declared
 
 
+def declared_backends() -> dict[str, str]:
+    """``{name: module}`` declared so far (a copy): installed packages' entry points
+    (read once per process) and ``declare_expert_backend``'s."""
+    return dict(_declarations())
+
+
 def declare_expert_backend(name: str, module: str) -> None:
-    """Let plans name backend ``name`` before ``module`` (which registers it) is imported."""
+    """Let plans name backend ``name`` before ``module`` (which registers it) is imported.
+
+    Arguments:
+        name: what plans call it.
+        module: the dotted module whose import registers it.
+
+    Raises:
+        ValueError: ``name`` is a built-in backend's or not a non-empty string, or
+            ``module`` is not a non-empty string.
+    """
     _check_name("declare_expert_backend", name)
-    declared_backends()[name] = module
+    if not isinstance(module, str) or not module:
+        raise ValueError(f"declare_expert_backend module={module!r} is invalid: must be a dotted module name")
+    _declarations()[name] = module
 
 
 def expert_backend_names() -> tuple[str, ...]:
     """Every name ``Plan.expert_backend`` accepts now: the built-in ones, then the
     registered and declared ones, sorted."""
-    return BUILT_IN + tuple(sorted((set(_registered) | set(declared_backends())) - set(BUILT_IN)))
+    return BUILT_IN + tuple(sorted((set(_registered) | set(_declarations())) - set(BUILT_IN)))
 
 
 __all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "declare_expert_backend", "declared_backends",

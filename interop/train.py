@@ -18,11 +18,11 @@ from fmoe.trainer.setup import Adapters
 
 from .cuda_graph import capture_scopes, capture_step, check_capturable
 
-def load_backend(name: str) -> None:
-    """Import ``interop.<name>``, which registers expert backend ``name`` (``te``: the
-    only one Plan allows beyond the built-in ``torch`` and ``loop``). Without
-    TransformerEngine the import still succeeds and the backend's check says so."""
-    importlib.import_module(f"interop.{name}")
+def load_backend(module: str) -> None:
+    """Import ``module`` (``interop.te``), which registers the expert backend it
+    declares. Without TransformerEngine the import still succeeds and the backend's
+    check says so."""
+    importlib.import_module(module)
 
 
 ADAPTERS = Adapters(check_capturable, capture_step, capture_scopes, load_backend)

@@ -71,7 +71,35 @@ def test_declaring_a_name_lets_a_plan_use_it_before_its_module_registers_it(monk
         backends.declare_expert_backend("loop", "somepkg.loop")
 
 
-def test_importing_the_adapters_declares_te():
-    import interop  # noqa: F401
+def test_importing_the_adapters_declares_te(monkeypatch):
+    import importlib
 
-    assert backends.declared_backends()["te"] == "interop.te"
+    import interop
+
+    monkeypatch.setattr(backends, "_declared", {})  # a source tree: no installed entry points
+    importlib.reload(interop)
+    assert backends.declared_backends() == {"te": "interop.te"}
+
+
+def test_a_declaration_needs_a_module_name():
+    with pytest.raises(ValueError, match=r"declare_expert_backend module='' is invalid: must be a dotted module name"):
+        backends.declare_expert_backend("x", "")
+
+
+def test_the_main_jobs_name_a_mistyped_backend_and_import_a_declared_one(monkeypatch, tmp_path):
+    import sys
+
+    from fmoe.trainer.setup import load_expert_backend
+
+    with pytest.raises(ValueError, match=r"--expert-backend='tee' is invalid: allowed: 'torch', 'loop', .*'te'"):
+        load_expert_backend("tee", None)
+    # a backend another package declares is imported by both main jobs, adapters or not
+    (tmp_path / "outside_backend.py").write_text(
+        "import fmoe.backends as b\n"
+        "b.register_expert_backend('outside', b.ExpertBackend(None, lambda plan: None))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(backends, "_registered", dict(backends._registered))
+    monkeypatch.setattr(backends, "_declared", dict(backends._declarations(), outside="outside_backend"))
+    load_expert_backend("outside", None)
+    assert backends.registered_backend("outside") is not None and "outside_backend" in sys.modules
+    monkeypatch.delitem(sys.modules, "outside_backend")

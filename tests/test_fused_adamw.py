@@ -107,6 +107,10 @@ def test_fused_adamw_equals_the_chain_and_donating_equals_pure(clip):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert_bitwise((pure, s_pure), (donated, s_don))
     assert torch.equal(pure["layers"][0]["moe"]["expert_bias"], random_tree(0)["layers"][0]["moe"]["expert_bias"])
+    # pure: no leaf of the result is a tensor passed in, frozen ones included
+    given = random_tree(0)
+    out, _ = fused.update(random_grads(given, 9), fused.init(given), given)
+    assert not {id(t) for t in optree.tree_leaves(out)} & {id(t) for t in optree.tree_leaves(given)}
 
 
 def test_donated_skip_of_a_bad_step_writes_no_bit():

@@ -61,7 +61,7 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
             m, v = own(m), own(v)
             for lst, t in zip(work.setdefault(cls, ([], [], [], [])), (p_run, g, m, v)):
                 lst.append(t)
-            new_p.append(p_run if cls[0] else p)
+            new_p.append(p_run if cls[0] else own(p))  # pure: never the tensor passed in
             new_m.append(m)
             new_v.append(v)
         for (updated, decay), (ps, gs, ms, vs) in work.items():

@@ -384,9 +384,10 @@ def _backward_experts(state, a: Action, flow: _Flow, got: dict, rec: _Computed):
     (without the graph's tensors) for the ``wgrad`` action."""
     mb, node = a.mb, a.node
     flow.grads_for(mb, node.sibling("dispatch")).update(got)
-    if rec.wgrad is not None and rec.wgrad[0].pending:
+    if rec.wgrad is not None:
         flow.records[(mb, node)] = _Computed({}, {}, {}, wgrad=rec.wgrad)
-        state = lc.defer_wgrad(state, a.unit, mb)
+        if rec.wgrad[0].pending:
+            state = lc.defer_wgrad(state, a.unit, mb)
     return state
 
 

@@ -364,8 +364,9 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
 def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> dict:
     """``{unit: {(domain, dtype): flat shard in that dtype}}``: this rank's leaves copied
     into new flat shards, cast to each group's dtype on the way. This is the step's one
-    pass over the params before it gathers, as cheap as the cast it includes; the params
-    are plain tensors and the step never writes into them."""
+    pass over the params before it gathers: in a bf16 step it is the cast to bf16 any
+    step pays; in an fp32 one a copy, held for the step beside the params. The params are
+    plain tensors and the step never writes into them."""
     rank = mesh.world.rank
     return {u.name: {key: write_shard(params_named, layout, shard_rank(plan, rank, key[0]),
                                       torch.empty(layout.shard_size, dtype=u.dtype(key, plan), device=plan.device))

@@ -4,16 +4,17 @@ naming the setting (or file) when it cannot work."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 from .. import hf
+from ..backends import BUILT_IN, declared_backends, expert_backend_names, registered_backend
 from ..config import Plan
 from ..data import TokenCorpus, check_vocab, embedded_corpus, open_corpus
 from ..hf.families import TRAINING_FIELDS
-from ..backends import BUILT_IN, registered_backend
 from ..runtime import check_device_and_backend
 from . import options
 from .launch import World, rank_device, world_from_env
@@ -29,8 +30,8 @@ class Adapters(NamedTuple):
 
     Attributes:
         check_capturable, capture_step, capture_scopes: ``interop.cuda_graph``'s.
-        load_backend: registers the expert backend of that name (``te``), or raises
-            a ValueError saying what is missing.
+        load_backend: imports the ``interop`` module that registers an expert
+            backend (``interop.te``); the backend's own check says what is missing.
     """
 
     check_capturable: Callable
@@ -109,13 +110,22 @@ def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
 
 
 def load_expert_backend(name: str, adapters: Adapters | None) -> None:
-    """Make ``--expert-backend name`` runnable: the built-in ones are; others come from
-    the adapters (``te``)."""
+    """Make ``--expert-backend name`` runnable before the Plan is built: the built-in
+    and registered ones are; a declared one is imported from the module that declares
+    it (``fmoe.backends``), through the adapters when that module is in ``interop``
+    (``te``: the core job never imports ``interop``)."""
+    allowed = expert_backend_names()
+    if name not in allowed:
+        _bad("expert_backend", name, "allowed: " + ", ".join(map(repr, allowed)))
     if name in BUILT_IN or registered_backend(name) is not None:
         return
-    if adapters is None:
+    module = declared_backends()[name]
+    if module.split(".")[0] != "interop":
+        importlib.import_module(module)
+    elif adapters is None:
         _bad("expert_backend", name, _ADAPTERS_NEEDED)
-    adapters.load_backend(name)
+    else:
+        adapters.load_backend(module)
 
 
 def _model_config(s: dict, explicit: set, corpus: TokenCorpus):

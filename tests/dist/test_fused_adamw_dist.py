@@ -29,7 +29,6 @@ def assert_same_bits(a, b):
 def test_pure_donated_and_chain_runs_agree(dp, ep, sharding):
     for runs in distributed(dp, ep, sharding):
         pure, donated, chain = runs["pure"], runs["donated"], runs["chain"]
-        assert_same_bits(pure["grads"][0], chain["grads"][0])  # the same params in: the same step
         # the update: the same bits whether it copies the tensors or writes into them
         for key in ("losses", "grads", "params", "state"):
             assert_same_bits(pure[key], donated[key])
