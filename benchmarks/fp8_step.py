@@ -1,11 +1,12 @@
-"""``Plan.fp8='rowwise'`` against fmoe's own bf16 step, side by side in one process.
+"""``Plan.fp8``'s recipes (``rowwise``, ``tensorwise``) against fmoe's own bf16 step,
+side by side in one process.
 
     python benchmarks/fp8_step.py --shapes coarse fine            # compiled and eager
     python benchmarks/fp8_step.py --shapes coarse --fmoe-compile off --profile
 
 For each shape of ``vs_peer.py`` (coarse: D=2048, E=16 top-4 F=1408; fine: E=64 top-8
 F=704; 8 layers, vocab 32000, 8 x 2048 tokens per step) fmoe runs its step + fused
-AdamW in bf16 and in FP8, eager, with ``compile=True`` and (unless ``--fmoe-graph
+AdamW in bf16 and in each FP8 recipe, eager, with ``compile=True`` and (unless ``--fmoe-graph
 off``) compiled with the whole step replayed as one CUDA graph (``capture_step``),
 on one GPU, ``no_shard``, the same batches and init. Prints tokens/s, MFU (active
 parameters + attention against 789 TFLOP/s, the bf16 ceiling: FP8 is counted at the
@@ -19,6 +20,7 @@ system, and the top kernels of the FP8 ones.
 from __future__ import annotations
 
 import collections
+import re
 
 import torch
 
@@ -31,8 +33,11 @@ from fmoe.config import FP8S
 
 # Markers of the FP8 GEMM kernels in their (mangled) names, as torch 2.11 launches them
 # on an H200: CUTLASS's grouped and rowwise kernels carry e4m3 types or torch's sm9x
-# wrapper, cuBLASLt's FP8 kernels an ``ovscale`` (outer-vector scaling) suffix.
+# wrapper, cuBLASLt's FP8 kernels an ``ovscale`` (outer-vector scaling) suffix or, tensor
+# scaled, the operands' types after the arch (``nvjet_sm90_qrtst``: q E4M3, r E5M2;
+# bf16's are ``nvjet_sm90_tst``).
 FP8_GEMM_MARKS = ("e4m3", "f8", "ovscale", "enable_3x_kernel_for_sm9x")
+NVJET_FP8 = re.compile(r"nvjet_sm\d+_[qr]{2}")
 
 
 def kernel_family(name: str) -> str:
@@ -43,7 +48,7 @@ def kernel_family(name: str) -> str:
         return "attention"
     if n.startswith("triton") or "_kernel" in n and "gemm" not in n and "cutlass" not in n:
         return "elementwise"  # inductor's and fmoe's Triton kernels, torch's own (AdamW's included)
-    if any(mark in n for mark in FP8_GEMM_MARKS):
+    if any(mark in n for mark in FP8_GEMM_MARKS) or NVJET_FP8.search(n):
         return "fp8 GEMM"
     if "gemm" in n or "xmma" in n or "cutlass" in n or "nvjet" in n:
         return "bf16 GEMM"

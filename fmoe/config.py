@@ -25,7 +25,7 @@ DTYPES = ("float32", "bfloat16")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
 REMATS = ("none", "selective", "full")
-FP8S = ("none", "rowwise")
+FP8S = ("none", "rowwise", "tensorwise")
 # The fields with a fixed set of values (with expert_backend's names: ``choices``, what the
 # main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
@@ -265,11 +265,14 @@ class Plan:
             once). Each piece's logits are computed, used and dropped, in the forward
             and again in the backward, so the ``[tokens, vocab]`` logits never exist
             whole.
-        fp8: ``none | rowwise``. ``rowwise``: the GEMMs of attention's projections,
-            the shared expert and the routed experts run in FP8 E4M3 with one scale per
-            row of each operand, computed on the fly (``fmoe/layers/fp8.py``); master
-            params, gradients and optimizer state stay fp32, router, norms, softmax,
-            the head and the loss as without. Needs ``dtype='bfloat16'``, the ``torch``
+        fp8: ``none | rowwise | tensorwise``. ``rowwise``: the GEMMs of attention's
+            projections, the shared expert and the routed experts run in FP8 E4M3 with
+            one scale per row of each operand, computed on the fly
+            (``fmoe/layers/fp8.py``). ``tensorwise``: the same products, the dense
+            ones with one scale per operand and their output gradients in E5M2 (the
+            experts' as ``rowwise``). Either way master params, gradients and
+            optimizer state stay fp32, router, norms, softmax, the head and the loss
+            as without. Needs ``dtype='bfloat16'``, the ``torch``
             expert backend, GEMM widths that are multiples of 16 and a Hopper GPU
             (compute capability 9.x); refused elsewhere.
     """

@@ -17,10 +17,14 @@ import torch
 
 import fmoe
 from fmoe import layers
-from fmoe.layers.fp8 import E4M3_MAX, PLAIN, ROWWISE, quantize_rows, rowwise_linear, scaled_grouped_mm
+from fmoe.layers.fp8 import (E4M3, E4M3_MAX, E5M2, GEMMS, PLAIN, ROWWISE, TENSORWISE, quantize_rows, quantize_tensor,
+                             rowwise_linear, scaled_grouped_mm, tensorwise_linear)
 from fmoe.runtime import check_device_and_backend
 
 FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
+# a product with an E5M2-rounded gradient: 2 mantissa bits round by up to 2^-3 of a
+# value, and the product's error lands near 6.0e-2 (measured on the CPU)
+E5M2_REL = 0.1
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,7 +41,7 @@ def dequantized(x: torch.Tensor) -> torch.Tensor:
 
 def test_fp8_accepts_its_values_and_names_them_when_wrong():
     assert fmoe.Plan().fp8 == "none"
-    with pytest.raises(ValueError, match=r"Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise'"):
+    with pytest.raises(ValueError, match=r"Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise', 'tensorwise'"):
         fmoe.Plan(fp8="e5m2")
 
 
@@ -135,21 +139,66 @@ def test_rowwise_linear_keeps_leading_axes():
     assert torch.equal(y, rowwise_linear(x.reshape(32, 64), w).view(2, 16, 48))
 
 
-def test_the_plans_kernels_run_attention_and_the_shared_expert_in_fp8():
+def test_quantize_tensor_maps_the_tensors_amax_to_the_formats_maximum_in_both_layouts():
+    x = torch.randn(40, 96) * torch.logspace(-2, 2, 96)  # columns four decades apart
+    for fp8 in (E4M3, E5M2):
+        q, q_t, scale = quantize_tensor(x, fp8)
+        top = torch.finfo(fp8).max
+        assert q.dtype == q_t.dtype == fp8 and q.is_contiguous() and q_t.is_contiguous() and scale.shape == ()
+        assert torch.equal(q_t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
+        assert q.float().abs().max() == top and torch.equal(scale, x.abs().max() / top)
+        # one rounding of each value: 3 (E4M3) or 2 (E5M2) mantissa bits, with subnormals
+        # (exponents below -6 or -14) at the same absolute step as the smallest normal
+        bits, emin = (3, -6) if fp8 == E4M3 else (2, -14)
+        err = (q.float() * scale - x).abs()
+        assert (err <= 2.0 ** -(bits + 1) * x.abs() + 2.0 ** (emin - bits - 1) * scale).all()
+    assert torch.equal(quantize_tensor(torch.zeros(16, 16))[0].float(), torch.zeros(16, 16))
+
+
+def _tensorwise_dequantized(x: torch.Tensor, fp8=E4M3) -> torch.Tensor:
+    q, _, scale = quantize_tensor(x, fp8)
+    return q.double() * scale.double()
+
+
+@pytest.mark.parametrize("tokens", [48, 40])
+def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_with_one_scale(tokens):
+    x = torch.randn(tokens, 64).bfloat16().requires_grad_()
+    w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
+    g = torch.randn(tokens, 32).bfloat16()
+    y = tensorwise_linear(x, w)
+    y.backward(g)
+    x_, w_ = x.detach(), w.detach()
+    dx_, dw_, dg_ = _tensorwise_dequantized(x_), _tensorwise_dequantized(w_), _tensorwise_dequantized(g, E5M2)
+    close = dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(y.double(), (dx_ @ dw_).bfloat16().double(), **close)
+    torch.testing.assert_close(x.grad.double(), (dg_ @ dw_.t()).bfloat16().double(), **close)
+    if tokens % 16 == 0:
+        torch.testing.assert_close(w.grad.double(), (dx_.t() @ dg_).bfloat16().double(), **close)
+    else:  # the tokens are the weight gradient's contraction: not a multiple of 16, bf16
+        assert torch.equal(w.grad, x_.t() @ g)
+    assert rel(y, x_.double() @ w_.double()) < FP8_REL
+    assert rel(x.grad, g.double() @ w_.double().t()) < E5M2_REL
+    assert tensorwise_linear(x_.view(2, tokens // 2, 64), w_).shape == (2, tokens // 2, 32)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_the_plans_kernels_run_attention_and_the_shared_expert_in_fp8(recipe):
     from fmoe.layers import attention_half, cast_for_compute, dense_mlp
     from fmoe.schedule import kernels_for
 
     cfg = fmoe.ModelConfig(vocab=64, dim=64, layers=1, heads=4, experts=4, topk=2, ffn=32, shared_ffn=32)
-    plan = fmoe.Plan(model=cfg, fp8="rowwise", dtype="bfloat16", device="cuda")  # checked for a GPU at the step
+    plan = fmoe.Plan(model=cfg, fp8=recipe, dtype="bfloat16", device="cuda")  # checked for a GPU at the step
     p = cast_for_compute(fmoe.init(fmoe.Plan(model=cfg), seed=0), torch.bfloat16)["layers"][0]
     h = torch.randn(2, 16, 64).bfloat16()
-    kernels = kernels_for(plan)
+    kernels, gemms = kernels_for(plan), GEMMS[recipe]
+    assert gemms.name == recipe
     got_h, got_x = kernels.attn((0, 0), p, h, cfg)
-    want_h, want_x = attention_half(p, h, cfg, gemms=ROWWISE)
+    want_h, want_x = attention_half(p, h, cfg, gemms=gemms)
     assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
     assert not torch.equal(got_h, attention_half(p, h, cfg)[0])
+    assert not torch.equal(got_h, attention_half(p, h, cfg, gemms=ROWWISE if recipe == "tensorwise" else TENSORWISE)[0])
     got = kernels.shared((0, 0), p["moe"]["shared"], got_x, cfg)
-    assert torch.equal(got, dense_mlp(p["moe"]["shared"], got_x, cfg, ROWWISE))
+    assert torch.equal(got, dense_mlp(p["moe"]["shared"], got_x, cfg, gemms))
     assert not torch.equal(got, dense_mlp(p["moe"]["shared"], got_x, cfg))
 
 
@@ -164,19 +213,31 @@ def _grouped(x, w, segs, gemms, upstream, deferred=None):
 
 
 @pytest.mark.gpu
-def test_cuda_rowwise_linear_is_within_fp8_rounding_of_bf16():
+@pytest.mark.parametrize("linear,grad_rel", [(rowwise_linear, FP8_REL), (tensorwise_linear, E5M2_REL)],
+                         ids=["rowwise", "tensorwise"])
+def test_cuda_fp8_linear_is_within_fp8_rounding_of_bf16(linear, grad_rel):
     x = torch.randn(4096, 1024, device="cuda").bfloat16().requires_grad_()
     w = (0.02 * torch.randn(1024, 3072, device="cuda")).bfloat16().requires_grad_()
     g = torch.randn(4096, 3072, device="cuda").bfloat16()
-    y = rowwise_linear(x, w)
+    y = linear(x, w)
     y.backward(g)
     xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
     assert rel(y, xd @ wd) < FP8_REL
-    assert rel(x.grad, gd @ wd.t()) < FP8_REL
-    assert rel(w.grad, xd.t() @ gd) < FP8_REL
+    assert rel(x.grad, gd @ wd.t()) < grad_rel  # the gradient's format: E4M3 rowwise, E5M2 tensorwise
+    assert rel(w.grad, xd.t() @ gd) < grad_rel
+    if linear is tensorwise_linear:  # torch 2.11's CPU _scaled_mm takes tensor scales only
+        # the CUDA kernels multiply what the CPU's do: the same quantised operands (the
+        # products' summation order differs, so within bf16 rounding, far below FP8's)
+        x_cpu, w_cpu = x.detach()[:256].cpu().requires_grad_(), w.detach().cpu().requires_grad_()
+        x_gpu, w_gpu = x.detach()[:256].clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y_cpu, y_gpu = linear(x_cpu, w_cpu), linear(x_gpu, w_gpu)
+        y_cpu.backward(g[:256].cpu())
+        y_gpu.backward(g[:256])
+        for got, want in ((y_gpu, y_cpu), (x_gpu.grad, x_cpu.grad), (w_gpu.grad, w_cpu.grad)):
+            assert rel(got, want.cuda()) < 1e-2
     # inside a compiled region the casts are traced and fused with the silu before them
     # (which then skips its bf16 rounding, so values may land on neighbouring E4M3 codes)
-    compiled = torch.compile(lambda a, b: rowwise_linear(torch.nn.functional.silu(a), b), fullgraph=True)
+    compiled = torch.compile(lambda a, b: linear(torch.nn.functional.silu(a), b), fullgraph=True)
     exact = torch.nn.functional.silu(xd) @ wd
     assert rel(compiled(x.detach(), w.detach()), exact) < FP8_REL
 
@@ -207,14 +268,15 @@ def _coarse_like(**changes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 @pytest.mark.parametrize("compile", [False, True])
-def test_cuda_fp8_step_is_close_to_the_bf16_step(compile):
+def test_cuda_fp8_step_is_close_to_the_bf16_step(compile, recipe):
     cfg = _coarse_like()
     batch = {"tokens": torch.randint(0, cfg.vocab, (8, 129), device="cuda")}
     base = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, compile=compile)
     params = fmoe.init(base, seed=3)
     bf16 = fmoe.step(params, batch, base)
-    fp8 = fmoe.step(params, batch, base.replace(fp8="rowwise"))
+    fp8 = fmoe.step(params, batch, base.replace(fp8=recipe))
     fp32 = fmoe.step(params, batch, base.replace(dtype="float32", compile=False))
     assert abs(fp8.loss.item() - bf16.loss.item()) < 1e-2 * bf16.loss.item()
     flat = lambda out: torch.cat([t.flatten() for t in optree.tree_leaves(out.grads)])  # noqa: E731
@@ -225,7 +287,8 @@ def test_cuda_fp8_step_is_close_to_the_bf16_step(compile):
 
 
 @pytest.mark.gpu
-def test_cuda_compiled_fp8_step_is_as_close_to_fp32_as_the_eager_one_leaf_by_leaf():
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_cuda_compiled_fp8_step_is_as_close_to_fp32_as_the_eager_one_leaf_by_leaf(recipe):
     # Inductor fuses the casts and the elementwise work around the FP8 products, so its
     # bf16 values differ from eager's in last bits and round to other E4M3 values: on
     # this small model compiled and eager FP8 leaves sit 5e-2 to 2.3e-1 apart, about
@@ -237,7 +300,7 @@ def test_cuda_compiled_fp8_step_is_as_close_to_fp32_as_the_eager_one_leaf_by_lea
     cfg = _coarse_like()
     batch = {"tokens": torch.randint(0, cfg.vocab, (8, 129), device="cuda",
                                      generator=torch.Generator("cuda").manual_seed(5))}
-    eager = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, fp8="rowwise")
+    eager = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, fp8=recipe)
     params = fmoe.init(eager, seed=4)
     want = fmoe.step(params, batch, eager)
     got = fmoe.step(params, batch, eager.replace(compile=True))
@@ -277,12 +340,39 @@ def test_cuda_triton_quantize_gives_the_bits_of_the_torch_code(shape):
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_graphed_scopes_and_the_module_compute_as_the_step():
+@pytest.mark.parametrize("shape", [(16, 2048, 2816), (3, 100, 200), (2, 64, 8)])
+def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape):
+    from fmoe.layers import triton_kernels
+    from fmoe.layers.fp8 import TINY, _quantize, quantize_columns
+
+    E, K, N = shape
+    x = (torch.randn(shape, device="cuda") * torch.rand(E, 1, N, device="cuda") * 10).bfloat16()
+    x[0, :, 0] = 0.0  # a column of zeros
+    x[1, K // 2, 1] = float("nan")  # columns with a NaN, an inf
+    x[1, K - 1, 2] = float("inf")
+    q, scale = triton_kernels.quantize_columns_KN(x, E4M3_MAX, TINY)
+    want_q, want_scale = quantize_columns(x)
+    assert q.shape == want_q.shape == (E, N, K) and q.is_contiguous() and scale.shape == (E, N, 1)
+    assert torch.allclose(scale, want_scale, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN where torch's
+    finite = torch.isfinite(want_scale.squeeze(-1))
+    assert torch.equal(q[finite].view(torch.uint8), want_q[finite].view(torch.uint8))
+    assert (~finite).sum() == 2
+    got, want = q[~finite].float(), want_q[~finite].float()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    # eager, the experts' weights (a transposed view of [E, K, N]) take this kernel
+    y = x.nan_to_num(posinf=0.0)
+    (q_eager, s_eager), (q_torch, s_torch) = _quantize(y.transpose(-2, -1)), quantize_columns(y)
+    assert torch.equal(q_eager.view(torch.uint8), q_torch.view(torch.uint8)) and torch.equal(s_eager, s_torch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_cuda_fp8_graphed_scopes_and_the_module_compute_as_the_step(recipe):
     from interop import FMoEModule
     from interop.cuda_graph import capture_scopes
 
     cfg = _coarse_like()
-    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, fp8="rowwise")
+    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=2, fp8=recipe)
     params, batch = fmoe.init(plan, seed=0), {"tokens": torch.randint(0, cfg.vocab, (8, 129), device="cuda")}
     want = fmoe.step(params, batch, plan)
     got = fmoe.step(params, batch, plan, capture_scopes(params, batch, plan, ("attn", "router", "experts")))
@@ -296,9 +386,11 @@ def test_cuda_fp8_graphed_scopes_and_the_module_compute_as_the_step():
     assert abs(fp8_loss - want.loss.item()) < abs(bf16_loss - want.loss.item())
 
 
-def test_selective_remat_around_the_fp8_products_is_bitwise_the_kept_run():
+@pytest.mark.parametrize("gemms", [ROWWISE, TENSORWISE], ids=lambda g: g.name)
+def test_selective_remat_around_the_fp8_products_is_bitwise_the_kept_run(gemms):
     # the policy keeps _scaled_mm's output and recomputes the norms, RoPE and casts
-    # around it; the FP8 function saves its bf16 inputs, which the recompute rebuilds
+    # around it; the FP8 functions save their bf16 inputs (rowwise) or casts of them
+    # (tensorwise), which the recompute rebuilds
     from fmoe.layers import cast_for_compute
     from fmoe.schedule.compiled import eager_kernels
     from fmoe.schedule.remat import keeps
@@ -312,7 +404,7 @@ def test_selective_remat_around_the_fp8_products_is_bitwise_the_kept_run():
     def run(selective_remat):
         p = optree.tree_map(lambda t: t.detach().requires_grad_(), p0)
         h = h0.detach().requires_grad_()
-        out_h, out_x = eager_kernels(selective_remat, ROWWISE).attn((0, 0), p, h, cfg)
+        out_h, out_x = eager_kernels(selective_remat, gemms).attn((0, 0), p, h, cfg)
         torch.autograd.backward([out_h, out_x], [g_h, g_x])
         return [out_h.detach(), out_x.detach(), h.grad, *(t.grad for t in optree.tree_leaves(p["attn"]))]
 

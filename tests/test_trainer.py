@@ -139,7 +139,7 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     ("[model]\ndim = 64\n", [], "key 'model' is a table"),
     ("dim = 64\nheads = 3\n", [], "ModelConfig.dim=64 is invalid"),
     ("", ["--sharding", "zero3"], "Plan.sharding='zero3' is invalid"),
-    ("", ["--fp8", "e5m2"], "Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise'"),
+    ("", ["--fp8", "e5m2"], "Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise', 'tensorwise'"),
     ("", ["--fp8", "rowwise"], "Plan.fp8='rowwise' is invalid: needs a CUDA device with FP8 GEMMs"),
     ("", ["--config", "nope-small"], "no such file, nor a preset"),
     ("", ["--ep", "2"], "--dp=1 x --ep=2 must equal the number of processes (WORLD_SIZE=1)"),

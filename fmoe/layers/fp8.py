@@ -1,4 +1,4 @@
-"""FP8 GEMMs with rowwise scales (``Plan.fp8='rowwise'``), and the value that picks them.
+"""FP8 GEMMs (``Plan.fp8='rowwise'`` or ``'tensorwise'``), and the value that picks them.
 
 A layer's weights enter two kinds of product: a dense one (``x @ w``: attention's
 q/k/v and output projections, the shared expert) and a grouped one (each expert's row
@@ -26,6 +26,18 @@ The backward quantises the same way along the other axes:
   rows, whose scales would be per segment, and ``torch._scaled_grouped_mm`` needs
   those segments 16-row aligned on sm_90.
 
+The tensorwise recipe (``TENSORWISE``) changes the dense products only: one fp32 scale
+per operand, ``amax(|t|) / max`` of the format (cuBLASLt's tensor-scaled kernels,
+forward and backward; on the coarse model they take the time rowwise's take, and the
+step gains on the casts). Activations and weights are E4M3, the output gradient E5M2
+(two mantissa bits, five exponent bits: one scale over a whole gradient must cover its
+outlier rows and its small ones, the trade torchao's and TransformerEngine's
+tensor-scaled recipes make). One scale serves every layout, so the forward casts ``x``
+and ``w`` once, writing each in both layouts the forward and backward GEMMs read, and
+saves those FP8 copies instead of the bf16 operands: the backward casts only the fresh
+gradient, once. The routed experts keep the rowwise forward product
+(``torch._scaled_grouped_mm`` takes rowwise scales only on sm_90).
+
 Scales are computed on the fly from the current tensor (no history); nothing here
 changes what is stored: params, gradients and optimizer state stay fp32. Inside a
 compiled kernel (``Plan.compile``) inductor fuses the casts with the norm or
@@ -46,6 +58,7 @@ from . import triton_kernels
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+E5M2 = torch.float8_e5m2  # the tensorwise recipe's gradients: 2 mantissa bits, 5 exponent bits
 TINY = 1e-12  # the amax of a row of zeros: its scale stays finite, its values 0
 
 
@@ -65,6 +78,16 @@ def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x.transpose(-2, -1))
 
 
+def quantize_tensor(x: torch.Tensor, fp8: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, q_t, scale)`` with ``q * scale ~ x``: one fp32 scale (0-d) for the whole
+    2-D ``x``, ``q`` contiguous ``fp8`` of ``x``'s shape and ``q_t`` its transpose,
+    contiguous too (each scaled GEMM operand is read in one of the two layouts)."""
+    top = float(torch.finfo(fp8).max)
+    scale = x.abs().amax().float().clamp_min(TINY) * (1.0 / top)
+    q = (x.float() / scale).clamp(-top, top).to(fp8)
+    return q.contiguous(), q.t().contiguous(), scale
+
+
 @functools.cache
 def _compiled(quantize):
     # dynamic: one graph for every size; each function sees contiguous inputs of two
@@ -75,18 +98,32 @@ def _compiled(quantize):
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(t)``. Inside a compiled kernel: traced, and fused with its
     neighbours. Eager on CUDA: a contiguous tensor through a Triton kernel (one read per
-    row, ``triton_kernels.quantize_rows_RW``), a transposed view's storage through one
-    compiled function that reads it as columns. Eager on the CPU (tests only: a plan
-    refuses fp8 there): plain torch."""
+    row, ``triton_kernels.quantize_rows_RW``), the experts' weights (a transposed view
+    of ``[E, K, N]``) through another (``quantize_columns_KN``), any other transposed
+    view's storage through one compiled function that reads it as columns. Eager on the
+    CPU (tests only: a plan refuses fp8 there): plain torch."""
     if torch.compiler.is_compiling() or not t.is_cuda:
         return quantize_rows(t)
     if triton_kernels.quantize_fusable(t):
         return triton_kernels.quantize_rows_RW(t, E4M3_MAX, TINY)
     if t.is_contiguous():
         return _compiled(quantize_rows)(t)
+    # the experts' weights, [E, K, N]: a program per expert and 64 columns keeps the GPU
+    # busy; one tall matrix (a dense backward's operand) would get too few programs
+    if t.dim() == 3 and triton_kernels.quantize_fusable(t.transpose(-2, -1)):
+        return triton_kernels.quantize_columns_KN(t.transpose(-2, -1), E4M3_MAX, TINY)
     if t.transpose(-2, -1).is_contiguous():
         return _compiled(quantize_columns)(t.transpose(-2, -1))
     return _compiled(quantize_rows)(t.contiguous())
+
+
+def _quantize_tensor(t: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_tensor(t, fp8)``: traced inside a compiled kernel, one compiled
+    function eager on CUDA (a reduction, then one pass writing both layouts), plain
+    torch on the CPU."""
+    if torch.compiler.is_compiling() or not t.is_cuda:
+        return quantize_tensor(t, fp8)
+    return _compiled(quantize_tensor)(t, fp8)
 
 
 def scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
@@ -137,6 +174,40 @@ def rowwise_linear(x: torch.Tensor, w_KN: torch.Tensor, fp8_grads: bool = True) 
     return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
 
 
+class _TensorwiseLinear(torch.autograd.Function):
+    # x_MK @ w_KN, forward and backward in FP8 with one scale per tensor: x and w E4M3,
+    # the gradient E5M2. The forward's casts are saved in both layouts the backward
+    # reads, so nothing is quantised twice and the backward reads no bf16 operand.
+    @staticmethod
+    def forward(ctx, x_MK, w_KN):
+        qx_MK, qx_KM, sx = _quantize_tensor(x_MK, E4M3)
+        qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3)
+        # the tokens are the weight gradient's contraction: FP8 needs a multiple of 16
+        ctx.fp8_wgrad = x_MK.shape[0] % 16 == 0
+        ctx.save_for_backward(qx_KM if ctx.fp8_wgrad else x_MK, sx, qw_KN, sw)
+        return torch._scaled_mm(qx_MK, qw_NK.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    @staticmethod
+    def backward(ctx, g_MN):
+        x_saved, sx, qw_KN, sw = ctx.saved_tensors
+        qg_MN, qg_NM, sg = _quantize_tensor(g_MN, E5M2)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(qg_MN, qw_KN.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16)
+        if ctx.needs_input_grad[1]:
+            grad_w = (torch._scaled_mm(x_saved, qg_NM.t(), scale_a=sx, scale_b=sg, out_dtype=torch.bfloat16)
+                      if ctx.fp8_wgrad else x_saved.t() @ g_MN)
+        return grad_x, grad_w
+
+
+def tensorwise_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for ``x`` of shape ``[..., K]``, forward and backward in FP8 with one
+    scale per operand (``Plan.fp8='tensorwise'``: see the module doc)."""
+    y_MN = _TensorwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN)
+    return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
+
+
 def plain_grouped_mm(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
                      fast_accum: bool = False) -> torch.Tensor:
     return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E)
@@ -165,7 +236,10 @@ PLAIN = Gemms()
 # The experts' input gradients stay bf16: in FP8 they cost 3% of the fine-grained
 # model's step and gained nothing on the coarse one (BENCHMARKS.md, issue 25).
 ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, "rowwise")
-GEMMS = {"none": PLAIN, "rowwise": ROWWISE}
+# torch's FP8 grouped GEMM takes rowwise scales only on sm_90, so the experts keep them
+TENSORWISE = Gemms(tensorwise_linear, scaled_grouped_mm, plain_grouped_mm, "tensorwise")
+GEMMS = {"none": PLAIN, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
 
-__all__ = ["E4M3", "E4M3_MAX", "GEMMS", "PLAIN", "ROWWISE", "Gemms", "TINY", "plain_grouped_mm", "quantize_columns",
-           "quantize_rows", "rowwise_linear", "scaled_grouped_mm", "scaled_mm"]
+__all__ = ["E4M3", "E4M3_MAX", "E5M2", "GEMMS", "PLAIN", "ROWWISE", "TENSORWISE", "Gemms", "TINY", "plain_grouped_mm",
+           "quantize_columns", "quantize_rows", "quantize_tensor", "rowwise_linear", "scaled_grouped_mm", "scaled_mm",
+           "tensorwise_linear"]

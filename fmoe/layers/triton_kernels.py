@@ -17,13 +17,17 @@
   held in registers: one read, one FP8 write, the same bits as the torch code (inductor
   compiles that code for a symbolic width as a two-pass loop: 3x the time on the
   experts' rows).
+- ``quantize_columns_KN``: ``fp8.quantize_columns`` of a contiguous tensor (the experts'
+  weights, per output column), two passes over column blocks, the FP8 copy written
+  transposed, the same bits as the torch code (inductor's reduction reads the columns
+  across rows: 0.39 ms for the coarse model's fc1 weight, this kernel 0.24 ms).
 
-Each but ``quantize_rows_RW`` runs as a ``torch.library`` custom op (``fmoe::rope``,
+Each but the two quantisations runs as a ``torch.library`` custom op (``fmoe::rope``,
 ``fmoe::swiglu``, ``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops;
 registered in ``kernel_ops.py``) with a fake (shape) rule and a registered backward, so
-``torch.compile`` traces them as operators. ``quantize_rows_RW`` is launched directly:
-``fp8._quantize`` calls it only outside compiled regions (inside them inductor fuses
-the torch code with its neighbours) and it has no gradient.
+``torch.compile`` traces them as operators. The quantisations are launched directly:
+``fp8._quantize`` calls them only outside compiled regions (inside them inductor fuses
+the torch code with its neighbours) and they have no gradient.
 ``dispatch.py``, ``experts.py`` and ``attention.py`` call these when
 ``fused_kernels_available`` says so and keep their pure-torch code as the CPU and reference path; the results agree up to
 fp32 summation order (bf16 outputs are rounded once from fp32, where the torch path
@@ -286,13 +290,46 @@ if triton is not None:
         tl.store(q_ptr + row * W + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(scale_ptr + row, scale)
 
+    @triton.jit
+    def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, K, N, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
+                                 TINY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        # grid (column blocks, matrices). The same arithmetic as _quantize_rows_kernel
+        # along each column of a contiguous [K, N] matrix: a first pass over its rows
+        # for the columns' amax, a second that writes q transposed, [N, K] contiguous.
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        base = tl.program_id(1).to(tl.int64) * K * N
+        amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+        nans = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            rows = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows < K)[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+            nans = tl.maximum(nans, tl.max((x != x).to(tl.int32), axis=0))
+        amax = tl.where(nans > 0, float("nan"), amax)  # tl.max skips NaN
+        scale = tl.maximum(amax, TINY, propagate_nan=tl.PropagateNan.ALL) * INV_MAX
+        for k0 in range(0, K, BLOCK_K):
+            rows = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows < K)[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            q = tl.div_rn(x, scale[None, :])
+            q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                           propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_ptr + base + cols[None, :].to(tl.int64) * K + rows[:, None],
+                     q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        tl.store(scale_ptr + tl.program_id(1).to(tl.int64) * N + cols, scale, mask=col_ok)
+
 
 QUANTIZE_MAX_WIDTH = 16384  # a row in registers: wider rows take the compiled torch code
 
 
 def quantize_fusable(x: torch.Tensor) -> bool:
     """``quantize_rows_RW`` takes ``x``: a contiguous CUDA tensor of a kernel dtype whose
-    rows fit a program (no interpreter: it has no FP8 stores)."""
+    rows fit a program (no interpreter: it has no FP8 stores). ``quantize_columns_KN``
+    asks the same of the ``[..., K, N]`` tensor it reads."""
     return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
             and 0 < x.shape[-1] <= QUANTIZE_MAX_WIDTH)
 
@@ -309,6 +346,24 @@ def quantize_rows_RW(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torc
         with _on(x):
             _quantize_rows_kernel[(rows,)](x, q, scale, W, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny,
                                            BLOCK=block, num_warps=8 if block >= 4096 else _NUM_WARPS)
+    return q, scale
+
+
+def quantize_columns_KN(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)`` of ``fp8.quantize_columns`` for contiguous ``x`` of shape
+    ``[..., K, N]`` (check ``quantize_fusable`` first): ``q`` E4M3 ``[..., N, K]``
+    contiguous, ``scale`` fp32 ``[..., N, 1]``, one per column of x."""
+    K, N = x.shape[-2:]
+    q = torch.empty((*x.shape[:-2], N, K), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-2], N, 1), dtype=torch.float32, device=x.device)
+    matrices = x.numel() // max(K * N, 1)
+    if matrices and K and N:
+        with _on(x):
+            # 128 x 64 tiles: 1.1-1.4x faster than 64 x 64 on the experts' weights of the
+            # benchmark shapes (a sweep of 32-128 rows and columns, 4 and 8 warps, H200)
+            _quantize_columns_kernel[(triton.cdiv(N, 64), matrices)](
+                x, q, scale, K, N, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny, BLOCK_K=128, BLOCK_N=64,
+                num_warps=_NUM_WARPS)
     return q, scale
 
 
