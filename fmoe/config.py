@@ -268,13 +268,14 @@ class Plan:
         fp8: ``none | rowwise | tensorwise``. ``rowwise``: the GEMMs of attention's
             projections, the shared expert and the routed experts run in FP8 E4M3 with
             one scale per row of each operand, computed on the fly
-            (``fmoe/layers/fp8.py``). ``tensorwise``: the same products, the dense
-            ones with one scale per operand and their output gradients in E5M2 (the
-            experts' as ``rowwise``). Either way master params, gradients and
-            optimizer state stay fp32, router, norms, softmax, the head and the loss
-            as without. Needs ``dtype='bfloat16'``, the ``torch``
-            expert backend, GEMM widths that are multiples of 16 and a Hopper GPU
-            (compute capability 9.x); refused elsewhere.
+            (``fmoe/layers/fp8.py``); the head stays bf16. ``tensorwise``: the same
+            products and the head's, the dense ones with one scale per operand and
+            their output gradients in E5M2 (the experts' as ``rowwise``). Either way
+            master params, gradients and optimizer state stay fp32, router, norms,
+            softmax and the loss as without. Needs ``dtype='bfloat16'``, the
+            ``torch`` expert backend, GEMM widths that are multiples of 16 (the
+            vocabulary too under ``tensorwise``) and a Hopper GPU (compute capability
+            9.x); refused elsewhere.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -342,6 +343,8 @@ class Plan:
         widths = {"dim": cfg.dim, "ffn": cfg.ffn, "q_width": cfg.q_width, "kv_width": cfg.kv_width}
         if cfg.shared_ffn:
             widths["shared_ffn"] = cfg.shared_ffn
+        if self.fp8 == "tensorwise":  # its head's product is FP8 too
+            widths["vocab"] = cfg.vocab
         odd = {k: v for k, v in widths.items() if v % 16}
         if odd:
             fail(own, self.fp8, f"FP8 GEMMs need every width a multiple of 16; the model has "

@@ -1,9 +1,9 @@
 """``Plan.fp8``: the field, its refusals, and the FP8 products against references.
 
 CPU: the field's validation, the refusals (before any compute), and the dense FP8
-product (``torch._scaled_mm`` runs rowwise-scaled E4M3 on the CPU too) against a
-float64 product of the same quantised operands, which pins which axis each scale
-runs along. GPU (marked): each FP8 path against bf16 on random inputs, and whole
+products of both recipes (``torch._scaled_mm`` runs rowwise- and tensor-scaled FP8 on
+the CPU too) against float64 products of the same quantised operands, which pins which
+axis each scale runs along and which format each operand takes. GPU (marked): each FP8 path against bf16 on random inputs, and whole
 steps. E4M3 keeps 3 mantissa bits, so one rounding moves a value by up to 2^-4 of
 itself; a product's relative error (Frobenius) lands near 3.7e-2 (measured on an
 H200: bf16's is 1.7e-3), hence the 0.06 bounds below.
@@ -57,11 +57,15 @@ def test_fp8_is_refused_on_the_cpu_when_the_plan_is_built():
     (dict(model=fmoe.ModelConfig(dim=72, heads=4, ffn=200)), "dim=72, ffn=200, q_width=72, kv_width=72"),
     (dict(model=fmoe.ModelConfig(dim=64, heads=4, kv_heads=2, head_size=12)), "has kv_width=24 "),
     (dict(model=fmoe.ModelConfig(shared_ffn=40)), "shared_ffn=40"),
+    (dict(model=fmoe.ModelConfig(vocab=50257), fp8="tensorwise"), "has vocab=50257 "),
 ])
 def test_fp8_names_what_else_it_needs(changes, needle):
-    with pytest.raises(ValueError, match="Plan.fp8='rowwise' is invalid") as err:
-        fmoe.Plan(**{"fp8": "rowwise", "dtype": "bfloat16", "device": "cuda", **changes})
+    fields = {"fp8": "rowwise", "dtype": "bfloat16", "device": "cuda", **changes}
+    with pytest.raises(ValueError, match=f"Plan.fp8='{fields['fp8']}' is invalid") as err:
+        fmoe.Plan(**fields)
     assert needle in str(err.value)
+    if "vocab" in needle:  # only tensorwise runs the head in FP8
+        fmoe.Plan(**{**fields, "fp8": "rowwise"})
 
 
 @pytest.mark.parametrize("name,capability", [("NVIDIA A100", (8, 0)), ("NVIDIA L40S", (8, 9)),
@@ -146,7 +150,7 @@ def test_quantize_tensor_maps_the_tensors_amax_to_the_formats_maximum_in_both_la
         top = torch.finfo(fp8).max
         assert q.dtype == q_t.dtype == fp8 and q.is_contiguous() and q_t.is_contiguous() and scale.shape == ()
         assert torch.equal(q_t.view(torch.uint8), q.t().contiguous().view(torch.uint8))
-        assert q.float().abs().max() == top and torch.equal(scale, x.abs().max() / top)
+        assert q.float().abs().max() == top and torch.equal(scale, x.abs().max() * (1.0 / top))
         # one rounding of each value: 3 (E4M3) or 2 (E5M2) mantissa bits, with subnormals
         # (exponents below -6 or -14) at the same absolute step as the smallest normal
         bits, emin = (3, -6) if fp8 == E4M3 else (2, -14)
@@ -169,7 +173,7 @@ def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_wi
     y.backward(g)
     x_, w_ = x.detach(), w.detach()
     dx_, dw_, dg_ = _tensorwise_dequantized(x_), _tensorwise_dequantized(w_), _tensorwise_dequantized(g, E5M2)
-    close = dict(rtol=2**-7, atol=1e-6)
+    close = dict(rtol=2**-7, atol=1e-6)  # the products' bf16 rounding, as the rowwise test
     torch.testing.assert_close(y.double(), (dx_ @ dw_).bfloat16().double(), **close)
     torch.testing.assert_close(x.grad.double(), (dg_ @ dw_.t()).bfloat16().double(), **close)
     if tokens % 16 == 0:
@@ -182,13 +186,16 @@ def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_wi
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
-def test_the_plans_kernels_run_attention_and_the_shared_expert_in_fp8(recipe):
+def test_the_plans_kernels_run_attention_the_shared_expert_and_the_tensorwise_head_in_fp8(recipe):
     from fmoe.layers import attention_half, cast_for_compute, dense_mlp
+    from fmoe.layers.loss import cross_entropy_sum
     from fmoe.schedule import kernels_for
+    from fmoe.schedule.nodes import head_loss_sum
 
     cfg = fmoe.ModelConfig(vocab=64, dim=64, layers=1, heads=4, experts=4, topk=2, ffn=32, shared_ffn=32)
     plan = fmoe.Plan(model=cfg, fp8=recipe, dtype="bfloat16", device="cuda")  # checked for a GPU at the step
-    p = cast_for_compute(fmoe.init(fmoe.Plan(model=cfg), seed=0), torch.bfloat16)["layers"][0]
+    params = cast_for_compute(fmoe.init(fmoe.Plan(model=cfg), seed=0), torch.bfloat16)
+    p = params["layers"][0]
     h = torch.randn(2, 16, 64).bfloat16()
     kernels, gemms = kernels_for(plan), GEMMS[recipe]
     assert gemms.name == recipe
@@ -200,6 +207,14 @@ def test_the_plans_kernels_run_attention_and_the_shared_expert_in_fp8(recipe):
     got = kernels.shared((0, 0), p["moe"]["shared"], got_x, cfg)
     assert torch.equal(got, dense_mlp(p["moe"]["shared"], got_x, cfg, gemms))
     assert not torch.equal(got, dense_mlp(p["moe"]["shared"], got_x, cfg))
+    # the head: the logits' product in FP8 under tensorwise (one scale each), bf16 under rowwise
+    targets = torch.randint(0, cfg.vocab, (2, 16))
+    ce = kernels.head(("head", 0), params, got_h, targets, cfg.norm_eps)
+    plain = head_loss_sum(params, got_h, targets, cfg.norm_eps)
+    fp8_head = head_loss_sum(params, got_h, targets, cfg.norm_eps,
+                             piece=lambda x, w, t: cross_entropy_sum(x, w, t, matmul=tensorwise_linear))
+    assert torch.equal(ce, fp8_head if recipe == "tensorwise" else plain) and not torch.equal(fp8_head, plain)
+    assert abs(fp8_head.item() - plain.item()) < 1e-2 * plain.item()
 
 
 # --- on the GPU ------------------------------------------------------------------------------
@@ -225,7 +240,9 @@ def test_cuda_fp8_linear_is_within_fp8_rounding_of_bf16(linear, grad_rel):
     assert rel(y, xd @ wd) < FP8_REL
     assert rel(x.grad, gd @ wd.t()) < grad_rel  # the gradient's format: E4M3 rowwise, E5M2 tensorwise
     assert rel(w.grad, xd.t() @ gd) < grad_rel
-    if linear is tensorwise_linear:  # torch 2.11's CPU _scaled_mm takes tensor scales only
+    # (torch 2.11's CPU _scaled_mm, on the GPU machine, takes tensor scales only; 2.13's,
+    # which the CPU tests run, takes row scales too)
+    if linear is tensorwise_linear:
         # the CUDA kernels multiply what the CPU's do: the same quantised operands (the
         # products' summation order differs, so within bf16 rounding, far below FP8's)
         x_cpu, w_cpu = x.detach()[:256].cpu().requires_grad_(), w.detach().cpu().requires_grad_()
@@ -280,9 +297,11 @@ def test_cuda_fp8_step_is_close_to_the_bf16_step(compile, recipe):
     fp32 = fmoe.step(params, batch, base.replace(dtype="float32", compile=False))
     assert abs(fp8.loss.item() - bf16.loss.item()) < 1e-2 * bf16.loss.item()
     flat = lambda out: torch.cat([t.flatten() for t in optree.tree_leaves(out.grads)])  # noqa: E731
-    # the whole gradient within a few FP8 roundings of fp32's, and nowhere near bf16's noise
-    # floor (the router and head stay bf16, so their share of the error is bf16's)
-    assert rel(flat(fp8), flat(fp32)) < 0.1
+    # the whole gradient within a few FP8 roundings of fp32's, and nowhere near bf16's
+    # noise floor. Tensorwise's gradients are E5M2, one product's error 1.6x E4M3's
+    # (E5M2_REL / FP8_REL), and its head's feeds every other gradient: measured 0.100
+    # on an H200, so its bound is 1.5x rowwise's
+    assert rel(flat(fp8), flat(fp32)) < (0.1 if recipe == "rowwise" else 0.15)
     assert rel(flat(fp8), flat(fp32)) > rel(flat(bf16), flat(fp32))
 
 
@@ -341,10 +360,11 @@ def test_cuda_triton_quantize_gives_the_bits_of_the_torch_code(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(16, 2048, 2816), (3, 100, 200), (2, 64, 8)])
-def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape):
+def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape, monkeypatch):
     from fmoe.layers import triton_kernels
     from fmoe.layers.fp8 import TINY, _quantize, quantize_columns
 
+    quantize_columns_KN = triton_kernels.quantize_columns_KN
     E, K, N = shape
     x = (torch.randn(shape, device="cuda") * torch.rand(E, 1, N, device="cuda") * 10).bfloat16()
     x[0, :, 0] = 0.0  # a column of zeros
@@ -360,8 +380,12 @@ def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape):
     got, want = q[~finite].float(), want_q[~finite].float()
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
     # eager, the experts' weights (a transposed view of [E, K, N]) take this kernel
+    calls = []
+    monkeypatch.setattr(triton_kernels, "quantize_columns_KN",
+                        lambda *a: calls.append(a[0].shape) or quantize_columns_KN(*a))
     y = x.nan_to_num(posinf=0.0)
     (q_eager, s_eager), (q_torch, s_torch) = _quantize(y.transpose(-2, -1)), quantize_columns(y)
+    assert calls == [y.shape]
     assert torch.equal(q_eager.view(torch.uint8), q_torch.view(torch.uint8)) and torch.equal(s_eager, s_torch)
 
 

@@ -26,25 +26,28 @@ The backward quantises the same way along the other axes:
   rows, whose scales would be per segment, and ``torch._scaled_grouped_mm`` needs
   those segments 16-row aligned on sm_90.
 
-The tensorwise recipe (``TENSORWISE``) changes the dense products only: one fp32 scale
-per operand, ``amax(|t|) / max`` of the format (cuBLASLt's tensor-scaled kernels,
-forward and backward; on the coarse model they take the time rowwise's take, and the
-step gains on the casts). Activations and weights are E4M3, the output gradient E5M2
-(two mantissa bits, five exponent bits: one scale over a whole gradient must cover its
+The tensorwise recipe (``TENSORWISE``) changes the dense products and runs the head's
+in FP8 too (``Gemms.head``): one fp32 scale per operand, ``amax(|t|) * (1 / max)`` of
+the format (cuBLASLt's tensor-scaled kernels, forward and backward: on the coarse
+model they take the time rowwise's take, and the step replayed as a CUDA graph gains
+on the casts). Activations and weights are E4M3, the output gradient E5M2 (two
+mantissa bits, five exponent bits: one scale over a whole gradient must cover its
 outlier rows and its small ones, the trade torchao's and TransformerEngine's
 tensor-scaled recipes make). One scale serves every layout, so the forward casts ``x``
-and ``w`` once, writing each in both layouts the forward and backward GEMMs read, and
+and ``w`` once, writing each in the layouts the forward and backward GEMMs read, and
 saves those FP8 copies instead of the bf16 operands: the backward casts only the fresh
-gradient, once. The routed experts keep the rowwise forward product
-(``torch._scaled_grouped_mm`` takes rowwise scales only on sm_90).
+gradient, once (when the weight gradient falls back to bf16, ``x`` is saved in bf16).
+The routed experts keep the rowwise forward product (``torch._scaled_grouped_mm`` takes
+rowwise scales only on sm_90).
 
 Scales are computed on the fly from the current tensor (no history); nothing here
 changes what is stored: params, gradients and optimizer state stay fp32. Inside a
 compiled kernel (``Plan.compile``) inductor fuses the casts with the norm or
 activation before them; eager on CUDA a contiguous operand is cast by one Triton
-kernel (``triton_kernels.quantize_rows_RW``) and a transposed one by a compiled
-function (a 64 MiB operand: 0.33 ms as separate eager kernels, 0.10 ms compiled,
-against 0.55 ms for its bf16 GEMM).
+kernel (``triton_kernels.quantize_rows_RW``), the experts' weights by another
+(``quantize_columns_KN``), any other transposed operand and every tensorwise cast by
+a compiled function (a 64 MiB operand: 0.33 ms as separate eager kernels, 0.10 ms
+compiled, against 0.55 ms for its bf16 GEMM).
 """
 
 from __future__ import annotations
@@ -62,12 +65,16 @@ E5M2 = torch.float8_e5m2  # the tensorwise recipe's gradients: 2 mantissa bits, 
 TINY = 1e-12  # the amax of a row of zeros: its scale stays finite, its values 0
 
 
+def _scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    # times the reciprocal (what torch's CUDA division by a number computes), so the
+    # Triton kernels reproduce these bits
+    return amax.float().clamp_min(TINY) * (1.0 / top)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``q * scale ~ x``: ``q`` contiguous ``float8_e4m3fn`` of
     ``x``'s shape, ``scale`` fp32 ``[..., 1]``, one per row (over the last axis)."""
-    # times the reciprocal (what torch's CUDA division by a number computes), so the
-    # Triton kernel reproduces these bits
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(TINY) * (1.0 / E4M3_MAX)
+    scale = _scale(x.abs().amax(dim=-1, keepdim=True), E4M3_MAX)
     q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q.contiguous(), scale
 
@@ -78,14 +85,16 @@ def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x.transpose(-2, -1))
 
 
-def quantize_tensor(x: torch.Tensor, fp8: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3,
+                    transposed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t, scale)`` with ``q * scale ~ x``: one fp32 scale (0-d) for the whole
-    2-D ``x``, ``q`` contiguous ``fp8`` of ``x``'s shape and ``q_t`` its transpose,
-    contiguous too (each scaled GEMM operand is read in one of the two layouts)."""
-    top = float(torch.finfo(fp8).max)
-    scale = x.abs().amax().float().clamp_min(TINY) * (1.0 / top)
-    q = (x.float() / scale).clamp(-top, top).to(fp8)
-    return q.contiguous(), q.t().contiguous(), scale
+    2-D ``x``, ``q`` contiguous ``dtype`` (an FP8 format) of ``x``'s shape and ``q_t``
+    its transpose, contiguous too, or None unless ``transposed`` (a scaled GEMM reads
+    each operand in one of the two layouts)."""
+    top = float(torch.finfo(dtype).max)
+    scale = _scale(x.abs().amax(), top)
+    q = (x.float() / scale).clamp(-top, top).to(dtype)
+    return q.contiguous(), q.t().contiguous() if transposed else None, scale
 
 
 @functools.cache
@@ -108,22 +117,21 @@ def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_kernels.quantize_rows_RW(t, E4M3_MAX, TINY)
     if t.is_contiguous():
         return _compiled(quantize_rows)(t)
-    # the experts' weights, [E, K, N]: a program per expert and 64 columns keeps the GPU
-    # busy; one tall matrix (a dense backward's operand) would get too few programs
-    if t.dim() == 3 and triton_kernels.quantize_fusable(t.transpose(-2, -1)):
+    if triton_kernels.quantize_columns_fusable(t.transpose(-2, -1)):
         return triton_kernels.quantize_columns_KN(t.transpose(-2, -1), E4M3_MAX, TINY)
     if t.transpose(-2, -1).is_contiguous():
         return _compiled(quantize_columns)(t.transpose(-2, -1))
     return _compiled(quantize_rows)(t.contiguous())
 
 
-def _quantize_tensor(t: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_tensor(t, fp8)``: traced inside a compiled kernel, one compiled
-    function eager on CUDA (a reduction, then one pass writing both layouts), plain
-    torch on the CPU."""
+def _quantize_tensor(t: torch.Tensor, dtype: torch.dtype,
+                     transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``quantize_tensor(t, dtype, transposed)``: traced inside a compiled kernel, one
+    compiled function eager on CUDA (a reduction, then one pass writing the layouts),
+    plain torch on the CPU."""
     if torch.compiler.is_compiling() or not t.is_cuda:
-        return quantize_tensor(t, fp8)
-    return _compiled(quantize_tensor)(t, fp8)
+        return quantize_tensor(t, dtype, transposed)
+    return _compiled(quantize_tensor)(t, dtype, transposed)
 
 
 def scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:
@@ -176,28 +184,30 @@ def rowwise_linear(x: torch.Tensor, w_KN: torch.Tensor, fp8_grads: bool = True) 
 
 class _TensorwiseLinear(torch.autograd.Function):
     # x_MK @ w_KN, forward and backward in FP8 with one scale per tensor: x and w E4M3,
-    # the gradient E5M2. The forward's casts are saved in both layouts the backward
-    # reads, so nothing is quantised twice and the backward reads no bf16 operand.
+    # the gradient E5M2. The forward's casts are saved in the layouts the backward reads,
+    # so nothing is quantised twice.
     @staticmethod
     def forward(ctx, x_MK, w_KN):
-        qx_MK, qx_KM, sx = _quantize_tensor(x_MK, E4M3)
-        qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3)
         # the tokens are the weight gradient's contraction: FP8 needs a multiple of 16
         ctx.fp8_wgrad = x_MK.shape[0] % 16 == 0
-        ctx.save_for_backward(qx_KM if ctx.fp8_wgrad else x_MK, sx, qw_KN, sw)
+        x_transposed = ctx.needs_input_grad[1] and ctx.fp8_wgrad
+        qx_MK, qx_KM, sx = _quantize_tensor(x_MK, E4M3, transposed=x_transposed)
+        qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3, transposed=True)
+        ctx.save_for_backward(qx_KM if x_transposed else x_MK if ctx.needs_input_grad[1] else None, sx, qw_KN, sw)
         return torch._scaled_mm(qx_MK, qw_NK.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
                                 use_fast_accum=True)
 
     @staticmethod
     def backward(ctx, g_MN):
         x_saved, sx, qw_KN, sw = ctx.saved_tensors
-        qg_MN, qg_NM, sg = _quantize_tensor(g_MN, E5M2)
+        fp8_wgrad = ctx.needs_input_grad[1] and ctx.fp8_wgrad
+        qg_MN, qg_NM, sg = _quantize_tensor(g_MN, E5M2, transposed=fp8_wgrad)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._scaled_mm(qg_MN, qw_KN.t(), scale_a=sg, scale_b=sw, out_dtype=torch.bfloat16)
         if ctx.needs_input_grad[1]:
             grad_w = (torch._scaled_mm(x_saved, qg_NM.t(), scale_a=sx, scale_b=sg, out_dtype=torch.bfloat16)
-                      if ctx.fp8_wgrad else x_saved.t() @ g_MN)
+                      if fp8_wgrad else x_saved.t() @ g_MN)
         return grad_x, grad_w
 
 
@@ -223,21 +233,26 @@ class Gemms(NamedTuple):
             ``a`` times ``b[e]``: ``experts.grouped_matmul``'s forward product
             (``fast_accum=True``; not differentiated itself).
         grouped_grad: the same signature, for the grouped product's input gradient.
+        head: ``(x_TD, w_DV) -> logits_TV``, differentiable: the head's product.
         name: the ``Plan.fp8`` value it stands for.
     """
 
     linear: Callable = torch.matmul
     grouped: Callable = plain_grouped_mm
     grouped_grad: Callable = plain_grouped_mm
+    head: Callable = torch.matmul
     name: str = "none"
 
 
 PLAIN = Gemms()
 # The experts' input gradients stay bf16: in FP8 they cost 3% of the fine-grained
 # model's step and gained nothing on the coarse one (BENCHMARKS.md, issue 25).
-ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, "rowwise")
-# torch's FP8 grouped GEMM takes rowwise scales only on sm_90, so the experts keep them
-TENSORWISE = Gemms(tensorwise_linear, scaled_grouped_mm, plain_grouped_mm, "tensorwise")
+ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, name="rowwise")
+# torch's FP8 grouped GEMM takes rowwise scales only on sm_90, so the experts keep them.
+# The head's product in FP8 took the coarse model's graphed step from 1.03x to 1.06-1.07x
+# bf16's speed; 300 steps of the main job ended within 0.1% of the bf16 head's held-out
+# loss (BENCHMARKS.md, issue 25).
+TENSORWISE = Gemms(tensorwise_linear, scaled_grouped_mm, plain_grouped_mm, tensorwise_linear, "tensorwise")
 GEMMS = {"none": PLAIN, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
 
 __all__ = ["E4M3", "E4M3_MAX", "E5M2", "GEMMS", "PLAIN", "ROWWISE", "TENSORWISE", "Gemms", "TINY", "plain_grouped_mm",

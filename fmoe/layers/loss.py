@@ -6,9 +6,11 @@ import torch.nn.functional as F
 from .precision import upcast
 
 
-def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    """``sum_t CE(x_t @ w, target_t)``, the softmax in fp32 whatever x's dtype."""
-    return F.cross_entropy(upcast(x_TD @ w_DV), targets_T, reduction="sum")
+def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
+                      matmul=torch.matmul) -> torch.Tensor:
+    """``sum_t CE(x_t @ w, target_t)``, the softmax in fp32 whatever x's dtype; the
+    logits' product through ``matmul`` (``Gemms.head``: FP8 under ``Plan.fp8='tensorwise'``)."""
+    return F.cross_entropy(upcast(matmul(x_TD, w_DV)), targets_T, reduction="sum")
 
 
 class _Chunked(torch.autograd.Function):

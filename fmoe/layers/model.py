@@ -69,7 +69,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         tokens_BS: ``[B, S]`` token ids.
         cfg: the ModelConfig.
         backend: expert matmul backend.
-        gemms: the layers' products (``Plan.fp8``: ``fmoe.layers.fp8``); the head's is plain.
+        gemms: the layers' and the head's products (``Plan.fp8``: ``fmoe.layers.fp8``).
 
     Returns:
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
@@ -80,7 +80,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         h, s = block(p, h, cfg, backend, gemms=gemms)
         stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
-    return h @ head_weight(params), stats
+    return gemms.head(h, head_weight(params)), stats
 
 
 def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch",

@@ -328,10 +328,17 @@ QUANTIZE_MAX_WIDTH = 16384  # a row in registers: wider rows take the compiled t
 
 def quantize_fusable(x: torch.Tensor) -> bool:
     """``quantize_rows_RW`` takes ``x``: a contiguous CUDA tensor of a kernel dtype whose
-    rows fit a program (no interpreter: it has no FP8 stores). ``quantize_columns_KN``
-    asks the same of the ``[..., K, N]`` tensor it reads."""
+    rows fit a program (no interpreter: it has no FP8 stores)."""
     return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
             and 0 < x.shape[-1] <= QUANTIZE_MAX_WIDTH)
+
+
+def quantize_columns_fusable(x: torch.Tensor) -> bool:
+    """``quantize_columns_KN`` takes ``x``: a contiguous ``[E, K, N]`` CUDA tensor of a
+    kernel dtype (the experts' weights: a program per expert and column block keeps the
+    GPU busy, where one tall matrix would get too few programs)."""
+    return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
+            and x.dim() == 3)
 
 
 def quantize_rows_RW(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,7 +358,7 @@ def quantize_rows_RW(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torc
 
 def quantize_columns_KN(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of ``fp8.quantize_columns`` for contiguous ``x`` of shape
-    ``[..., K, N]`` (check ``quantize_fusable`` first): ``q`` E4M3 ``[..., N, K]``
+    ``[..., K, N]`` (check ``quantize_columns_fusable`` first): ``q`` E4M3 ``[..., N, K]``
     contiguous, ``scale`` fp32 ``[..., N, 1]``, one per column of x."""
     K, N = x.shape[-2:]
     q = torch.empty((*x.shape[:-2], N, K), dtype=torch.float8_e4m3fn, device=x.device)
@@ -359,11 +366,13 @@ def quantize_columns_KN(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[t
     matrices = x.numel() // max(K * N, 1)
     if matrices and K and N:
         with _on(x):
-            # 128 x 64 tiles: 1.1-1.4x faster than 64 x 64 on the experts' weights of the
-            # benchmark shapes (a sweep of 32-128 rows and columns, 4 and 8 warps, H200)
-            _quantize_columns_kernel[(triton.cdiv(N, 64), matrices)](
-                x, q, scale, K, N, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny, BLOCK_K=128, BLOCK_N=64,
-                num_warps=_NUM_WARPS)
+            # 128 x 64 tiles: 1.2-1.4x faster than 64 x 64 on the benchmark shapes' fc1
+            # weights, as fast on fc2's (a sweep of 32-128 rows and columns at 4 and 8
+            # warps on an H200; BENCHMARKS.md)
+            block_k, block_n = 128, 64
+            _quantize_columns_kernel[(triton.cdiv(N, block_n), matrices)](
+                x, q, scale, K, N, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny, BLOCK_K=block_k,
+                BLOCK_N=block_n, num_warps=_NUM_WARPS)
     return q, scale
 
 

@@ -63,17 +63,32 @@ def _compiled_activation():
     return act
 
 
-def _compiled_head():
+@functools.cache
+def _logits_loss(matmul):
+    # one object per product: the compiled head guards on its identity, so every
+    # Kernels value of a process shares the head's graphs
+    return functools.partial(cross_entropy_sum, matmul=matmul)
+
+
+def _head_loss(gemms: Gemms):
+    """``head_loss_sum`` with ``gemms.head`` for the logits' product."""
+    return functools.partial(head_loss_sum, piece=_logits_loss(gemms.head))
+
+
+def _compiled_head(gemms: Gemms):
+    # Functions, not partials, go to torch.compile: dynamo wraps every partial in one
+    # shared code object, whose recompile limit all of them would then share.
     compiled = _compile(head_loss_sum)
+    whole = _logits_loss(gemms.head)
     # In pieces the loop and each piece's backward stay eager (an autograd Function
     # running autograd); the pieces' logits + cross-entropy are compiled, one graph per
     # piece size.
-    piece = torch.compile(cross_entropy_sum, fullgraph=True, dynamic=False)
+    piece = functools.partial(torch.compile(cross_entropy_sum, fullgraph=True, dynamic=False), matmul=gemms.head)
 
     def head(weights, h_BSD, targets_BS, eps, chunk=0):
         if chunk and chunk < targets_BS.numel():
             return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk, piece)
-        return compiled(weights, h_BSD, targets_BS, eps)
+        return compiled(weights, h_BSD, targets_BS, eps, 0, whole)
 
     return head
 
@@ -113,7 +128,7 @@ def _compiled_kernels(selective_remat: bool, gemms: Gemms) -> Kernels:
     return Kernels(attn=at_any_site(keep(functools.partial(attention_half, gemms=gemms))),
                    router=at_any_site(keep(route)),
                    experts=selective_experts(experts) if selective_remat else experts,
-                   head=at_any_site(_compiled_head()), dispatch=at_any_site(_compiled_dispatch()),
+                   head=at_any_site(_compiled_head(gemms)), dispatch=at_any_site(_compiled_dispatch()),
                    shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)))
 
 
@@ -124,7 +139,8 @@ def eager_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN) -> Kernel
     kernels = EAGER if gemms == PLAIN else EAGER._replace(
         attn=at_any_site(functools.partial(attention_half, gemms=gemms)),
         experts=at_any_site(functools.partial(expert_mlp, gemms=gemms)),
-        shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)))
+        shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)),
+        head=at_any_site(_head_loss(gemms)))
     return selective_kernels(kernels) if selective_remat else kernels
 
 
