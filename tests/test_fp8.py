@@ -185,6 +185,27 @@ def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_wi
     assert tensorwise_linear(x_.view(2, tokens // 2, 64), w_).shape == (2, tokens // 2, 32)
 
 
+def test_tensorwise_linear_computes_the_gradients_asked_for_as_the_full_backward_does():
+    x0 = torch.randn(48, 64).bfloat16()
+    w0 = (0.05 * torch.randn(64, 32)).bfloat16()
+    g = torch.randn(48, 32).bfloat16()
+
+    def grads(x_grad: bool, w_grad: bool):
+        x, w = x0.clone().requires_grad_(x_grad), w0.clone().requires_grad_(w_grad)
+        y = tensorwise_linear(x, w)
+        y.backward(g)
+        return y.detach(), x.grad, w.grad
+
+    y, dx, dw = grads(True, True)
+    y_x, dx_only, none_w = grads(True, False)  # a frozen weight: no transposed cast of x kept
+    y_w, none_x, dw_only = grads(False, True)
+    assert none_w is None and none_x is None
+    assert torch.equal(y_x, y) and torch.equal(y_w, y)
+    assert torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
+    with torch.no_grad():
+        assert torch.equal(tensorwise_linear(x0, w0), y)
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 def test_the_plans_kernels_run_attention_the_shared_expert_and_the_tensorwise_head_in_fp8(recipe):
     from fmoe.layers import attention_half, cast_for_compute, dense_mlp
