@@ -1,5 +1,5 @@
 """The experts' weights cast to FP8 per column: inductor's compiled torch code against
-``triton_kernels.quantize_columns_KN`` (the same bits), on the coarse and fine shapes.
+``fp8_kernels.quantize_columns_KN`` (the same bits), on the coarse and fine shapes.
 
     python benchmarks/quantize_columns.py
 
@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from fmoe.layers import triton_kernels
+from fmoe.layers import fp8_kernels
 from fmoe.layers.fp8 import E4M3_MAX, TINY, _compiled, quantize_columns
 
 SHAPES = {"coarse fc1": (16, 2048, 2816), "coarse fc2": (16, 1408, 2048),
@@ -44,7 +44,7 @@ def main():
     for name, shape in SHAPES.items():
         x = (0.02 * torch.randn(shape, device="cuda")).bfloat16()
         compiled = median_ms(_compiled(quantize_columns), x)
-        triton = median_ms(lambda w: triton_kernels.quantize_columns_KN(w, E4M3_MAX, TINY), x)
+        triton = median_ms(lambda w: fp8_kernels.quantize_columns_KN(w, E4M3_MAX, TINY), x)
         print(f"| {name} `{list(shape)}` | {compiled:.3f} ms | {triton:.3f} ms | {compiled / triton:.2f}x |")
 
 

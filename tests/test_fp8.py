@@ -99,13 +99,20 @@ def test_quantize_rows_maps_each_rows_amax_to_the_e4m3_maximum():
     assert (err <= 2**-4 * x.abs() + 2**-9 * scale).all()
 
 
-@pytest.mark.parametrize("tokens", [48, 40])
-def test_rowwise_linear_multiplies_the_operands_quantised_along_the_contraction(tokens):
+def _through(linear, tokens: int):
+    """``(x, w, g, y)``: random ``[tokens, 64] @ [64, 32]`` through ``linear``, ``g``
+    back-propagated (the leaves hold their gradients)."""
     x = torch.randn(tokens, 64).bfloat16().requires_grad_()
     w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
     g = torch.randn(tokens, 32).bfloat16()
-    y = rowwise_linear(x, w)
+    y = linear(x, w)
     y.backward(g)
+    return x, w, g, y
+
+
+@pytest.mark.parametrize("tokens", [48, 40])
+def test_rowwise_linear_multiplies_the_operands_quantised_along_the_contraction(tokens):
+    x, w, g, y = _through(rowwise_linear, tokens)
     x_, w_, g_ = x.detach(), w.detach(), g
     # x per token, w per output column; then g per token with w per input row; for the
     # weight gradient x and g per feature, over the tokens
@@ -166,11 +173,7 @@ def _tensorwise_dequantized(x: torch.Tensor, fp8=E4M3) -> torch.Tensor:
 
 @pytest.mark.parametrize("tokens", [48, 40])
 def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_with_one_scale(tokens):
-    x = torch.randn(tokens, 64).bfloat16().requires_grad_()
-    w = (0.05 * torch.randn(64, 32)).bfloat16().requires_grad_()
-    g = torch.randn(tokens, 32).bfloat16()
-    y = tensorwise_linear(x, w)
-    y.backward(g)
+    x, w, g, y = _through(tensorwise_linear, tokens)
     x_, w_ = x.detach(), w.detach()
     dx_, dw_, dg_ = _tensorwise_dequantized(x_), _tensorwise_dequantized(w_), _tensorwise_dequantized(g, E5M2)
     close = dict(rtol=2**-7, atol=1e-6)  # the products' bf16 rounding, as the rowwise test
@@ -360,15 +363,15 @@ def test_cuda_compiled_fp8_step_is_as_close_to_fp32_as_the_eager_one_leaf_by_lea
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1000, 2816), (3, 64, 1408), (5, 2048)])
 def test_cuda_triton_quantize_gives_the_bits_of_the_torch_code(shape):
-    from fmoe.layers import triton_kernels
+    from fmoe.layers import fp8_kernels
     from fmoe.layers.fp8 import TINY
 
     x = (torch.randn(shape, device="cuda") * torch.rand(shape[:-1], device="cuda")[..., None] * 10).bfloat16()
     x[0] = 0.0  # a row of zeros
     x[1, ..., 3] = float("nan")  # rows with a NaN, an inf: non-finite as in torch
     x[2, ..., 5] = float("inf")
-    assert triton_kernels.quantize_fusable(x)
-    q, scale = triton_kernels.quantize_rows_RW(x, E4M3_MAX, TINY)
+    assert fp8_kernels.quantize_fusable(x)
+    q, scale = fp8_kernels.quantize_rows_RW(x, E4M3_MAX, TINY)
     want_q, want_scale = quantize_rows(x)
     assert torch.allclose(scale, want_scale, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN where torch's
     finite = torch.isfinite(want_scale.squeeze(-1))
@@ -382,16 +385,16 @@ def test_cuda_triton_quantize_gives_the_bits_of_the_torch_code(shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(16, 2048, 2816), (3, 100, 200), (2, 64, 8)])
 def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape, monkeypatch):
-    from fmoe.layers import triton_kernels
+    from fmoe.layers import fp8_kernels
     from fmoe.layers.fp8 import TINY, _quantize, quantize_columns
 
-    quantize_columns_KN = triton_kernels.quantize_columns_KN
+    quantize_columns_KN = fp8_kernels.quantize_columns_KN
     E, K, N = shape
     x = (torch.randn(shape, device="cuda") * torch.rand(E, 1, N, device="cuda") * 10).bfloat16()
     x[0, :, 0] = 0.0  # a column of zeros
     x[1, K // 2, 1] = float("nan")  # columns with a NaN, an inf
     x[1, K - 1, 2] = float("inf")
-    q, scale = triton_kernels.quantize_columns_KN(x, E4M3_MAX, TINY)
+    q, scale = fp8_kernels.quantize_columns_KN(x, E4M3_MAX, TINY)
     want_q, want_scale = quantize_columns(x)
     assert q.shape == want_q.shape == (E, N, K) and q.is_contiguous() and scale.shape == (E, N, 1)
     assert torch.allclose(scale, want_scale, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN where torch's
@@ -402,7 +405,7 @@ def test_cuda_triton_column_quantize_gives_the_bits_of_the_torch_code(shape, mon
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
     # eager, the experts' weights (a transposed view of [E, K, N]) take this kernel
     calls = []
-    monkeypatch.setattr(triton_kernels, "quantize_columns_KN",
+    monkeypatch.setattr(fp8_kernels, "quantize_columns_KN",
                         lambda *a: calls.append(a[0].shape) or quantize_columns_KN(*a))
     y = x.nan_to_num(posinf=0.0)
     (q_eager, s_eager), (q_torch, s_torch) = _quantize(y.transpose(-2, -1)), quantize_columns(y)

@@ -44,7 +44,7 @@ Scales are computed on the fly from the current tensor (no history); nothing her
 changes what is stored: params, gradients and optimizer state stay fp32. Inside a
 compiled kernel (``Plan.compile``) inductor fuses the casts with the norm or
 activation before them; eager on CUDA a contiguous operand is cast by one Triton
-kernel (``triton_kernels.quantize_rows_RW``), the experts' weights by another
+kernel (``fp8_kernels.quantize_rows_RW``), the experts' weights by another
 (``quantize_columns_KN``), any other transposed operand and every tensorwise cast by
 a compiled function (a 64 MiB operand: 0.33 ms as separate eager kernels, 0.10 ms
 compiled, against 0.55 ms for its bf16 GEMM).
@@ -57,7 +57,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import triton_kernels
+from . import fp8_kernels
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -107,18 +107,18 @@ def _compiled(quantize):
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows(t)``. Inside a compiled kernel: traced, and fused with its
     neighbours. Eager on CUDA: a contiguous tensor through a Triton kernel (one read per
-    row, ``triton_kernels.quantize_rows_RW``), the experts' weights (a transposed view
+    row, ``fp8_kernels.quantize_rows_RW``), the experts' weights (a transposed view
     of ``[E, K, N]``) through another (``quantize_columns_KN``), any other transposed
     view's storage through one compiled function that reads it as columns. Eager on the
     CPU (tests only: a plan refuses fp8 there): plain torch."""
     if torch.compiler.is_compiling() or not t.is_cuda:
         return quantize_rows(t)
-    if triton_kernels.quantize_fusable(t):
-        return triton_kernels.quantize_rows_RW(t, E4M3_MAX, TINY)
+    if fp8_kernels.quantize_fusable(t):
+        return fp8_kernels.quantize_rows_RW(t, E4M3_MAX, TINY)
     if t.is_contiguous():
         return _compiled(quantize_rows)(t)
-    if triton_kernels.quantize_columns_fusable(t.transpose(-2, -1)):
-        return triton_kernels.quantize_columns_KN(t.transpose(-2, -1), E4M3_MAX, TINY)
+    if fp8_kernels.quantize_columns_fusable(t.transpose(-2, -1)):
+        return fp8_kernels.quantize_columns_KN(t.transpose(-2, -1), E4M3_MAX, TINY)
     if t.transpose(-2, -1).is_contiguous():
         return _compiled(quantize_columns)(t.transpose(-2, -1))
     return _compiled(quantize_rows)(t.contiguous())
@@ -193,7 +193,8 @@ class _TensorwiseLinear(torch.autograd.Function):
         x_transposed = ctx.needs_input_grad[1] and ctx.fp8_wgrad
         qx_MK, qx_KM, sx = _quantize_tensor(x_MK, E4M3, transposed=x_transposed)
         qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3, transposed=True)
-        ctx.save_for_backward(qx_KM if x_transposed else x_MK if ctx.needs_input_grad[1] else None, sx, qw_KN, sw)
+        x_for_wgrad = qx_KM if x_transposed else (x_MK if ctx.needs_input_grad[1] else None)
+        ctx.save_for_backward(x_for_wgrad, sx, qw_KN, sw)
         return torch._scaled_mm(qx_MK, qw_NK.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
                                 use_fast_accum=True)
 

@@ -13,21 +13,12 @@
   and as many again backward; ~15 ms of a 150 ms step on the 1.4B benchmark model).
 - ``gather_sum_TD``: the permute's backward, ``sum_k grad[pos[t, k]]``, on the unpermute's
   forward kernel (no ``[T, K, D]`` gather before the sum).
-- ``quantize_rows_RW``: ``fp8.quantize_rows`` of a contiguous tensor, a row per program
-  held in registers: one read, one FP8 write, the same bits as the torch code (inductor
-  compiles that code for a symbolic width as a two-pass loop: 3x the time on the
-  experts' rows).
-- ``quantize_columns_KN``: ``fp8.quantize_columns`` of a contiguous tensor (the experts'
-  weights, per output column), two passes over column blocks, the FP8 copy written
-  transposed, the same bits as the torch code (inductor's reduction reads the columns
-  across rows: 0.39 ms for the coarse model's fc1 weight, this kernel 0.24 ms).
 
-Each but the two quantisations runs as a ``torch.library`` custom op (``fmoe::rope``,
+Each runs as a ``torch.library`` custom op (``fmoe::rope``,
 ``fmoe::swiglu``, ``fmoe::unpermute``, ``fmoe::gather_sum`` and the backward ops;
 registered in ``kernel_ops.py``) with a fake (shape) rule and a registered backward, so
-``torch.compile`` traces them as operators. The quantisations are launched directly:
-``fp8._quantize`` calls them only outside compiled regions (inside them inductor fuses
-the torch code with its neighbours) and they have no gradient.
+``torch.compile`` traces them as operators. The FP8 casts' kernels live in
+``fp8_kernels.py`` and share this module's launch helpers.
 ``dispatch.py``, ``experts.py`` and ``attention.py`` call these when
 ``fused_kernels_available`` says so and keep their pure-torch code as the CPU and reference path; the results agree up to
 fp32 summation order (bf16 outputs are rounded once from fp32, where the torch path
@@ -54,7 +45,7 @@ except ImportError:  # CPU-only installs (CI): the torch path runs
     triton = None
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_NUM_WARPS = 4
+NUM_WARPS = 4
 _TILE = 2048  # elements per program tile: 16 per thread at 4 warps (two 16-byte bf16 loads)
 
 
@@ -94,8 +85,9 @@ def _done(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
-def _on(t: torch.Tensor):
-    # Triton launches on the current device: make it t's (a rank may hold several GPUs).
+def on_device_of(t: torch.Tensor):
+    """A context where Triton launches on ``t``'s device (it launches on the current one,
+    and a rank may hold several GPUs)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
@@ -268,114 +260,6 @@ if triton is not None:
         tl.store(out_ptr + out_at + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, W, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
-                              TINY: tl.constexpr, BLOCK: tl.constexpr):
-        # One row per program: amax, scale = max(amax, TINY) * (1 / FP8_MAX), q = x / scale
-        # (IEEE division, then the clamp), cast to E4M3 rounding to nearest even: torch's
-        # arithmetic, bit for bit. NaN propagates as in torch (a NaN makes the row's scale
-        # NaN, an inf makes it inf), so a non-finite input stays visible downstream.
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < W
-        x = tl.load(x_ptr + row * W + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        amax = tl.where(tl.max((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)  # tl.max skips NaN
-        scale = tl.maximum(amax, TINY, propagate_nan=tl.PropagateNan.ALL) * INV_MAX
-        q = tl.div_rn(x, scale)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                       propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + row * W + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        tl.store(scale_ptr + row, scale)
-
-    @triton.jit
-    def _quantize_columns_kernel(x_ptr, q_ptr, scale_ptr, K, N, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
-                                 TINY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        # grid (column blocks, matrices). The same arithmetic as _quantize_rows_kernel
-        # along each column of a contiguous [K, N] matrix: a first pass over its rows
-        # for the columns' amax, a second that writes q transposed, [N, K] contiguous.
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        base = tl.program_id(1).to(tl.int64) * K * N
-        amax = tl.zeros([BLOCK_N], dtype=tl.float32)
-        nans = tl.zeros([BLOCK_N], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            rows = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows < K)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            nans = tl.maximum(nans, tl.max((x != x).to(tl.int32), axis=0))
-        amax = tl.where(nans > 0, float("nan"), amax)  # tl.max skips NaN
-        scale = tl.maximum(amax, TINY, propagate_nan=tl.PropagateNan.ALL) * INV_MAX
-        for k0 in range(0, K, BLOCK_K):
-            rows = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows < K)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            q = tl.div_rn(x, scale[None, :])
-            q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                           propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + base + cols[None, :].to(tl.int64) * K + rows[:, None],
-                     q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        tl.store(scale_ptr + tl.program_id(1).to(tl.int64) * N + cols, scale, mask=col_ok)
-
-
-QUANTIZE_MAX_WIDTH = 16384  # a row in registers: wider rows take the compiled torch code
-
-
-def quantize_fusable(x: torch.Tensor) -> bool:
-    """``quantize_rows_RW`` takes ``x``: a contiguous CUDA tensor of a kernel dtype whose
-    rows fit a program (no interpreter: it has no FP8 stores)."""
-    return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
-            and 0 < x.shape[-1] <= QUANTIZE_MAX_WIDTH)
-
-
-def quantize_columns_fusable(x: torch.Tensor) -> bool:
-    """``quantize_columns_KN`` takes ``x``: a contiguous ``[E, K, N]`` CUDA tensor of a
-    kernel dtype (the experts' weights: a program per expert and column block keeps the
-    GPU busy, where one tall matrix would get too few programs)."""
-    return (x.is_cuda and fused_kernels_available(x) and x.dtype in KERNEL_DTYPES and x.is_contiguous()
-            and x.dim() == 3)
-
-
-def quantize_rows_RW(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` of ``fp8.quantize_rows`` for contiguous ``x`` (check
-    ``quantize_fusable`` first): ``q`` E4M3 of x's shape, ``scale`` fp32 ``[..., 1]``."""
-    W = x.shape[-1]
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    rows = x.numel() // W
-    if rows:
-        block = triton.next_power_of_2(W)
-        with _on(x):
-            _quantize_rows_kernel[(rows,)](x, q, scale, W, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny,
-                                           BLOCK=block, num_warps=8 if block >= 4096 else _NUM_WARPS)
-    return q, scale
-
-
-def quantize_columns_KN(x: torch.Tensor, fp8_max: float, tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` of ``fp8.quantize_columns`` for contiguous ``x`` of shape
-    ``[..., K, N]`` (check ``quantize_columns_fusable`` first): ``q`` E4M3 ``[..., N, K]``
-    contiguous, ``scale`` fp32 ``[..., N, 1]``, one per column of x."""
-    K, N = x.shape[-2:]
-    q = torch.empty((*x.shape[:-2], N, K), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((*x.shape[:-2], N, 1), dtype=torch.float32, device=x.device)
-    matrices = x.numel() // max(K * N, 1)
-    if matrices and K and N:
-        with _on(x):
-            # 128 x 64 tiles: 1.2-1.4x faster than 64 x 64 on the benchmark shapes' fc1
-            # weights, as fast on fc2's (a sweep of 32-128 rows and columns at 4 and 8
-            # warps on an H200; BENCHMARKS.md)
-            block_k, block_n = 128, 64
-            _quantize_columns_kernel[(triton.cdiv(N, block_n), matrices)](
-                x, q, scale, K, N, FP8_MAX=fp8_max, INV_MAX=1.0 / fp8_max, TINY=tiny, BLOCK_K=block_k,
-                BLOCK_N=block_n, num_warps=_NUM_WARPS)
-    return q, scale
-
-
 def rope_fusable(x_BHSd: torch.Tensor) -> bool:
     """``rope_BHSd`` takes ``x``: kernels available, a kernel dtype, unit stride along d."""
     return (fused_kernels_available(x_BHSd) and x_BHSd.dtype in KERNEL_DTYPES and x_BHSd.dim() == 4
@@ -389,10 +273,10 @@ def rotate_BHSd(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor
     out = _new((B, H, S, d), x_BHSd.dtype, x_BHSd.device)
     if out.numel():
         block_r, block_c = _blocks(d // 2)
-        with _on(x_BHSd):
+        with on_device_of(x_BHSd):
             _rope_kernel[(triton.cdiv(B * H * S, block_r),)](
                 x_BHSd, cos_Sh, sin_Sh, out, B * H * S, H, S, *x_BHSd.stride()[:3], d // 2, NEGATE=negate,
-                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_NUM_WARPS)
+                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
     return _done(out, x_BHSd.dtype)
 
 
@@ -410,10 +294,10 @@ def swiglu_fwd_RF(h_RN: torch.Tensor, prob_R: torch.Tensor | None, interleave: i
     a_RF = _new((R, F), h_RN.dtype, h_RN.device)
     if R and F:
         block_r, block_f = _blocks(F)
-        with _on(h_RN):
+        with on_device_of(h_RN):
             _swiglu_fwd_kernel[(triton.cdiv(R, block_r), triton.cdiv(F, block_f))](
                 h_RN, prob_R, a_RF, R, F, IL=interleave, HAS_P=prob_R is not None,
-                BLOCK_R=block_r, BLOCK_F=block_f, num_warps=_NUM_WARPS)
+                BLOCK_R=block_r, BLOCK_F=block_f, num_warps=NUM_WARPS)
     return _done(a_RF, h_RN.dtype)
 
 
@@ -428,10 +312,10 @@ def swiglu_bwd_RN(h_RN: torch.Tensor, prob_R: torch.Tensor | None, grad_RF: torc
         # Half a tile: three inputs and two outputs live per element (on sm_90, Triton
         # 3.7: 150 registers a thread at 2048 elements, 64 at 1024, so more warps resident).
         block_r, block_f = _blocks(F, max_cols=256, tile=_TILE // 2)
-        with _on(h_RN):
+        with on_device_of(h_RN):
             _swiglu_bwd_kernel[(triton.cdiv(R, block_r),)](
                 h_RN, prob_R, grad_RF, grad_h, grad_p, R, F, IL=interleave, HAS_P=prob_R is not None,
-                NEED_GP=need_gp, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=_NUM_WARPS)
+                NEED_GP=need_gp, BLOCK_R=block_r, BLOCK_F=block_f, num_warps=NUM_WARPS)
     elif need_gp:
         grad_p.zero_()
     return _done(grad_h, h_RN.dtype), _done(grad_p, None if prob_R is None else prob_R.dtype)
@@ -454,10 +338,10 @@ def unpermute_fwd_TD(y_RD: torch.Tensor, w_TK: torch.Tensor | None, pos_TK: torc
     if T and D:
         block_t, block_d = _blocks(D)
         block_t = min(block_t, triton.next_power_of_2(T))
-        with _on(y_RD):
+        with on_device_of(y_RD):
             _unpermute_fwd_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
                 y_RD, w_TK, pos_TK, out, T, R, D, K=K, HAS_W=w_TK is not None,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=_NUM_WARPS)
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=NUM_WARPS)
     return _done(out, y_RD.dtype)
 
 
@@ -477,18 +361,18 @@ def unpermute_bwd(grad_TD: torch.Tensor, y_RD: torch.Tensor | None, w_TK: torch.
     grad_w = _new(w_TK.shape, w_TK.dtype, w_TK.device) if need_gw else None
     if T and D and (need_grad_rows or need_gw):
         block_d = min(triton.next_power_of_2(D), max(_TILE // triton.next_power_of_2(K), 32))
-        with _on(grad_TD):
+        with on_device_of(grad_TD):
             _unpermute_bwd_kernel[(T,)](
                 grad_TD, y_RD, w_TK, pos_TK, grad_y, grad_w, R, D, K=K, KP=triton.next_power_of_2(K),
                 HAS_W=w_TK is not None, NEED_GY=need_grad_rows, NEED_GW=need_gw, BLOCK_D=block_d,
-                num_warps=_NUM_WARPS)
+                num_warps=NUM_WARPS)
     elif need_gw:
         grad_w.zero_()
     if need_grad_rows and R and D and (dropping or R != T * K):  # else every row holds an assignment
         block_r, block_d = _blocks(D)
-        with _on(grad_y):
+        with on_device_of(grad_y):
             _zero_padding_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(D, block_d))](
-                grad_y, row_source_R, R, D, T * K, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_NUM_WARPS)
+                grad_y, row_source_R, R, D, T * K, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
     return _done(grad_y, dtype), _done(grad_w, None if w_TK is None else w_TK.dtype)
 
 
