@@ -272,7 +272,9 @@ class Plan:
             products and the head's, the dense ones with one scale per operand and
             their output gradients in E5M2 (the experts' as ``rowwise``). Either way
             master params, gradients and optimizer state stay fp32, router, norms,
-            softmax and the loss as without. Needs ``dtype='bfloat16'``, the
+            softmax and the loss as without. Under ``tensorwise`` with the dense
+            weights sharded, those products' weights are gathered already in FP8
+            (half the bytes; the same results bit for bit). Needs ``dtype='bfloat16'``, the
             ``torch`` expert backend, GEMM widths that are multiples of 16 (the
             vocabulary too under ``tensorwise``) and a Hopper GPU (compute capability
             9.x); refused elsewhere.

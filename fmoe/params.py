@@ -135,6 +135,10 @@ class Leaf(NamedTuple):
         trainable: changed by gradient steps (not ``expert_bias``, which
             ``update_expert_bias`` balances from routing counts: ``trainable``).
         glu: its last axis holds GLU halves (``fc1`` / ``fc1_bias`` of a GLU activation).
+        linear: the weight of a dense product ``x @ w`` (``Gemms.linear`` or
+            ``Gemms.head``): attention's ``qkv`` and ``out``, the shared expert's ``fc1``
+            and ``fc2``, the ``head``. Under ``Plan.fp8='tensorwise'`` these are gathered
+            already cast to FP8 (``fmoe.shard.spec.dtype_group``).
     """
 
     path: str
@@ -149,6 +153,11 @@ class Leaf(NamedTuple):
     decayed: bool
     trainable: bool
     glu: bool
+    linear: bool
+
+
+# the dense products' weights, by the subtree that holds them (``Leaf.linear``)
+LINEAR_WEIGHTS = {"attn": ("qkv", "out"), "shared": ("fc1", "fc2")}
 
 
 class ParamTable(NamedTuple):
@@ -204,7 +213,8 @@ def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
     return Leaf(path=_dotted(keys), keys=keys, shape=tuple(shape), init=init, member=member, layer=layer,
                 node=node, domain="expert" if experts else "dense", fp32=name in FP32_LEAVES,
                 decayed=decays(name), trainable=trainable(name),
-                glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"))
+                glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"),
+                linear=keys == ("head",) or (len(keys) > 1 and name in LINEAR_WEIGHTS.get(keys[-2], ())))
 
 
 @functools.lru_cache(maxsize=64)
@@ -280,6 +290,6 @@ def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6.0 * active_param_count(cfg) + 6.0 * cfg.layers * seq * cfg.q_width
 
 
-__all__ = ["FP32_LEAVES", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays", "flat_shapes",
-           "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves", "param_shapes", "param_specs",
-           "param_table", "train_flops_per_token", "trainable"]
+__all__ = ["FP32_LEAVES", "LINEAR_WEIGHTS", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays",
+           "flat_shapes", "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves",
+           "param_shapes", "param_specs", "param_table", "train_flops_per_token", "trainable"]

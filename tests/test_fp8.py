@@ -17,8 +17,9 @@ import torch
 
 import fmoe
 from fmoe import layers
-from fmoe.layers.fp8 import (E4M3, E4M3_MAX, E5M2, GEMMS, PLAIN, ROWWISE, TENSORWISE, quantize_rows, quantize_tensor,
-                             rowwise_linear, scaled_grouped_mm, tensorwise_linear)
+from fmoe.layers.fp8 import (E4M3, E4M3_MAX, E5M2, GEMMS, PLAIN, ROWWISE, TENSORWISE, Fp8Weight, cast_weight,
+                             quantize_rows, quantize_tensor, rowwise_linear, scaled_grouped_mm, tensor_scale,
+                             tensorwise_linear)
 from fmoe.runtime import check_device_and_backend
 
 FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
@@ -207,6 +208,35 @@ def test_tensorwise_linear_computes_the_gradients_asked_for_as_the_full_backward
     assert torch.equal(dx_only, dx) and torch.equal(dw_only, dw)
     with torch.no_grad():
         assert torch.equal(tensorwise_linear(x0, w0), y)
+
+
+@pytest.mark.parametrize("tokens", [48, 40])
+def test_tensorwise_linear_on_a_weight_gathered_in_fp8_computes_what_it_computes_on_the_bf16_weight(tokens):
+    # an Fp8Weight is quantize_tensor's cast of the weight, made before the product
+    x0 = torch.randn(tokens, 64).bfloat16()
+    w0 = (0.05 * torch.randn(64, 32)).bfloat16()
+    g = torch.randn(tokens, 32).bfloat16()
+    q, _, scale = quantize_tensor(w0)
+    assert torch.equal(cast_weight(w0, tensor_scale(w0.abs().amax())).view(torch.uint8), q.view(torch.uint8))
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    y = tensorwise_linear(x, w)
+    y.backward(g)
+    x_fp8 = x0.clone().requires_grad_()
+    weight = Fp8Weight(q, scale, torch.zeros((), dtype=torch.bfloat16).expand(64, 32).requires_grad_())
+    y_fp8 = tensorwise_linear(x_fp8, weight)
+    dx, dw = torch.autograd.grad(y_fp8, (x_fp8, weight.grad_leaf), g)
+    assert torch.equal(y_fp8, y) and torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+    assert dw.shape == (64, 32) and weight.grad_leaf.untyped_storage().nbytes() == 2
+
+
+def test_the_dense_products_weights_are_the_linear_leaves():
+    cfg = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=16,
+                           shared_gate=True, qkv_bias=True)
+    table = fmoe.params.param_table(cfg)
+    assert {leaf.path for leaf in table.leaves if leaf.linear} == {
+        "head", *(f"layers.{i}.{p}" for i in range(2)
+                  for p in ("attn.qkv", "attn.out", "moe.shared.fc1", "moe.shared.fc2"))}
+    assert not fmoe.params.param_table(cfg.replace(tie_embeddings=True))["embed"].linear
 
 
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])

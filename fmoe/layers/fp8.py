@@ -40,6 +40,18 @@ gradient, once (when the weight gradient falls back to bf16, ``x`` is saved in b
 The routed experts keep the rowwise forward product (``torch._scaled_grouped_mm`` takes
 rowwise scales only on sm_90).
 
+FP8 gathers: when a tensorwise plan shards the dense weights (any ``sharding`` but
+``no_shard``, on more than one rank), the dense products' weights (``Leaf.linear``)
+are gathered already cast, as FSDP2 with torchao's float8 all-gather does: each rank
+casts its rows with the weight's scale, ``tensor_scale`` of its amax over every rank
+(one all-reduce per step for the whole model), and the gather yields an
+``Fp8Weight``, which ``tensorwise_linear`` multiplies without casting it again. Half
+the bytes of a bf16 gather, and the same bits: ``q`` is what ``quantize_tensor`` makes
+of the gathered bf16 weight (``fmoe/shard/lifecycle.py``, ``build_shards``). Rowwise
+scales run along each weight's rows, which ranks split, and its input gradient needs
+the weights scaled along the other axis, so rowwise plans and the routed experts
+gather bf16.
+
 Scales are computed on the fly from the current tensor (no history); nothing here
 changes what is stored: params, gradients and optimizer state stay fp32. Inside a
 compiled kernel (``Plan.compile``) inductor fuses the casts with the norm or
@@ -85,16 +97,57 @@ def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x.transpose(-2, -1))
 
 
+def tensor_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """The fp32 scale one tensor of absolute maximum ``amax`` gets in ``dtype``."""
+    return _scale(amax, float(torch.finfo(dtype).max))
+
+
+def cast_scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """``x / scale`` in ``dtype`` (an FP8 format), saturated at its largest value."""
+    top = float(torch.finfo(dtype).max)
+    return (x.float() / scale).clamp(-top, top).to(dtype)
+
+
 def quantize_tensor(x: torch.Tensor, dtype: torch.dtype = E4M3,
                     transposed: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(q, q_t, scale)`` with ``q * scale ~ x``: one fp32 scale (0-d) for the whole
     2-D ``x``, ``q`` contiguous ``dtype`` (an FP8 format) of ``x``'s shape and ``q_t``
     its transpose, contiguous too, or None unless ``transposed`` (a scaled GEMM reads
     each operand in one of the two layouts)."""
-    top = float(torch.finfo(dtype).max)
-    scale = _scale(x.abs().amax(), top)
-    q = (x.float() / scale).clamp(-top, top).to(dtype)
+    scale = tensor_scale(x.abs().amax(), dtype)
+    q = cast_scaled(x, scale, dtype)
     return q.contiguous(), q.t().contiguous() if transposed else None, scale
+
+
+class Fp8Weight(NamedTuple):
+    """A dense product's weight gathered already in FP8 (``Plan.fp8='tensorwise'`` with
+    the dense weights sharded): ``q * scale`` is the weight ``quantize_tensor`` would
+    have cast after a bf16 gather, bit for bit.
+
+    Attributes:
+        q: ``[K, N]`` ``float8_e4m3fn``, contiguous.
+        scale: its fp32 scale (0-d): ``tensor_scale`` of the whole weight's amax.
+        grad_leaf: a ``[K, N]`` tensor of the compute dtype with no storage of its own
+            (a 0-d zero expanded): what autograd differentiates for the weight's
+            gradient, since FP8 tensors carry none.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    grad_leaf: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def cast_weight(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``cast_scaled(x, scale)`` to E4M3: a rank's rows of a weight gathered in FP8
+    (``Fp8Weight``), by one compiled function on CUDA. Elementwise, so the rows get the
+    bits ``quantize_tensor`` gives them in the whole weight (given its scale)."""
+    if not x.is_cuda:
+        return cast_scaled(x, scale)
+    return _compiled(cast_scaled)(x, scale)
 
 
 @functools.cache
@@ -186,13 +239,18 @@ class _TensorwiseLinear(torch.autograd.Function):
     # x_MK @ w_KN, forward and backward in FP8 with one scale per tensor: x and w E4M3,
     # the gradient E5M2. The forward's casts are saved in the layouts the backward reads,
     # so nothing is quantised twice.
+    # A weight gathered in FP8 comes as ``qw_KN`` and ``sw`` (``Fp8Weight``); ``w_KN`` is
+    # then its ``grad_leaf``, there for the gradient only.
     @staticmethod
-    def forward(ctx, x_MK, w_KN):
+    def forward(ctx, x_MK, w_KN, qw_KN=None, sw=None):
         # the tokens are the weight gradient's contraction: FP8 needs a multiple of 16
         ctx.fp8_wgrad = x_MK.shape[0] % 16 == 0
         x_transposed = ctx.needs_input_grad[1] and ctx.fp8_wgrad
         qx_MK, qx_KM, sx = _quantize_tensor(x_MK, E4M3, transposed=x_transposed)
-        qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3, transposed=True)
+        if qw_KN is None:
+            qw_KN, qw_NK, sw = _quantize_tensor(w_KN, E4M3, transposed=True)
+        else:
+            qw_NK = qw_KN.t().contiguous()
         x_for_wgrad = qx_KM if x_transposed else (x_MK if ctx.needs_input_grad[1] else None)
         ctx.save_for_backward(x_for_wgrad, sx, qw_KN, sw)
         return torch._scaled_mm(qx_MK, qw_NK.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
@@ -209,13 +267,19 @@ class _TensorwiseLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = (torch._scaled_mm(x_saved, qg_NM.t(), scale_a=sx, scale_b=sg, out_dtype=torch.bfloat16)
                       if fp8_wgrad else x_saved.t() @ g_MN)
-        return grad_x, grad_w
+        return grad_x, grad_w, None, None
 
 
-def tensorwise_linear(x: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:
+def tensorwise_linear(x: torch.Tensor, w_KN: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``x @ w`` for ``x`` of shape ``[..., K]``, forward and backward in FP8 with one
-    scale per operand (``Plan.fp8='tensorwise'``: see the module doc)."""
-    y_MN = _TensorwiseLinear.apply(x.reshape(-1, x.shape[-1]), w_KN)
+    scale per operand (``Plan.fp8='tensorwise'``: see the module doc). ``w`` is a
+    tensor, cast here, or an ``Fp8Weight`` gathered already cast (same result, bit for
+    bit; its gradient goes to ``w.grad_leaf``)."""
+    x_MK = x.reshape(-1, x.shape[-1])
+    if isinstance(w_KN, Fp8Weight):
+        y_MN = _TensorwiseLinear.apply(x_MK, w_KN.grad_leaf, w_KN.q, w_KN.scale)
+    else:
+        y_MN = _TensorwiseLinear.apply(x_MK, w_KN)
     return y_MN.view(*x.shape[:-1], w_KN.shape[-1])
 
 
@@ -256,6 +320,6 @@ ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, name="rowwi
 TENSORWISE = Gemms(tensorwise_linear, scaled_grouped_mm, plain_grouped_mm, tensorwise_linear, "tensorwise")
 GEMMS = {"none": PLAIN, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
 
-__all__ = ["E4M3", "E4M3_MAX", "E5M2", "GEMMS", "PLAIN", "ROWWISE", "TENSORWISE", "Gemms", "TINY", "plain_grouped_mm",
-           "quantize_columns", "quantize_rows", "quantize_tensor", "rowwise_linear", "scaled_grouped_mm", "scaled_mm",
-           "tensorwise_linear"]
+__all__ = ["E4M3", "E4M3_MAX", "E5M2", "GEMMS", "PLAIN", "ROWWISE", "TENSORWISE", "Fp8Weight", "Gemms", "TINY",
+           "cast_scaled", "cast_weight", "plain_grouped_mm", "quantize_columns", "quantize_rows", "quantize_tensor",
+           "rowwise_linear", "scaled_grouped_mm", "scaled_mm", "tensor_scale", "tensorwise_linear"]

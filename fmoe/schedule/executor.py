@@ -27,6 +27,7 @@ import torch
 from ..config import Plan
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
+from ..layers.fp8 import Fp8Weight
 from ..layers.model import stack_stats
 from ..layers.moe import Routed
 from ..params import param_table
@@ -97,6 +98,18 @@ def _leaf(x, train: bool):
     return x.detach().requires_grad_(train and x.is_floating_point())
 
 
+def _weight_leaf(w, train: bool):
+    """A gathered weight as a leaf of the node's graph; an ``Fp8Weight``'s gradient
+    goes to its ``grad_leaf``."""
+    if isinstance(w, Fp8Weight):
+        return w._replace(grad_leaf=w.grad_leaf.detach().requires_grad_(train))
+    return w.detach().requires_grad_(train)
+
+
+def _grad_target(w) -> torch.Tensor:
+    return w.grad_leaf if isinstance(w, Fp8Weight) else w
+
+
 def _backprop(rec: _Computed, grads_out: dict):
     """Gradients of a node's inputs and weights from its outputs' gradients (and its objective)."""
     outs, seeds = [], []
@@ -108,7 +121,7 @@ def _backprop(rec: _Computed, grads_out: dict):
         outs.append(rec.objective)
         seeds.append(None)
     names = [n for n, x in rec.inputs.items() if x is not None and x.requires_grad]
-    targets = [rec.inputs[n] for n in names] + list(rec.weights.values())
+    targets = [rec.inputs[n] for n in names] + [_grad_target(w) for w in rec.weights.values()]
     if not outs or not targets:
         return dict.fromkeys(names), {}
     got = torch.autograd.grad(outs, targets, seeds, allow_unused=True)
@@ -191,7 +204,7 @@ def _weights(state, unit: str, node: Node, flow: _Flow, what: str) -> dict:
     """Leaves viewing the gathered weights ``node`` computes with (raises unless gathered)."""
     views = lc.require_gathered(state, unit, what)
     cfg = flow.plan.model
-    return {p: v.detach().requires_grad_(flow.train) for p, v in views.items() if node.uses(flow.table[p], cfg)}
+    return {p: _weight_leaf(v, flow.train) for p, v in views.items() if node.uses(flow.table[p], cfg)}
 
 
 def _detached(tree):

@@ -50,6 +50,8 @@ class Group:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard)
             return Pending(done=True)
+        if out.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # moved as bytes: gloo has no FP8 types
+            out, shard = out.view(torch.uint8), shard.view(torch.uint8)
         return Pending(_all_gather_flat(out, shard, group=self.group, async_op=True))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> Pending:
@@ -68,11 +70,11 @@ class Group:
         return Pending(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                               input_split_sizes=in_splits, group=self.group, async_op=True))
 
-    def all_reduce(self, t: torch.Tensor) -> Pending:
-        """In-place sum over ranks."""
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
+        """In-place sum (or ``op``: ``dist.ReduceOp.MAX``...) over ranks."""
         if self.size == 1:
             return Pending(done=True)
-        return Pending(dist.all_reduce(t, group=self.group, async_op=True))
+        return Pending(dist.all_reduce(t, op=op, group=self.group, async_op=True))
 
 
 def broadcast_text(text: str | None, world: Group, device) -> str | None:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ..config import Plan
+from ..layers.fp8 import Fp8Weight, cast_weight, tensor_scale
 from .mesh import Mesh
-from .spec import ShardSpec, full_views, shard_rank, write_shard
+from .spec import ShardSpec, full_views, local_leaves, shard_rank, write_shard
 from .trace import Event, now
 
 
@@ -84,6 +86,7 @@ class Lifecycle:
         slot_buffers: ``{(slot, group): tensor}`` under double buffering.
         pending: Reductions in flight, oldest first.
         trace: every Event so far.
+        scales: ``{path: fp32 scale}`` of the weights in ``fp8`` groups (``Shards``).
     """
 
     plan: Plan
@@ -96,6 +99,7 @@ class Lifecycle:
     slot_buffers: dict | None = None
     pending: tuple = ()
     trace: tuple = ()
+    scales: dict = dataclasses.field(default_factory=dict)
 
     def live(self) -> list[str]:
         return [name for name, u in self.units.items() if u.phase != Phase.SHARDED]
@@ -104,11 +108,11 @@ class Lifecycle:
 MAX_PENDING_REDUCTIONS = 2
 
 
-def start(plan: Plan, spec: ShardSpec, mesh: Mesh, shards: dict, max_live: int,
+def start(plan: Plan, spec: ShardSpec, mesh: Mesh, shards: Shards, max_live: int,
           slots: dict | None = None) -> Lifecycle:
     """Every unit SHARDED; ``shards`` are the flat shards of the params (``build_shards``)."""
-    return Lifecycle(plan, spec, mesh, shards, {u.name: UnitState() for u in spec.units},
-                     max_live, slots, {} if slots is not None else None)
+    return Lifecycle(plan, spec, mesh, shards.flat, {u.name: UnitState() for u in spec.units},
+                     max_live, slots, {} if slots is not None else None, scales=shards.scales)
 
 
 def _shared(state: Lifecycle, key: tuple) -> bool:
@@ -202,7 +206,16 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
     views = {}
     for g, layout in _unit_spec(state, unit).groups.items():
         views.update(full_views(ustate.buffers[g], layout))
+        if g[1] == "fp8":
+            views.update(_fp8_weights(views, layout, state.scales, state.plan.compute_dtype))
     return _with(state, unit, event, phase=Phase.GATHERED, in_flight=(), views=views)
+
+
+def _fp8_weights(views: dict, layout, scales: dict, dtype: torch.dtype) -> dict:
+    """``{path: Fp8Weight}`` for the gathered FP8 views of ``layout``'s weights, each with
+    its scale and a storage-less leaf of the weight's shape for its gradient."""
+    zero = torch.zeros((), dtype=dtype, device=scales[layout.slots[0].path].device)
+    return {s.path: Fp8Weight(views[s.path], scales[s.path], zero.expand(s.shape)) for s in layout.slots}
 
 
 def release(state: Lifecycle, unit: str) -> Lifecycle:
@@ -361,14 +374,58 @@ def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
     return state
 
 
-def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> dict:
-    """``{unit: {(domain, dtype): flat shard in that dtype}}``: this rank's leaves copied
-    into new flat shards, cast to each group's dtype on the way. This is the step's one
-    pass over the params before it gathers: in a bf16 step it is the cast to bf16 any
-    step pays; in an fp32 one a copy, held for the step beside the params. The params are
-    plain tensors and the step never writes into them."""
+class Shards(NamedTuple):
+    """What a step gathers from (``build_shards``).
+
+    Attributes:
+        flat: ``{unit: {(domain, dtype): flat shard in that dtype}}``.
+        scales: ``{path: fp32 scale (0-d)}`` of each weight in an ``fp8`` group, the
+            same on every rank.
+    """
+
+    flat: dict
+    scales: dict
+
+
+def build_shards(params_named: dict, spec: ShardSpec, plan: Plan, mesh: Mesh) -> Shards:
+    """This rank's leaves copied into new flat shards, cast to each group's dtype on the
+    way. This is the step's one pass over the params before it gathers: in a bf16 step
+    it is the cast to bf16 any step pays; in an fp32 one a copy, held for the step beside
+    the params. The params are plain tensors and the step never writes into them.
+    An ``fp8`` group is written in bf16 first, then cast (``_cast_to_fp8``)."""
     rank = mesh.world.rank
-    return {u.name: {key: write_shard(params_named, layout, shard_rank(plan, rank, key[0]),
-                                      torch.empty(layout.shard_size, dtype=u.dtype(key, plan), device=plan.device))
-                     for key, layout in u.groups.items()}
-            for u in spec.units}
+    flat, staged = {}, []
+    for u in spec.units:
+        flat[u.name] = {}
+        for key, layout in u.groups.items():
+            r = shard_rank(plan, rank, key[0])
+            dtype = plan.compute_dtype if key[1] == "fp8" else u.dtype(key, plan)
+            out = torch.empty(layout.shard_size, dtype=dtype, device=plan.device)
+            flat[u.name][key] = write_shard(params_named, layout, r, out)
+            if key[1] == "fp8":
+                staged.append((u.name, key, layout, r))
+    return Shards(flat, _cast_to_fp8(flat, staged, spec, mesh) if staged else {})
+
+
+def _cast_to_fp8(flat: dict, staged: list, spec: ShardSpec, mesh: Mesh) -> dict:
+    """Replace each staged bf16 shard ``flat[unit][key]`` by its cast to E4M3, and return
+    the weights' scales. A weight's scale comes from its amax over every rank's rows (one
+    all-reduce for the whole model, before any gather) and its rows are cast with it, so
+    a gather yields what ``quantize_tensor`` makes of the gathered bf16 weight."""
+    rows = {}  # path: this rank's rows of the weight, in bf16
+    for name, key, layout, r in staged:
+        rows.update(local_leaves(flat[name][key], layout, r, sharded=True))
+    amax = torch.stack([w.abs().amax().float() if w.numel() else w.new_zeros((), dtype=torch.float32)
+                        for w in rows.values()])
+    mesh.shard_group("dense", spec.sizes["dense"]).all_reduce(amax, dist.ReduceOp.MAX).wait()
+    # each its own allocation: cuBLASLt wants a scale's address 16-byte aligned
+    scales = {path: scale.clone() for path, scale in zip(rows, tensor_scale(amax).unbind())}
+    for name, key, layout, r in staged:
+        q = torch.empty(layout.shard_size, dtype=torch.float8_e4m3fn, device=amax.device)
+        for path, out in local_leaves(q, layout, r, sharded=True).items():
+            if out.numel():
+                out.copy_(cast_weight(rows[path], scales[path]))
+        for lo, hi in layout.local_gaps(r):
+            q[lo:hi].zero_()
+        flat[name][key] = q
+    return scales

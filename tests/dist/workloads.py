@@ -451,3 +451,62 @@ def user_state_round_trip(rank, world, path, kind):
     same = all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(state)))
     mirrored = json.loads((Path(path) / "fmoe.json").read_text())["opt_params"]
     return {"mirrored": len(mirrored), "same": same}
+
+
+# widths and tokens FP8 GEMMs take (multiples of 16)
+FP8_CFG = CFG.replace(ffn=16, shared_ffn=16)
+FP8_GATHER_CASES = {"ddp": dict(sharding="no_shard"), "zero1": dict(sharding="optim"),
+                    "zero3": dict(sharding="optim_grads_params"),
+                    "zero3_remat": dict(sharding="optim_grads_params", remat="full"),
+                    "ddp_compiled": dict(sharding="no_shard", compile=True),
+                    "zero3_compiled": dict(sharding="optim_grads_params", compile=True)}
+
+
+def fp8_all_gather(rank, world):
+    """Each rank's FP8 shard gathered by ``Group.all_gather``, and what it must give."""
+    from fmoe.shard import Group
+
+    shards = [(torch.randn(40, generator=torch.Generator().manual_seed(r)) * 100).to(torch.float8_e4m3fn)
+              for r in range(world)]
+    gathered = torch.empty(40 * world, dtype=torch.float8_e4m3fn)
+    Group.world().all_gather(gathered, shards[rank]).wait()
+    return {"gathered": gathered, "expected": torch.cat([s.view(torch.uint8) for s in shards]).view(gathered.dtype)}
+
+
+def fp8_gather_configs(rank, world, device="cuda"):
+    """One ``fp8='tensorwise'`` step per case (the sharded ones gather the dense products'
+    weights in FP8), and ZeRO-3's gathered ``Fp8Weight``s beside ``quantize_tensor``
+    of the full bf16 weights."""
+    from fmoe.layers.fp8 import Fp8Weight, quantize_tensor
+    from fmoe.params import named_leaves
+    from fmoe.shard import lifecycle as lc
+    from fmoe.shard.mesh import mesh_for
+    from fmoe.shard.spec import shard_spec
+
+    tokens = rank_rows(global_batch(rows=8, seq=16), rank, world).to(device)
+    out = {}
+    for name, kw in FP8_GATHER_CASES.items():
+        plan = fmoe.Plan(model=FP8_CFG, dp=world, dtype="bfloat16", fp8="tensorwise", device=device, **kw)
+        step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
+        out[name] = {"loss": step.loss.cpu(), "grads": named_leaves(fmoe.gather_full(step.grads, plan)),
+                     "gathered_bytes": sum(e.nbytes for e in step.metrics["trace"] if e.kind == "all_gather")}
+        out[name]["grads"] = {p: g.cpu() for p, g in out[name]["grads"].items()}
+    plan = fmoe.Plan(model=FP8_CFG, dp=world, dtype="bfloat16", fp8="tensorwise", device=device,
+                     sharding="optim_grads_params")
+    spec = shard_spec(plan)
+    state = lc.start(plan, spec, mesh_for(plan), lc.build_shards(named_leaves(fmoe.init(plan, seed=0)), spec,
+                                                                  plan, mesh_for(plan)), len(spec.units))
+    full = named_leaves(fmoe.init(plan.replace(sharding="no_shard"), seed=0))
+    weights = {}
+    for u in spec.units:
+        state = lc.wait(lc.gather(state, u.name), u.name)
+        for path, w in state.units[u.name].views.items():
+            if isinstance(w, Fp8Weight):
+                q, _, scale = quantize_tensor(full[path].to(torch.bfloat16))
+                weights[path] = {"q": w.q.view(torch.uint8).cpu(), "scale": w.scale.cpu(),
+                                 "ref_q": q.view(torch.uint8).cpu(), "ref_scale": scale.cpu()}
+        out.setdefault("buffer_dtypes", {}).update({(u.name, key): buf.dtype
+                                                    for key, buf in state.units[u.name].buffers.items()})
+        state = lc.release(state, u.name)
+    out["weights"] = weights
+    return out

@@ -1,0 +1,56 @@
+"""FP8 gathers (``fp8='tensorwise'`` with sharded dense weights) on two gloo ranks that
+share one Hopper GPU: the gathered ``Fp8Weight``s are ``quantize_tensor`` of the full
+bf16 weights bit for bit, so every sharded strategy computes DDP's loss and gradients
+bit for bit (two ranks: each gradient sum adds two numbers, which commutes exactly).
+On the CPU: the gather moves FP8 bytes unchanged (gloo has no FP8 types)."""
+
+import functools
+
+import pytest
+import torch
+
+from fmoe.layers.fp8 import E4M3
+
+from .harness import run_ranks
+from .workloads import FP8_GATHER_CASES, fp8_all_gather, fp8_gather_configs
+
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="needs a Hopper GPU (FP8 GEMMs)")
+
+
+@functools.lru_cache(maxsize=None)
+def ranks():
+    return run_ranks(2, fp8_gather_configs, "cuda")
+
+
+def test_an_fp8_shard_is_gathered_byte_for_byte():
+    for res in run_ranks(2, fp8_all_gather):
+        assert res["gathered"].dtype == E4M3
+        assert torch.equal(res["gathered"].view(torch.uint8), res["expected"].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gathered_fp8_weights_are_the_cast_of_the_gathered_bf16_weights():
+    for res in ranks():
+        assert {path.split(".")[-1] for path in res["weights"]} == {"head", "qkv", "out", "fc1", "fc2"}
+        for path, w in res["weights"].items():
+            assert torch.equal(w["q"], w["ref_q"]), path
+            assert torch.equal(w["scale"], w["ref_scale"]), path
+        dtypes = res["buffer_dtypes"]
+        assert {dtype for (_, (_, group)), dtype in dtypes.items() if group == "fp8"} == {E4M3}
+        assert {dtype for (_, (_, group)), dtype in dtypes.items() if group == "compute"} == {torch.bfloat16}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("name", [n for n in FP8_GATHER_CASES if not n.startswith("ddp")])
+def test_sharded_fp8_steps_compute_ddps_loss_and_gradients_bitwise(name):
+    ddp = "ddp_compiled" if FP8_GATHER_CASES[name].get("compile") else "ddp"  # compiled fuses differently
+    for res in ranks():
+        base, got = res[ddp], res[name]
+        assert torch.equal(got["loss"], base["loss"])
+        assert got["grads"].keys() == base["grads"].keys()
+        for path, grad in got["grads"].items():
+            assert torch.equal(grad, base["grads"][path]), path
+        assert base["gathered_bytes"] == 0 and got["gathered_bytes"] > 0
