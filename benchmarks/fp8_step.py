@@ -3,6 +3,7 @@ side by side in one process.
 
     python benchmarks/fp8_step.py --shapes coarse fine            # compiled and eager
     python benchmarks/fp8_step.py --shapes coarse --fmoe-compile off --profile
+    python benchmarks/fp8_step.py --shapes fine --modes graph --recipes none tensorwise none
 
 For each shape of ``vs_peer.py`` (coarse: D=2048, E=16 top-4 F=1408; fine: E=64 top-8
 F=704; 8 layers, vocab 32000, 8 x 2048 tokens per step) fmoe runs its step + fused
@@ -11,7 +12,9 @@ off``) compiled with the whole step replayed as one CUDA graph (``capture_step``
 on one GPU, ``no_shard``, the same batches and init. Prints tokens/s, MFU (active
 parameters + attention against 789 TFLOP/s, the bf16 ceiling: FP8 is counted at the
 same FLOPs), peak memory, the loss after the last step, and FP8's speed-up over bf16
-in the same mode. With ``--profile``, the GPU time of one step by kernel family
+in the same mode (its first bf16 run). ``--modes`` and ``--recipes`` pick the runs, in
+the order given for each mode (a recipe named twice runs twice: alternated runs show
+the spread between runs of one process). With ``--profile``, the GPU time of one step by kernel family
 (GEMMs bf16 / FP8, attention, elementwise: inductor's fusions with the FP8 casts among
 them, fmoe's Triton kernels, torch's own with the fused AdamW; the rest) for each
 system, and the top kernels of the FP8 ones.
@@ -65,19 +68,35 @@ def profile_families(cfg, compile: bool, fp8: str) -> tuple[dict, list]:
     return dict(families), [(name[:90], took) for name, took in ms.most_common(10)]
 
 
+MODES = {"eager": (False, False), "compiled": (True, False), "graph": (True, True)}  # (compile, graph)
+
+
+def own_flags(ap) -> None:
+    ap.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES),
+                    help="eager, compile=True, compiled with the step as one CUDA graph")
+    ap.add_argument("--recipes", nargs="+", choices=FP8S, default=list(FP8S),
+                    help="Plan.fp8 values, run in this order in each mode (repeats run again)")
+
+
 def main():
-    args = parse()
+    args = parse(own_flags)
     if args.device != "cuda":
         raise SystemExit("fp8_step.py: Plan.fp8 needs a CUDA GPU with FP8 GEMMs; there is no CPU run")
+    if "none" not in args.recipes:
+        raise SystemExit("fp8_step.py: --recipes must include 'none', the bf16 step the others are measured against")
     families, args.profile = args.profile, False  # vs_peer's own --profile (NCCL time) means nothing here
     bench = Bench(args)
-    modes = (False, True) if fmoe_has_compile(args) else (False,)
+    kinds = [MODES[m] for m in args.modes
+             if (not MODES[m][0] or fmoe_has_compile(args)) and (not MODES[m][1] or fmoe_graphs(args, bench))]
     for name in args.shapes:
         cfg = shape_config(name, args, toy=False)
         bench.draw(cfg.vocab)
-        kinds = [(c, False) for c in modes] + ([(True, True)] if fmoe_graphs(args, bench) and True in modes else [])
-        rows = {(c, g, f): freed(bench, run_fmoe(bench, cfg, "dp", c, g, **({"fp8": f} if f != "none" else {})))
-                for c, g in kinds for f in FP8S}
+        rows = [((c, g, f), freed(bench, run_fmoe(bench, cfg, "dp", c, g, **({"fp8": f} if f != "none" else {}))))
+                for c, g in kinds for f in args.recipes]
+        bf16 = {}  # (compile, graph): the mode's first bf16 run
+        for (c, g, f), r in rows:
+            if f == "none":
+                bf16.setdefault((c, g), r)
         tokens = args.batch * args.seq
         flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
         print(f"\n## {name}: D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, "
@@ -85,23 +104,25 @@ def main():
               f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup}\n")
         print("| system | step ms | tokens/s | MFU | peak GiB | loss after last step | FP8 / bf16 |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for (c, g, f), r in rows.items():
-            ratio = f"**{rows[(c, g, 'none')]['step_s'] / r['step_s']:.2f}x**" if f != "none" else "1.00x"
+        for (c, g, f), r in rows:
+            ratio = f"{bf16[(c, g)]['step_s'] / r['step_s']:.3f}x"
             print(f"| {r['system']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
-                  f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | {ratio} |")
+                  f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | "
+                  f"{ratio if f == 'none' else f'**{ratio}**'} |")
         if families:
             print("\nGPU ms of one step + update by kernel family:\n")
-            found = {(c, g, f): profile_families(cfg, c, f) for c, g, f in rows if not g}
+            systems = {key: r["system"] for key, r in rows if not key[1]}
+            found = {key: profile_families(cfg, key[0], key[2]) for key in systems}
             torch._dynamo.reset()
             names = sorted({k for fams, _ in found.values() for k in fams})
             print("| system | " + " | ".join(names) + " | total |")
             print("| --- |" + " ---: |" * (len(names) + 1))
             for key, (fams, _) in found.items():
-                print(f"| {rows[key]['system']} | " + " | ".join(f"{fams.get(n, 0):.1f}" for n in names)
+                print(f"| {systems[key]} | " + " | ".join(f"{fams.get(n, 0):.1f}" for n in names)
                       + f" | {sum(fams.values()):.1f} |")
             for key, (_, top) in found.items():
                 if key[2] != "none":
-                    print(f"\ntop kernels, {rows[key]['system']}:")
+                    print(f"\ntop kernels, {systems[key]}:")
                     for kernel, took in top:
                         print(f"  {took:7.2f} ms  {kernel}")
 

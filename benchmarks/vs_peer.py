@@ -103,7 +103,8 @@ GPU_RUN = dict(microbatches=1, warmup=3, steps=10)
 CPU_RUN = dict(batch=2, seq=64, microbatches=1, warmup=1, steps=3)
 
 
-def parse():
+def parse(more=None):
+    """The flags; ``more(ap)`` adds a calling script's own."""
     ap = lm_parser(microbatches=1)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a tiny smoke run on gloo")
     ap.add_argument("--shape", choices=tuple(SHAPES), help="one model shape (default coarse)")
@@ -123,6 +124,8 @@ def parse():
                     help="auto: on one GPU, fmoe also with its whole step captured as a CUDA graph")
     ap.add_argument("--check", action="store_true",
                     help="CPU fp32: the peer with fmoe's weights gives fmoe's loss; compiled peer = eager")
+    if more is not None:
+        more(ap)
     ap.set_defaults(**{name: None for name in MODEL_FLAGS})  # unset: the shape's value
     known, _ = ap.parse_known_args()
     ap.set_defaults(**(CPU_RUN if known.device == "cpu" or known.check else GPU_RUN))
