@@ -311,7 +311,8 @@ class Gemms(NamedTuple):
 
 PLAIN = Gemms()
 # The experts' input gradients stay bf16: in FP8 they cost 3% of the fine-grained
-# model's step and gained nothing on the coarse one (BENCHMARKS.md, issue 25).
+# model's step and gained nothing on the coarse one, under either recipe (BENCHMARKS.md,
+# issue 25).
 ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, name="rowwise")
 # torch's FP8 grouped GEMM takes rowwise scales only on sm_90, so the experts keep them.
 # The head's product in FP8 took the coarse model's graphed step from 1.03x to 1.06-1.07x
