@@ -185,6 +185,15 @@ def _router_flat(p_moe: dict):
         lambda cfg: (lambda x, router, bias: route({"router": router, "expert_bias": bias}, x, cfg))
 
 
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """A graph's static input like ``t``: a fresh copy, except a tensor with no storage
+    of its own (an ``Fp8Weight``'s ``grad_leaf``, at one address for the process), kept
+    as it is rather than copied into a dense one on every replay."""
+    if t.dim() and not any(t.stride()):
+        return t.detach().requires_grad_(t.requires_grad)
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
 class _ScopeGraphs:
     """Per scope and site ``(layer, microbatch)``: the arguments seen in a recording
     step, then the graphed callable made from them."""
@@ -200,7 +209,7 @@ class _ScopeGraphs:
             return self.graphed[key](*tensors)
         fn = make(self.plan.model)
         if key not in self.samples:  # recording: remember fresh copies, compute eagerly
-            self.samples[key] = (fn, [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors])
+            self.samples[key] = (fn, [_sample(t) for t in tensors])
         return fn(*tensors)
 
     def capture(self) -> None:

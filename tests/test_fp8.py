@@ -9,6 +9,7 @@ itself; a product's relative error (Frobenius) lands near 3.7e-2 (measured on an
 H200: bf16's is 1.7e-3), hence the 0.06 bounds below.
 """
 
+import functools
 from types import SimpleNamespace
 
 import optree
@@ -227,6 +228,25 @@ def test_tensorwise_linear_on_a_weight_gathered_in_fp8_computes_what_it_computes
     dx, dw = torch.autograd.grad(y_fp8, (x_fp8, weight.grad_leaf), g)
     assert torch.equal(y_fp8, y) and torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
     assert dw.shape == (64, 32) and weight.grad_leaf.untyped_storage().nbytes() == 2
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_the_head_loss_on_a_head_gathered_in_fp8_is_the_loss_on_the_bf16_head(chunk):
+    from fmoe.layers.loss import cross_entropy_sum, linear_cross_entropy_sum
+
+    piece = functools.partial(cross_entropy_sum, matmul=tensorwise_linear)
+    x0 = torch.randn(48, 64).bfloat16()
+    w0 = (0.05 * torch.randn(64, 32)).bfloat16()
+    targets = torch.randint(0, 32, (48,))
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss = linear_cross_entropy_sum(x, w, targets, chunk, piece)
+    loss.backward()
+    q, _, scale = quantize_tensor(w0)
+    x_fp8 = x0.clone().requires_grad_()
+    head = Fp8Weight(q, scale, torch.zeros((), dtype=torch.bfloat16).expand(64, 32).requires_grad_())
+    loss_fp8 = linear_cross_entropy_sum(x_fp8, head, targets, chunk, piece)
+    dx, dw = torch.autograd.grad(loss_fp8, (x_fp8, head.grad_leaf))
+    assert torch.equal(loss_fp8, loss) and torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
 
 
 def test_the_dense_products_weights_are_the_linear_leaves():

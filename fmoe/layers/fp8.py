@@ -293,12 +293,13 @@ class Gemms(NamedTuple):
 
     Attributes:
         linear: ``(x_..K, w_KN) -> y_..N``, differentiable (attention's projections,
-            the shared expert).
+            the shared expert); ``TENSORWISE``'s also takes an ``Fp8Weight``.
         grouped: ``(a_RK, b_EKN, offsets_E, fast_accum) -> y_RN``, segment ``e`` of
             ``a`` times ``b[e]``: ``experts.grouped_matmul``'s forward product
             (``fast_accum=True``; not differentiated itself).
         grouped_grad: the same signature, for the grouped product's input gradient.
-        head: ``(x_TD, w_DV) -> logits_TV``, differentiable: the head's product.
+        head: ``(x_TD, w_DV) -> logits_TV``, differentiable: the head's product
+            (``TENSORWISE``'s also takes an ``Fp8Weight``).
         name: the ``Plan.fp8`` value it stands for.
     """
 

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from .fp8 import Fp8Weight
 from .precision import upcast
 
 
@@ -13,33 +14,41 @@ def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.T
     return F.cross_entropy(upcast(matmul(x_TD, w_DV)), targets_T, reduction="sum")
 
 
+def _head_weight(w_DV: torch.Tensor, q_DV: torch.Tensor | None, scale: torch.Tensor | None):
+    return w_DV if q_DV is None else Fp8Weight(q_DV, scale, w_DV)
+
+
 class _Chunked(torch.autograd.Function):
     # Saves x and w only. Forward and backward each run cross_entropy_sum on one piece
     # of tokens at a time (the backward through autograd on that piece), so one
     # piece's [chunk, V] logits and their fp32 copy are the most that ever exist.
+    # A head gathered in FP8 comes as its grad_leaf (w_DV) with q_DV and scale: a
+    # Function differentiates its tensor arguments, not the tensors inside a tuple.
     @staticmethod
-    def forward(ctx, x_TD, w_DV, targets_T, chunk, piece):
-        ctx.save_for_backward(x_TD, w_DV, targets_T)
+    def forward(ctx, x_TD, w_DV, targets_T, chunk, piece, q_DV=None, scale=None):
+        ctx.save_for_backward(x_TD, w_DV, targets_T, q_DV, scale)
         ctx.chunk, ctx.piece = chunk, piece
         total = torch.zeros((), dtype=torch.promote_types(x_TD.dtype, torch.float32), device=x_TD.device)
+        w = _head_weight(w_DV, q_DV, scale)
         for lo in range(0, x_TD.shape[0], chunk):
-            total += piece(x_TD[lo:lo + chunk], w_DV, targets_T[lo:lo + chunk])
+            total += piece(x_TD[lo:lo + chunk], w, targets_T[lo:lo + chunk])
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        x_TD, w_DV, targets_T = ctx.saved_tensors
+        x_TD, w_DV, targets_T, q_DV, scale = ctx.saved_tensors
         grad_x = torch.empty_like(x_TD)
         grad_w = torch.zeros(w_DV.shape, dtype=torch.promote_types(w_DV.dtype, torch.float32), device=w_DV.device)
         w = w_DV.detach().requires_grad_()
+        weight = _head_weight(w, q_DV, scale)
         for lo in range(0, x_TD.shape[0], ctx.chunk):
             x = x_TD[lo:lo + ctx.chunk].detach().requires_grad_()
             with torch.enable_grad():
-                loss = ctx.piece(x, w, targets_T[lo:lo + ctx.chunk])
+                loss = ctx.piece(x, weight, targets_T[lo:lo + ctx.chunk])
             gx, gw = torch.autograd.grad(loss, (x, w), grad_total)
             grad_x[lo:lo + ctx.chunk] = gx
             grad_w += gw
-        return grad_x, grad_w.to(w_DV.dtype), None, None, None
+        return grad_x, grad_w.to(w_DV.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
@@ -48,7 +57,7 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
 
     Arguments:
         x_TD: ``[T, D]`` final hidden states (normalised).
-        w_DV: ``[D, V]`` output projection.
+        w_DV: ``[D, V]`` output projection, or an ``Fp8Weight`` (gathered in FP8).
         targets_T: ``[T]`` target ids.
         chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
         piece: the function each piece runs, ``cross_entropy_sum``'s signature (a
@@ -64,4 +73,6 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
     """
     if not chunk or chunk >= x_TD.shape[0]:
         return piece(x_TD, w_DV, targets_T)
+    if isinstance(w_DV, Fp8Weight):
+        return _Chunked.apply(x_TD, w_DV.grad_leaf, targets_T, chunk, piece, w_DV.q, w_DV.scale)
     return _Chunked.apply(x_TD, w_DV, targets_T, chunk, piece)

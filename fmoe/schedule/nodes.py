@@ -96,7 +96,8 @@ def all_nodes(cfg: ModelConfig) -> tuple[Node, ...]:
 
 
 def layer_tree(weights: dict, cfg: ModelConfig) -> dict:
-    """One layer's ``{path: tensor}`` as its nested subtree (``{"attn": {"qkv": t}, ...}``)."""
+    """One layer's ``{path: tensor}`` as its nested subtree (``{"attn": {"qkv": t}, ...}``);
+    a weight gathered in FP8 is an ``Fp8Weight`` there (``fmoe.layers.fp8``)."""
     table = param_table(cfg)
     out: dict = {}
     for path, value in weights.items():
@@ -126,7 +127,10 @@ class Kernels(NamedTuple):
     ``interop.cuda_graph`` can replace by a CUDA-graphed version of itself.
 
     Each is called as ``fn(site, *args)``, ``site = (layer, microbatch)``, so a
-    replacement can keep one graph per site; the defaults ignore the site.
+    replacement can keep one graph per site; the defaults ignore the site. The weights
+    they get are tensors, or ``Fp8Weight``s for the dense products' weights when a
+    ``fp8='tensorwise'`` plan gathers them in FP8 (only ``TENSORWISE``'s products
+    take those).
 
     Attributes:
         attn: ``(site, p_layer, h_BSD, cfg) -> (h_BSD, x_TD)``, as ``attention_half``.

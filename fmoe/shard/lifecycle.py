@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -214,8 +215,17 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
 def _fp8_weights(views: dict, layout, scales: dict, dtype: torch.dtype) -> dict:
     """``{path: Fp8Weight}`` for the gathered FP8 views of ``layout``'s weights, each with
     its scale and a storage-less leaf of the weight's shape for its gradient."""
-    zero = torch.zeros((), dtype=dtype, device=scales[layout.slots[0].path].device)
-    return {s.path: Fp8Weight(views[s.path], scales[s.path], zero.expand(s.shape)) for s in layout.slots}
+    return {s.path: Fp8Weight(views[s.path], scales[s.path], _zero(s.path, dtype, scales[s.path].device)
+                              .expand(s.shape)) for s in layout.slots}
+
+
+@functools.cache
+def _zero(path: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # one per weight and process: a grad_leaf keeps its address from step to step, so a
+    # graphed scope (interop.cuda_graph) finds it where it was captured and copies
+    # nothing. Not one for all weights: with every grad_leaf on one storage, the
+    # compiled ZeRO-3 step's loss stopped matching DDP's bits (tests/dist/test_fp8_gather.py)
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 def release(state: Lifecycle, unit: str) -> Lifecycle:
@@ -417,6 +427,8 @@ def _cast_to_fp8(flat: dict, staged: list, spec: ShardSpec, mesh: Mesh) -> dict:
         rows.update(local_leaves(flat[name][key], layout, r, sharded=True))
     amax = torch.stack([w.abs().amax().float() if w.numel() else w.new_zeros((), dtype=torch.float32)
                         for w in rows.values()])
+    # (a NaN in a weight makes its scale NaN in quantize_tensor; a MAX over ranks may
+    # drop it, leaving only the NaN rows NaN: the loss is NaN either way)
     mesh.shard_group("dense", spec.sizes["dense"]).all_reduce(amax, dist.ReduceOp.MAX).wait()
     # each its own allocation: cuBLASLt wants a scale's address 16-byte aligned
     scales = {path: scale.clone() for path, scale in zip(rows, tensor_scale(amax).unbind())}

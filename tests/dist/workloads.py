@@ -318,7 +318,7 @@ def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODE
         if scopes == "step":
             run = capture_step(params, batch, plan)
         else:
-            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.nodes.EAGER
+            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
             run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
         losses = []
         for _ in range(steps):
@@ -459,7 +459,9 @@ FP8_GATHER_CASES = {"ddp": dict(sharding="no_shard"), "zero1": dict(sharding="op
                     "zero3": dict(sharding="optim_grads_params"),
                     "zero3_remat": dict(sharding="optim_grads_params", remat="full"),
                     "ddp_compiled": dict(sharding="no_shard", compile=True),
-                    "zero3_compiled": dict(sharding="optim_grads_params", compile=True)}
+                    "zero3_compiled": dict(sharding="optim_grads_params", compile=True),
+                    "ddp_chunked": dict(sharding="no_shard", loss_chunk=16),
+                    "zero3_chunked": dict(sharding="optim_grads_params", loss_chunk=16)}
 
 
 def fp8_all_gather(rank, world):
@@ -475,8 +477,8 @@ def fp8_all_gather(rank, world):
 
 def fp8_gather_configs(rank, world, device="cuda"):
     """One ``fp8='tensorwise'`` step per case (the sharded ones gather the dense products'
-    weights in FP8), and ZeRO-3's gathered ``Fp8Weight``s beside ``quantize_tensor``
-    of the full bf16 weights."""
+    weights in FP8), ZeRO-3's gathered ``Fp8Weight``s beside ``quantize_tensor`` of the
+    full bf16 weights, and ZeRO-3's losses with graphed scopes (``graphed_losses``)."""
     from fmoe.layers.fp8 import Fp8Weight, quantize_tensor
     from fmoe.params import named_leaves
     from fmoe.shard import lifecycle as lc
@@ -509,4 +511,5 @@ def fp8_gather_configs(rank, world, device="cuda"):
                                                     for key, buf in state.units[u.name].buffers.items()})
         state = lc.release(state, u.name)
     out["weights"] = weights
+    out["graphed"] = graphed_losses(plan, tokens, modes=("eager", "attn", "attn+router"), steps=3)
     return out
