@@ -22,8 +22,8 @@ class _Chunked(torch.autograd.Function):
     # Saves x and w only. Forward and backward each run cross_entropy_sum on one piece
     # of tokens at a time (the backward through autograd on that piece), so one
     # piece's [chunk, V] logits and their fp32 copy are the most that ever exist.
-    # A head gathered in FP8 comes as its grad_leaf (w_DV) with q_DV and scale: a
-    # Function differentiates its tensor arguments, not the tensors inside a tuple.
+    # A head gathered in FP8 comes as its grad_leaf (w_DV) with q_DV and scale, saved
+    # too: a Function differentiates its tensor arguments, not the tensors in a tuple.
     @staticmethod
     def forward(ctx, x_TD, w_DV, targets_T, chunk, piece, q_DV=None, scale=None):
         ctx.save_for_backward(x_TD, w_DV, targets_T, q_DV, scale)
