@@ -145,9 +145,7 @@ def cast_weight(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``cast_scaled(x, scale)`` to E4M3: a rank's rows of a weight gathered in FP8
     (``Fp8Weight``), by one compiled function on CUDA. Elementwise, so the rows get the
     bits ``quantize_tensor`` gives them in the whole weight (given its scale)."""
-    if not x.is_cuda:
-        return cast_scaled(x, scale)
-    return _compiled(cast_scaled)(x, scale)
+    return _run(cast_scaled, x, scale)
 
 
 @functools.cache
@@ -157,13 +155,21 @@ def _compiled(quantize):
     return torch.compile(quantize, dynamic=True, fullgraph=True)
 
 
+def _run(cast, t: torch.Tensor, *args):
+    """``cast(t, *args)``: traced inside a compiled kernel (fused with its neighbours),
+    one compiled function eager on CUDA, plain torch on the CPU (tests only: a plan
+    refuses fp8 there)."""
+    if torch.compiler.is_compiling() or not t.is_cuda:
+        return cast(t, *args)
+    return _compiled(cast)(t, *args)
+
+
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows(t)``. Inside a compiled kernel: traced, and fused with its
-    neighbours. Eager on CUDA: a contiguous tensor through a Triton kernel (one read per
-    row, ``fp8_kernels.quantize_rows_RW``), the experts' weights (a transposed view
-    of ``[E, K, N]``) through another (``quantize_columns_KN``), any other transposed
-    view's storage through one compiled function that reads it as columns. Eager on the
-    CPU (tests only: a plan refuses fp8 there): plain torch."""
+    """``quantize_rows(t)`` as ``_run`` runs it, except eager on CUDA: a contiguous
+    tensor through a Triton kernel (one read per row, ``fp8_kernels.quantize_rows_RW``),
+    the experts' weights (a transposed view of ``[E, K, N]``) through another
+    (``quantize_columns_KN``), any other transposed view's storage through one compiled
+    function that reads it as columns."""
     if torch.compiler.is_compiling() or not t.is_cuda:
         return quantize_rows(t)
     if fp8_kernels.quantize_fusable(t):
@@ -179,12 +185,9 @@ def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _quantize_tensor(t: torch.Tensor, dtype: torch.dtype,
                      transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``quantize_tensor(t, dtype, transposed)``: traced inside a compiled kernel, one
-    compiled function eager on CUDA (a reduction, then one pass writing the layouts),
-    plain torch on the CPU."""
-    if torch.compiler.is_compiling() or not t.is_cuda:
-        return quantize_tensor(t, dtype, transposed)
-    return _compiled(quantize_tensor)(t, dtype, transposed)
+    """``quantize_tensor(t, dtype, transposed)`` as ``_run`` runs it (eager on CUDA: a
+    reduction, then one pass writing the layouts)."""
+    return _run(quantize_tensor, t, dtype, transposed)
 
 
 def scaled_mm(a_MK: torch.Tensor, b_KN: torch.Tensor, fast_accum: bool = False) -> torch.Tensor:

@@ -22,8 +22,6 @@ from .triton_kernels import KERNEL_DTYPES, NUM_WARPS, fused_kernels_available, o
 if triton is not None:
     import triton.language as tl
 
-if triton is not None:
-
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, W, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
                               TINY: tl.constexpr, BLOCK: tl.constexpr):

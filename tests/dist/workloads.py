@@ -490,9 +490,9 @@ def fp8_gather_configs(rank, world, device="cuda"):
     for name, kw in FP8_GATHER_CASES.items():
         plan = fmoe.Plan(model=FP8_CFG, dp=world, dtype="bfloat16", fp8="tensorwise", device=device, **kw)
         step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
-        out[name] = {"loss": step.loss.cpu(), "grads": named_leaves(fmoe.gather_full(step.grads, plan)),
+        grads = named_leaves(fmoe.gather_full(step.grads, plan))
+        out[name] = {"loss": step.loss.cpu(), "grads": {p: g.cpu() for p, g in grads.items()},
                      "gathered_bytes": sum(e.nbytes for e in step.metrics["trace"] if e.kind == "all_gather")}
-        out[name]["grads"] = {p: g.cpu() for p, g in out[name]["grads"].items()}
     plan = fmoe.Plan(model=FP8_CFG, dp=world, dtype="bfloat16", fp8="tensorwise", device=device,
                      sharding="optim_grads_params")
     spec = shard_spec(plan)
