@@ -274,7 +274,7 @@ class Plan:
             master params, gradients and optimizer state stay fp32, router, norms,
             softmax and the loss as without. Under ``tensorwise`` with the dense
             weights sharded, those products' weights are gathered already in FP8
-            (half the bytes; the same results bit for bit) from a buffer group of
+            (half the bytes; the same FP8 weights bit for bit) from a buffer group of
             their own, so each rank holds other rows of the dense params than under
             ``none`` or ``rowwise``: to switch ``fp8`` under a sharded plan, ``fmoe.load``
             a checkpoint with the new plan. Needs ``dtype='bfloat16'``, the
