@@ -5,8 +5,10 @@
         --device cuda --dtype bfloat16 --temperature 0.7 --top-p 0.9
 
 ``--checkpoint`` is an fmoe checkpoint (``fmoe.save``) or a Hugging Face directory
-(``fmoe.hf``). Text is tokenized with ``--tokenizer`` (a ``tokenizer.json``), else the
-``tokenizer.json`` found in or beside the checkpoint, else as UTF-8 bytes.
+(``fmoe.hf``). Text is tokenized with ``--tokenizer`` (a ``tokenizer.json``), else
+with the tokenizer the checkpoint's run recorded (kept in its run folder and checked by
+content; a ``tokenizer.json`` that merely lies nearby is never taken) or a Hugging Face
+directory's own, else as UTF-8 bytes (a vocabulary of 256 or less).
 
 The model runs one token at a time after the prompt, reading keys and values of the
 earlier positions from a cache instead of recomputing them (linear, not quadratic,
@@ -27,6 +29,7 @@ from .config import ModelConfig, Plan
 from .layers.attention import KVSlot
 from .layers.model import block, cast_for_compute, head_weight
 from .layers.norm import rms_norm
+from .runtime import device_memory, gib
 
 
 class KVCache(NamedTuple):
@@ -36,6 +39,11 @@ class KVCache(NamedTuple):
     keys: list
     values: list
     length: int
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of the keys and values of ``max_len`` positions of ``batch`` rows."""
+    return 2 * cfg.layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim * dtype.itemsize
 
 
 def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
@@ -91,7 +99,7 @@ def sample_next(logits_BV: torch.Tensor, generator: torch.Generator | None, temp
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
+def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens: int, seed: int = 0) -> None:
     if not (temperature >= 0 and temperature != float("inf")):
         raise ValueError(f"generate temperature={temperature!r} is invalid: must be a finite number >= 0 (0: greedy)")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
@@ -100,6 +108,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float, max_new_tokens:
         raise ValueError(f"generate top_p={top_p!r} is invalid: must be in (0, 1]")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"generate max_new_tokens={max_new_tokens!r} is invalid: must be an int >= 1")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"generate seed={seed!r} is invalid: must be an int in 0..{2**63 - 1}")
 
 
 @torch.no_grad()
@@ -120,14 +130,11 @@ def generate(params: dict, prompt_BS: torch.Tensor, cfg: ModelConfig, max_new_to
     Returns:
         ``[B, S + n]`` the prompts and their continuations (``n <= max_new_tokens``).
     """
-    check_sampling(temperature, top_k, top_p, max_new_tokens)
-    if prompt_BS.dim() != 2 or prompt_BS.shape[1] == 0:
-        raise ValueError("generate: the prompt must be a [batch, length >= 1] tensor of ids, "
-                         f"got {list(prompt_BS.shape)}")
-    if int(prompt_BS.min()) < 0 or int(prompt_BS.max()) >= cfg.vocab:
-        raise ValueError(f"generate: prompt ids must be in 0..{cfg.vocab - 1}")
-    compute = cast_for_compute(params, dtype)
+    check_sampling(temperature, top_k, top_p, max_new_tokens, seed)
+    check_prompt(prompt_BS, cfg)
     B, S = prompt_BS.shape
+    check_cache(cfg, B, S, max_new_tokens, dtype, prompt_BS.device)
+    compute = cast_for_compute(params, dtype)
     cache = empty_cache(cfg, B, S + max_new_tokens, dtype, prompt_BS.device)
     generator = torch.Generator().manual_seed(seed)
     out, finished = [prompt_BS], torch.zeros(B, dtype=torch.bool, device=prompt_BS.device)
@@ -143,6 +150,31 @@ def generate(params: dict, prompt_BS: torch.Tensor, cfg: ModelConfig, max_new_to
             break
         logits, cache = forward_cached(compute, token[:, None], cfg, cache)
     return torch.cat(out, dim=1)
+
+
+def check_cache(cfg: ModelConfig, batch: int, prompt_len: int, max_new_tokens: int, dtype: torch.dtype,
+                device) -> None:
+    """ValueError naming ``max_new_tokens`` when the KV cache could not fit ``device``."""
+    need, have = kv_cache_bytes(cfg, batch, prompt_len + max_new_tokens, dtype), device_memory(device)
+    if need > have:
+        raise ValueError(f"generate max_new_tokens={max_new_tokens} is invalid: the KV cache of {batch} row(s) x "
+                         f"{prompt_len + max_new_tokens} positions needs {gib(need)}, but {device} has {gib(have)}")
+
+
+def check_prompt(prompt_BS, cfg: ModelConfig) -> None:
+    """ValueError naming the prompt unless it is ``[batch, length >= 1]`` integer ids
+    below ``cfg.vocab``, on a device that holds data."""
+    if not isinstance(prompt_BS, torch.Tensor):
+        raise ValueError(f"generate: the prompt must be a tensor of token ids, got {type(prompt_BS).__name__}")
+    if prompt_BS.dtype.is_floating_point or prompt_BS.dtype.is_complex or prompt_BS.dtype == torch.bool:
+        raise ValueError(f"generate: the prompt must hold integer token ids (torch.long), got {prompt_BS.dtype}")
+    if prompt_BS.dim() != 2 or prompt_BS.shape[0] == 0 or prompt_BS.shape[1] == 0:
+        raise ValueError("generate: the prompt must be a [batch >= 1, length >= 1] tensor of ids, "
+                         f"got {list(prompt_BS.shape)}")
+    if prompt_BS.device.type == "meta":
+        raise ValueError("generate: the prompt is on the meta device, which holds no values; pass real ids")
+    if int(prompt_BS.min()) < 0 or int(prompt_BS.max()) >= cfg.vocab:
+        raise ValueError(f"generate: prompt ids must be in 0..{cfg.vocab - 1}")
 
 
 class Tokenizer(NamedTuple):
@@ -170,11 +202,30 @@ def load_tokenizer(path) -> Tokenizer:
     return Tokenizer(lambda text: tok.encode(text).ids, lambda ids: tok.decode(list(ids)), Path(path))
 
 
-def find_tokenizer(checkpoint: Path) -> Path | None:
-    """``tokenizer.json`` in the checkpoint directory or its parent (the run directory)."""
-    for where in (checkpoint, checkpoint.parent):
-        if (where / "tokenizer.json").is_file():
-            return where / "tokenizer.json"
+def is_fmoe_checkpoint(checkpoint: Path) -> bool:
+    """An fmoe checkpoint (``fmoe.save``) rather than a Hugging Face directory."""
+    return (checkpoint / "fmoe.json").exists() or not (checkpoint / "config.json").exists()
+
+
+def checkpoint_tokenizer(checkpoint) -> Path | None:
+    """The tokenizer a checkpoint's text goes through: a Hugging Face directory's own
+    ``tokenizer.json``; for an fmoe checkpoint, the one its run recorded
+    (``fmoe.data.recorded_tokenizer``), never one that merely lies beside it. None: UTF-8
+    bytes (a vocabulary of 256 or less with no tokenizer)."""
+    from . import hf
+    from .checkpoint import read_meta
+    from .data import recorded_tokenizer
+
+    checkpoint = Path(checkpoint)
+    if is_fmoe_checkpoint(checkpoint):
+        _, meta = read_meta(checkpoint)
+        return recorded_tokenizer(checkpoint, meta.get("extra", {}), int(meta["model"]["vocab"]))
+    if (checkpoint / "tokenizer.json").is_file():
+        return checkpoint / "tokenizer.json"
+    vocab = hf.config(checkpoint).vocab
+    if vocab > 256:
+        raise ValueError(f"{checkpoint} has no tokenizer.json and a vocab of {vocab}, so its ids are not bytes: "
+                         "name its tokenizer.json")
     return None
 
 
@@ -191,7 +242,7 @@ def load_model(checkpoint, device: str = "cpu") -> Loaded:
     from .checkpoint import load, read_config
 
     checkpoint = Path(checkpoint)
-    if (checkpoint / "fmoe.json").exists() or not (checkpoint / "config.json").exists():
+    if is_fmoe_checkpoint(checkpoint):
         cfg = read_config(checkpoint)
         ck = load(checkpoint, Plan(model=cfg, device=device))
         return Loaded(ck.params, cfg, ck.extra.get("eos_id"))
@@ -211,12 +262,16 @@ def main(argv=None) -> str:
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1: off)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the checkpoint's, else bytes)")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the one the checkpoint's run "
+                                                      "recorded, a Hugging Face directory's own, else bytes)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
+    from . import hf
+    from .checkpoint import read_config
+
     try:
-        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
+        check_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens, args.seed)
         try:
             device = torch.device(args.device)
         except RuntimeError:
@@ -224,10 +279,12 @@ def main(argv=None) -> str:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device={args.device!r}, but CUDA is not available here (allowed: cpu)")
         checkpoint = Path(args.checkpoint)
-        tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(checkpoint))
+        tokenizer = load_tokenizer(args.tokenizer or checkpoint_tokenizer(checkpoint))
         prompt = torch.tensor([tokenizer.encode(args.prompt)], device=args.device)
         if prompt.numel() == 0:
             raise ValueError("generate: --prompt is empty")
+        cfg = read_config(checkpoint) if is_fmoe_checkpoint(checkpoint) else hf.config(checkpoint)
+        check_cache(cfg, 1, prompt.shape[1], args.max_new_tokens, getattr(torch, args.dtype), device)
         # read in fp32 on the host, cast, then moved: the device holds the model once, in --dtype
         model = load_model(checkpoint, "cpu")
         params = optree.tree_map(lambda t: t.to(args.device),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -12,6 +15,25 @@ from .backends import BUILT_IN, declared_backends, registered_backend
 def world_size() -> int:
     """Ranks in the default process group (1 when torch.distributed is not initialised)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def device_memory(device) -> int:
+    """Bytes of memory ``device`` has in all: a GPU's, or for the CPU the machine's RAM
+    (or the container's limit, when cgroups set a lower one). For the checks that refuse
+    sizes no machine of this kind could hold, before anything is allocated."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def check_runtime(plan: Plan) -> None:

@@ -68,6 +68,9 @@ def check_batch(batch, plan: Plan) -> torch.Tensor:
     if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 2:
         desc = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"batch['tokens'] must be a LongTensor[B, S+1], got {desc}")
+    if tokens.device.type == "meta":
+        raise ValueError("batch['tokens'] is on the meta device, which holds no values; allowed: ids on a device "
+                         f"that holds data (they are moved to Plan.device={plan.device!r})")
     rows, cols = tokens.shape
     if cols < 2:
         raise ValueError(f"batch['tokens'] has {cols} column(s); it needs S+1 >= 2 (inputs and shifted targets)")

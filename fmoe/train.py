@@ -14,6 +14,8 @@ directory written by ``python -m fmoe.data prepare``. ``--init-from-hf`` starts 
 a Hugging Face checkpoint. Writes ``metrics.jsonl`` (and TensorBoard events when
 ``tensorboard`` is installed), ``settings.toml`` and the checkpoint under ``--out``;
 ``--resume`` continues from it, bit for bit. Ends with a sample of generated text.
+One live run per ``--out``: the job holds a lock on the folder for its whole life, and a
+second job into a held folder is refused, naming the holder.
 CUDA graphs (``--cuda-graph``) and TransformerEngine experts (``--expert-backend te``)
 come from the adapters: ``python -m interop.train`` takes the same flags and adds them.
 """
@@ -21,21 +23,29 @@ come from the adapters: ``python -m interop.train`` takes the same flags and add
 from __future__ import annotations
 
 import os
+import sys
 
-from .trainer import launch, loop, setup
+from .trainer import launch, loop, run_lock, setup
 
 
-def parse_args(argv=None, adapters: setup.Adapters | None = None) -> setup.Run:
+def parse_args(argv=None, adapters: setup.Adapters | None = None, lock: bool = False) -> setup.Run:
     """The checked run for these arguments (SystemExit naming a bad setting); its
-    ``plan`` is what ``fmoe.load`` of the run's checkpoints needs."""
+    ``plan`` is what ``fmoe.load`` of the run's checkpoints needs. ``lock``: hold the
+    run folder's lock in ``run.lock`` (``main`` does; release it with
+    ``fmoe.trainer.run_lock.release``)."""
     try:
-        run = setup.prepare(argv, adapters)
+        run = setup.prepare(argv, adapters, lock)
     except ValueError as err:
         raise SystemExit(f"fmoe.train: {err}") from None
     if isinstance(run, str):  # --print-config
         print(run, end="")
         raise SystemExit(0)
     return run
+
+
+def _interrupted(what: str) -> int:
+    print(f"fmoe.train: interrupted (Ctrl-C) {what}", file=sys.stderr)
+    return 130
 
 
 def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
@@ -51,10 +61,17 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     ``--timeout``) ends this rank with an error naming it, instead of a hang: torchrun then stops the
     others, and ``--max-restarts`` with ``--resume`` picks the run up again.
     """
-    run = parse_args(argv, adapters)
-    launch.start(run.world, run.plan.device, run.settings["timeout"])
     try:
+        run = parse_args(argv, adapters, lock=True)
+    except KeyboardInterrupt:
+        raise SystemExit(_interrupted("before the first step: nothing was written")) from None
+    try:
+        launch.start(run.world, run.plan.device, run.settings["timeout"])
         return loop.train(run)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop catches signals
+        latest = run.out / "checkpoint"
+        saved = f"the last checkpoint is {latest.resolve()}" if latest.exists() else "no checkpoint was saved"
+        raise SystemExit(_interrupted(f"stopped at once, without saving; {saved}")) from None
     except Exception as err:
         if run.world.size > 1 and launch.is_collective_failure(err):
             raise SystemExit(f"fmoe.train: rank {run.world.rank} of {run.world.size}: a collective failed "
@@ -68,7 +85,10 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
         raise SystemExit(f"fmoe.train: {where}{type(err).__name__}: {err} (FMOE_DEBUG=1 shows the traceback)") \
             from None
     finally:
-        launch.stop()
+        try:
+            launch.stop()
+        finally:
+            run_lock.release(run.lock)
 
 
 if __name__ == "__main__":

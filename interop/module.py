@@ -115,6 +115,10 @@ class MoELayer(nn.Module):
         return _tree_of(self)
 
     def forward(self, x: torch.Tensor, return_stats: bool = False):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() == 0:
+            got = f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"MoELayer input must be a float tensor [..., dim={self.cfg.dim}] of hidden states, "
+                             f"got {got} (token ids go through an embedding first)")
         if x.shape[-1] != self.cfg.dim:
             raise ValueError(f"MoELayer input has last dimension {x.shape[-1]}; ModelConfig.dim={self.cfg.dim}")
         params = cast_for_compute(self.params(), x.dtype)

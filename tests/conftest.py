@@ -1,5 +1,12 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
@@ -21,3 +28,20 @@ def seeded_rng(request):
     import zlib
 
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def a_working_folder_where_the_main_job_ran(tmp_path_factory):
+    """The suite runs in a folder where README's first command has just run (fewer
+    steps): the main job's default ``--out`` there holds a run. A test that leans on
+    the working folder or on that default fails here as it would after that command."""
+    folder = tmp_path_factory.mktemp("working-folder")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--steps", "2", "--batch", "4", "--seq", "32",
+                           "--eval-every", "2", "--eval-batches", "1", "--sample-tokens", "4", "--no-progress"],
+                          cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and (folder / "runs" / "fmoe-lm" / "checkpoint").exists(), proc.stderr
+    before = os.getcwd()
+    os.chdir(folder)
+    yield folder
+    os.chdir(before)

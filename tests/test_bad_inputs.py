@@ -11,6 +11,7 @@ Adding a case is adding a row.
 """
 
 import json
+import os
 from typing import NamedTuple
 
 import optree
@@ -18,8 +19,10 @@ import pytest
 import torch
 
 import fmoe
+from fmoe.generate import generate, main as generate_main
 from fmoe.optim import apply_if_finite
 from fmoe.train import main as train_main
+from interop import MoELayer
 
 CFG = fmoe.ModelConfig(vocab=32, dim=32, heads=2, experts=4, ffn=16)
 PLAN = fmoe.Plan(model=CFG)
@@ -160,6 +163,30 @@ CASES = [
      "batch['tokens'] holds ids in [40, 71]; allowed: 0..31"),
     ("batch.rows", lambda c: _step(c.params, c.batch, PLAN.replace(microbatches=3)), V,
      "batch['tokens'] has 4 rows, which Plan.microbatches=3 does not divide (allowed: a positive multiple of 3)"),
+    ("batch.meta_device", lambda c: _step(c.params, {"tokens": c.batch["tokens"].to("meta")}), V,
+     "batch['tokens'] is on the meta device, which holds no values"),
+    # tensors handed to the other public functions, checked against the config
+    ("expert_bias.counts_experts", lambda c: fmoe.update_expert_bias(c.params, torch.ones(2, 3), 0.01), V,
+     "update_expert_bias expert_counts has shape [2, 3] and dtype torch.float32; these params need [layers=2, "
+     "experts=4]"),
+    ("expert_bias.counts_layers", lambda c: fmoe.update_expert_bias(c.params, torch.ones(1, 4, dtype=torch.long),
+                                                                    0.01), V,
+     "update_expert_bias expert_counts has shape [1, 4] and dtype torch.int64; these params need [layers=2"),
+    ("expert_bias.counts_list", lambda c: fmoe.update_expert_bias(c.params, [3, 1, 0, 0], 0.01), V,
+     "update_expert_bias expert_counts must be a tensor [layers=2, experts=4] (out.metrics['expert_counts']), got "
+     "list"),
+    ("moe_layer.int_input", lambda c: MoELayer(CFG)(torch.ones(3, 32, dtype=torch.long)), V,
+     "MoELayer input must be a float tensor [..., dim=32] of hidden states, got torch.int64 [3, 32]"),
+    ("generate.float_prompt", lambda c: generate(c.params, torch.ones(1, 3), CFG, 4), V,
+     "generate: the prompt must hold integer token ids (torch.long), got torch.float32"),
+    ("generate.kv_cache", lambda c: generate(c.params, c.batch["tokens"], CFG, 10**12), V,
+     "generate max_new_tokens=1000000000000 is invalid: the KV cache of 4 row(s) x 1000000000009 positions needs"),
+    ("generate.seed", lambda c: generate(c.params, c.batch["tokens"], CFG, 4, seed=10**23), V,
+     "generate seed=100000000000000000000000 is invalid: must be an int in 0..9223372036854775807"),
+    ("generate.cli_max_new_tokens", lambda c: generate_main(["--checkpoint", str(c.checkpoint()), "--prompt", "a",
+                                                             "--max-new-tokens", "1000000000"]), SystemExit,
+     "fmoe.generate: generate max_new_tokens=1000000000 is invalid: the KV cache of 1 row(s) x 1000000001 "
+     "positions needs"),
     # params (fmoe.step)
     ("params.shape", lambda c: _step(c.with_leaf(["head"], torch.zeros(32, 31)), c.batch), V,
      "params['head'] has shape [32, 31]; this rank's part under the plan is [32, 32]"),
@@ -225,6 +252,8 @@ CASES = [
     ("ckpt.other_model", lambda c: fmoe.load(c.checkpoint(), fmoe.Plan(model=CFG.replace(ffn=32))), V,
      "model config differs from Plan.model: ffn: checkpoint 16, plan 32"),
     # checkpoints: fmoe.save
+    ("ckpt.save_step", lambda c: fmoe.save(c.scratch / "x", PLAN, c.params, step=-3), V,
+     "save: step=-3 is invalid: must be an int in 0..9223372036854775807"),
     ("ckpt.save_extra", lambda c: fmoe.save(c.scratch / "x", PLAN, c.params, extra={"f": object()}), V,
      "save: extra must be JSON-serialisable"),
     ("ckpt.save_over_foreign", _save_over_foreign, V, "exists and is not an fmoe checkpoint; refusing to replace it"),
@@ -250,6 +279,22 @@ CASES = [
      "--cuda-graph='mlp' is invalid: 'step', or"),
     ("cli.resume", lambda c: _train(c, "--resume"), SystemExit, "--resume, but there is no checkpoint"),
     ("cli.init_from_hf", lambda c: _train(c, "--init-from-hf", c.tmp / "nohf"), SystemExit, "no config.json"),
+    # numbers that crashed, hung or tried to allocate what no machine has
+    ("cli.threads", lambda c: _train(c, "--threads", 100000), SystemExit,
+     f"--threads=100000 is invalid: must be an int in 0..{os.cpu_count()} (this machine's cores"),
+    ("cli.steps_huge", lambda c: _train(c, "--steps", 10**31), SystemExit,
+     f"--steps={10**31} is invalid: must be an int in 1..9223372036854775807"),
+    ("cli.seed_huge", lambda c: _train(c, "--seed", 10**23), SystemExit,
+     f"--seed={10**23} is invalid: must be an int in 0..9223372036854775807"),
+    ("cli.seed_negative", lambda c: _train(c, "--seed", -1), SystemExit, "--seed=-1 is invalid: must be an int >= 0"),
+    ("cli.timeout_huge", lambda c: _train(c, "--timeout", 1e12), SystemExit,
+     "--timeout=1000000000000.0 is invalid: must be at most 31536000 seconds (a year)"),
+    ("cli.model_too_big", lambda c: _train(c, "--dim", 10**6), SystemExit,
+     "fmoe.train: the model (--dim, --layers, --experts, --ffn, --vocab) needs at least"),
+    ("cli.batch_too_big", lambda c: _train(c, "--batch", 2**40), SystemExit,
+     "fmoe.train: the batch (--batch, --seq, --microbatches) needs at least"),
+    ("cli.sample_tokens_huge", lambda c: _train(c, "--sample-tokens", 10**12), SystemExit,
+     "--sample-tokens=1000000000000 is invalid: its KV cache needs"),
 ]
 
 

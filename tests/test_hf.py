@@ -2,6 +2,7 @@
 saved with ``save_pretrained``, loaded into fmoe, and written back."""
 
 import json
+from pathlib import Path
 
 import optree
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 import fmoe
 from fmoe.layers import forward
+
+ROOT = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,7 +239,8 @@ def test_export_of_a_fine_tuned_run_keeps_the_source_config_and_loads_in_transfo
     model.save_pretrained(source)
     (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
     run = tmp_path / "run"
-    train_main(["--init-from-hf", str(source), "--steps", "2", "--batch", "4", "--seq", "16", "--eval-every", "2",
+    fmoe.data.prepare.prepare([ROOT / "README.md"], tmp_path / "bytes", quiet=True)  # the source has no tokenizer
+    train_main(["--init-from-hf", str(source), "--data", str(tmp_path / "bytes"), "--steps", "2", "--batch", "4", "--seq", "16", "--eval-every", "2",
                 "--eval-batches", "1", "--no-progress", "--sample-tokens", "0", "--threads", "1", "--out", str(run)])
     out = export_main(["export", str(run / "checkpoint"), "--out", str(tmp_path / "export"), "--dtype", "float32"])
     got = json.loads((out / "config.json").read_text())

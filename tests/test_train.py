@@ -21,7 +21,7 @@ def test_main_job_beats_unigram_and_writes_outputs(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 61))
     assert [r["step"] for r in records if "heldout_loss" in r] == [30, 60]
-    ck = fmoe.load(tmp_path / "checkpoint", train.parse_args(["--batch", "8"]).plan)
+    ck = fmoe.load(tmp_path / "checkpoint", train.parse_args(["--batch", "8", "--out", str(tmp_path), "--resume"]).plan)
     assert ck.step == 60 and ck.extra["samples_seen"] == 480
 
 
@@ -65,7 +65,7 @@ def test_resume_continues_bit_for_bit(tmp_path):
               "--threads", "1", "--no-progress", "--save-every", "5"]
     straight = train.main(common + ["--out", str(tmp_path / "a")])
     train.main(common + ["--out", str(tmp_path / "b"), "--stop-after", "7"])
-    assert fmoe.load(tmp_path / "b" / "checkpoint", train.parse_args(common).plan).step == 7
+    assert fmoe.load(tmp_path / "b" / "checkpoint", train.parse_args(common + ["--out", str(tmp_path / "b"), "--resume"]).plan).step == 7
     resumed = train.main(common + ["--out", str(tmp_path / "b"), "--resume"])
     a = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]

@@ -19,8 +19,10 @@ import torch
 import fmoe
 from fmoe import train
 from fmoe.data import prepare
+from fmoe.generate import checkpoint_tokenizer
 from fmoe.trainer import options
 from fmoe.train import main as train_main
+from tests.test_data import bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # A tiny Qwen3-MoE-like model sharded ZeRO-3 over dp1 x ep2 with the 1F1B schedule.
@@ -203,20 +205,31 @@ def test_a_bad_setting_on_the_command_line_exits_with_the_message_and_no_traceba
 
 def test_fine_tuning_starts_from_a_hugging_face_checkpoint(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = transformers.Qwen3MoeConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=16, norm_topk_prob=True)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     args = ["--init-from-hf", tmp_path / "hf", "--steps", 3, "--batch", 4, "--seq", 16, "--eval-every", 3,
             "--eval-batches", 1, "--no-progress", "--sample-tokens", 0, "--out", tmp_path / "run"]
+    # without --data the embedded corpus goes through the model's own tokenizer: none, so refused
+    with pytest.raises(SystemExit, match="without --data: the embedded corpus is bytes, and that model's folder "
+                                         "has no tokenizer.json"):
+        train_main(list(map(str, args)))
+    assert not (tmp_path / "run").exists()
+    bpe_tokenizer(tmp_path / "hf" / "tokenizer.json", vocab=300)
     summary = train_main(list(map(str, args)))
-    # the first step's loss is the Hugging Face model's loss on that step's batch
+    # the first step's loss is the Hugging Face model's loss on that step's batch of its own tokens
     plan = fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf"))
-    batch = fmoe.data.sample_batch(fmoe.data.embedded_corpus().train, 4, 16, seed=0, step=1)
+    corpus = fmoe.data.embedded_corpus(tokenizer=tmp_path / "hf" / "tokenizer.json")
+    assert corpus.vocab > 256 and corpus.eos_id == 1 and int(corpus.train.max()) >= 256  # not bytes
+    batch = fmoe.data.sample_batch(corpus.train, 4, 16, seed=0, step=1)
     expected = fmoe.eval_loss(fmoe.hf.load(tmp_path / "hf", plan), batch, plan)
     assert records(tmp_path / "run")[0]["loss"] == pytest.approx(float(expected), rel=1e-6)
     assert summary["steps"] == 3
+    # the run keeps that tokenizer, and reading its checkpoint takes it
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
+    assert checkpoint_tokenizer(tmp_path / "run" / "checkpoint") == (tmp_path / "run" / "tokenizer.json").resolve()
     # settings.toml records the model that was trained (from config.json), and runs again
     assert "dim = 32" in (tmp_path / "run" / "settings.toml").read_text()
     rerun = ["--config", tmp_path / "run" / "settings.toml", "--steps", 1, "--out", tmp_path / "again"]
@@ -573,21 +586,22 @@ def test_the_adapters_main_job_is_named_so_in_its_help():
     assert options.parser("python -m interop.train").format_usage().startswith("usage: python -m interop.train")
 
 
-def test_ids_beyond_the_vocabulary_found_at_a_step_name_the_corpus(tmp_path):
+def test_ids_beyond_the_vocabulary_are_found_before_the_first_step(tmp_path):
     data = tmp_path / "tokens"
     prepare.prepare([ROOT / "README.md"], data, quiet=True)
     meta = json.loads((data / "meta.json").read_text())
     ids = np.fromfile(data / "tokens.bin", dtype=meta["dtype"])
-    ids[::7] = 255  # a corrupted corpus (every window of 7 ids): ids beyond the vocabulary its meta.json states
+    ids[5000] = 255  # a corrupted corpus: one id beyond the vocabulary its meta.json states, far from the start
     ids.tofile(data / "tokens.bin")
     args = SMALL + ["--data", data, "--out", tmp_path / "run"]
     meta.update(vocab=200, max_id=199)
     (data / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(SystemExit) as err:
         train_main(list(map(str, args)))
-    text = str(err.value)
-    assert text.startswith("fmoe.train: ValueError: step 1, a batch of ") and str(data) in text
-    assert "holds ids in [" in text and "\n" not in text
+    assert str(err.value) == (f"fmoe.train: {data}/tokens.bin: id 255 at position 5000 is not below the corpus's "
+                              "vocab (200); its meta.json does not describe its tokens (prepare it again with "
+                              "`python -m fmoe.data prepare`)")
+    assert not (tmp_path / "run").exists()  # refused before the run folder was made
 
 
 def test_two_runs_with_the_default_threads_write_the_same_metrics(tmp_path):

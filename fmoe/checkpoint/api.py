@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import numbers
 import shutil
 import warnings
 from pathlib import Path
@@ -114,13 +115,15 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
             key is the parameter's dotted name, and it has the parameter's local shape)
             is saved in global shape like the parameter; any other tensor must be the
             same on every rank.
-        step: the training step count.
+        step: the training step count, an int >= 0.
         extra: JSON-serialisable user data (e.g. the data position).
         rng: an optional uint8 tensor (e.g. ``generator.get_state()``), the same on all ranks.
 
     Returns:
         The checkpoint's Path.
     """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step < 2**63:
+        raise ValueError(f"save: step={step!r} is invalid: must be an int in 0..{2**63 - 1}")
     check_runtime(plan)
     check_params(params, plan)
     path = Path(path)

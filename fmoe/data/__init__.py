@@ -4,8 +4,10 @@
   the tensor helpers the examples use (``corpus_bytes``, ``train_heldout_split``,
   ``random_windows``, ``tiled_windows``).
 - ``tokens``: the on-disk format (``tokens.bin`` + ``meta.json`` [+ ``tokenizer.json``]),
-  ``open_corpus`` / ``embedded_corpus`` -> ``TokenCorpus``, ``check_vocab``, and
-  batches that depend on ``(seed, step)`` only (``sample_batch``, ``heldout_batches``).
+  ``open_corpus`` / ``embedded_corpus`` -> ``TokenCorpus``, ``check_vocab``,
+  ``check_corpus`` (every id read once), the tokenizer a run records
+  (``tokenizer_record``, ``recorded_tokenizer``), and batches that depend on
+  ``(seed, step)`` only (``sample_batch``, ``heldout_batches``).
 - ``prepare``: text files -> a corpus directory, the module behind
   ``python -m fmoe.data prepare FILE_OR_DIR... --out DIR [--tokenizer tokenizer.json]``.
 """
@@ -14,15 +16,18 @@ from . import prepare
 from .embedded import corpus_bytes, random_windows, tiled_windows, train_heldout_split
 from .tokens import (
     TokenCorpus,
+    check_corpus,
     check_vocab,
     corpus_fingerprint,
     embedded_corpus,
     heldout_batches,
     open_corpus,
+    recorded_tokenizer,
     sample_batch,
+    tokenizer_record,
     unigram_cross_entropy,
 )
 
-__all__ = ["TokenCorpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus", "heldout_batches", "open_corpus",
-           "prepare", "random_windows", "sample_batch", "tiled_windows", "train_heldout_split",
-           "unigram_cross_entropy"]
+__all__ = ["TokenCorpus", "check_corpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus",
+           "heldout_batches", "open_corpus", "prepare", "random_windows", "recorded_tokenizer", "sample_batch",
+           "tiled_windows", "tokenizer_record", "train_heldout_split", "unigram_cross_entropy"]

@@ -293,5 +293,9 @@ def main(argv=None) -> None:
                        args.globs or GLOBS)
     except (ValueError, OSError) as err:
         raise SystemExit(f"fmoe.data: {err}") from None
+    except KeyboardInterrupt:  # the partial corpus is removed by prepare's cleanup
+        kept = "the corpus there is unchanged" if Path(args.out).exists() else "nothing was written there"
+        print(f"fmoe.data: interrupted; --out {args.out}: {kept}", file=sys.stderr)
+        raise SystemExit(130) from None
     print(f"fmoe.data: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}, vocab "
           f"{meta['vocab']}) -> {args.out}")

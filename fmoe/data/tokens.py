@@ -48,16 +48,48 @@ class TokenCorpus(NamedTuple):
     source: str
 
 
+def check_corpus(corpus: TokenCorpus) -> str:
+    """Read every id of ``corpus`` once, in chunks: each must be below its vocabulary.
+
+    A corpus whose ``meta.json`` under-reports its ids would otherwise train until the
+    batch that holds a bad id; this finds it before the first step. The same read gives
+    the corpus's fingerprint (``corpus_fingerprint``), which a resumed run compares.
+
+    Returns:
+        ``corpus_fingerprint(corpus)``.
+
+    Raises:
+        ValueError: naming the corpus, the first id out of range and where it is.
+    """
+    return _scan(corpus, check=True)
+
+
 def corpus_fingerprint(corpus: TokenCorpus) -> str:
     """What identifies a corpus by content, wherever it lives: its token count, vocabulary
     and a BLAKE2b digest of every id (train and held-out, in order). A resumed run
     compares this, not the path it was given by."""
+    return _scan(corpus, check=False)
+
+
+_CHUNK = 1 << 24  # ids read at a time: a memory-mapped corpus stays on disk
+
+
+def _scan(corpus: TokenCorpus, check: bool) -> str:
     digest = hashlib.blake2b(digest_size=16)
+    at = 0
     for part in (corpus.train, corpus.heldout):
         flat = np.ascontiguousarray(part).reshape(-1)
-        for start in range(0, len(flat), 1 << 24):  # 16M ids at a time: memory-mapped corpora stay on disk
-            digest.update(flat[start:start + (1 << 24)].astype("<i8", copy=False).tobytes())
-    return f"{len(corpus.train) + len(corpus.heldout)} tokens, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
+        for start in range(0, len(flat), _CHUNK):
+            chunk = flat[start:start + _CHUNK]
+            if check and len(chunk) and int(chunk.max()) >= corpus.vocab:
+                first = int(np.argmax(chunk >= corpus.vocab))
+                where = f"{corpus.source}/tokens.bin" if Path(corpus.source).is_dir() else corpus.source
+                raise ValueError(f"{where}: id {int(chunk[first])} at position {at + start + first} is not below "
+                                 f"the corpus's vocab ({corpus.vocab}); its meta.json does not describe its tokens "
+                                 "(prepare it again with `python -m fmoe.data prepare`)")
+            digest.update(chunk.astype("<i8", copy=False).tobytes())
+        at += len(flat)
+    return f"{at} tokens, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
 
 
 def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -69,13 +101,72 @@ def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.nda
     return ids[:cut], ids[cut:]
 
 
-def embedded_corpus(heldout_fraction: float = 0.05) -> TokenCorpus:
-    """Python's bundled documentation as UTF-8 bytes (the zero-setup default)."""
-    from .embedded import corpus_bytes
+def embedded_corpus(heldout_fraction: float = 0.05, tokenizer=None) -> TokenCorpus:
+    """Python's bundled documentation: UTF-8 bytes (the zero-setup default), or, with
+    ``tokenizer`` (a ``tokenizer.json``), each pydoc topic a document tokenized with it
+    and followed by its end-of-document token (as ``python -m fmoe.data prepare`` would)."""
+    if tokenizer is None:
+        from .embedded import corpus_bytes
 
-    ids = np.frombuffer(corpus_bytes(), dtype=np.uint8)
-    train, heldout = _split(ids, heldout_fraction, EMBEDDED)
-    return TokenCorpus(train, heldout, 256, None, None, EMBEDDED)
+        ids = np.frombuffer(corpus_bytes(), dtype=np.uint8)
+        train, heldout = _split(ids, heldout_fraction, EMBEDDED)
+        return TokenCorpus(train, heldout, 256, None, None, EMBEDDED)
+    from pydoc_data.topics import topics
+
+    from .prepare import load_encoder
+
+    enc = load_encoder(tokenizer)
+    source = f"{EMBEDDED} tokenized with {tokenizer}"
+    train, heldout = _split(enc.encode([topics[name] for name in sorted(topics)]), heldout_fraction, source)
+    return TokenCorpus(train, heldout, enc.vocab, Path(tokenizer), enc.eos_id, source)
+
+
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+def tokenizer_record(corpus: TokenCorpus) -> dict | None:
+    """What a run records of the tokenizer that made its ids (a checkpoint's
+    ``extra["tokenizer"]``): None for UTF-8 bytes, else the file name the run folder
+    keeps it under and its BLAKE2b, so that a tool reading the checkpoint later uses this
+    tokenizer and no other."""
+    if corpus.tokenizer is None:
+        return None
+    return {"file": "tokenizer.json", "blake2b": _file_digest(corpus.tokenizer)}
+
+
+def recorded_tokenizer(checkpoint, extra: dict, vocab: int) -> Path | None:
+    """The tokenizer a checkpoint's run recorded (``tokenizer_record``): its file in the
+    run folder (the checkpoint's parent), checked by content; None for UTF-8 bytes. A
+    ``tokenizer.json`` that merely lies nearby is never taken.
+
+    A checkpoint that records none (``fmoe.save`` by hand, or an older fmoe) holds bytes
+    when its vocabulary is 256 or less.
+
+    Raises:
+        ValueError: the recorded file is missing or differs, or nothing is recorded and
+            the vocabulary is larger than bytes; pass a tokenizer explicitly then.
+    """
+    checkpoint = Path(checkpoint)
+    if "tokenizer" not in extra:
+        if vocab <= 256:
+            return None
+        raise ValueError(f"{checkpoint} records no tokenizer (saved by fmoe.save or an older fmoe) and its vocab "
+                         f"is {vocab}, so its ids are not bytes: name the tokenizer.json it was trained with")
+    record = extra["tokenizer"]
+    if record is None:
+        return None
+    if not (isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("blake2b"), str)
+            and Path(record["file"]).name == record["file"] not in ("", ".", "..")):
+        raise ValueError(f"{checkpoint}: its extra['tokenizer']={record!r} is not a tokenizer record (null, or the "
+                         "file name in the run folder and its BLAKE2b)")
+    path = checkpoint.resolve().parent / record["file"]
+    if not path.is_file() or _file_digest(path) != record["blake2b"]:
+        state = "is missing" if not path.is_file() else "is another tokenizer (its BLAKE2b differs)"
+        raise ValueError(f"{checkpoint} was trained with the tokenizer its run kept as {path}, which {state}: "
+                         f"name that tokenizer.json explicitly (BLAKE2b {record['blake2b']})")
+    return path
 
 
 def read_meta(directory: Path) -> dict:

@@ -8,8 +8,9 @@ Writes ``config.json`` and safetensors (``fmoe.hf.save``), the tokenizer and a
 ``AutoTokenizer.from_pretrained`` read the folder. The source Hugging Face directory
 (``--source``; by default the ``init_from_hf`` of the run's ``settings.toml``) gives
 the keys of its ``config.json`` that fmoe did not change, its tokenizer files and its
-generation config; a model trained from scratch gets the run's ``tokenizer.json`` (if
-its corpus had one) and the end-of-text id its checkpoint names.
+generation config; a model trained from scratch gets the ``tokenizer.json`` its run
+recorded (if its corpus had one; checked by content, never a file that merely lies
+beside the checkpoint) and the end-of-text id its checkpoint names.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from ..checkpoint import load, read_config
 from ..checkpoint.files import write_atomically
 from ..config import Plan
+from ..data import recorded_tokenizer
 from .api import save
 
 # Files of a Hugging Face tokenizer, copied from the source when it has them.
@@ -49,7 +51,7 @@ def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16"
         source: the Hugging Face directory the run started from; None: the run's
             ``init_from_hf`` if its ``settings.toml`` names one.
         tokenizer: a ``tokenizer.json`` to include; None: the source's tokenizer files,
-            else the run's ``tokenizer.json`` beside the checkpoint, if any.
+            else the one the checkpoint's run recorded, if any.
         dtype: the weights' dtype in the files, ``bfloat16 | float16 | float32``.
 
     Returns:
@@ -68,26 +70,27 @@ def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16"
     cfg = read_config(checkpoint)
     plan = Plan(model=cfg)
     ck = load(checkpoint, plan)
+    tokenizer_files = _tokenizer_files(checkpoint, ck.extra, cfg.vocab, source, tokenizer)  # refused before writing
     save(out, ck.params, plan, dtype=dtype, source=source)
     hf_config = json.loads((out / "config.json").read_text())
     if ck.extra.get("eos_id") is not None and "eos_token_id" not in hf_config:
         hf_config["eos_token_id"] = ck.extra["eos_id"]  # the corpus's end-of-document id
         write_atomically(json.dumps(hf_config, indent=2), out / "config.json")
-    _copy_tokenizer(checkpoint, out, source, tokenizer)
+    for name, path in tokenizer_files.items():
+        shutil.copyfile(path, out / name)
     _write_generation_config(out, source, hf_config)
     return out
 
 
-def _copy_tokenizer(checkpoint: Path, out: Path, source: Path | None, tokenizer) -> None:
+def _tokenizer_files(checkpoint: Path, extra: dict, vocab: int, source: Path | None, tokenizer) -> dict[str, Path]:
+    """The tokenizer to ship, ``{name in out: file}``: ``--tokenizer``, else the
+    source's files, else the one the run recorded (checked by content; none for bytes)."""
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-        return
-    found = [source / name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()]
-    if not found:
-        found = [p for p in (checkpoint / "tokenizer.json", checkpoint.resolve().parent / "tokenizer.json")
-                 if p.is_file()][:1]
-    for path in found:
-        shutil.copyfile(path, out / path.name)
+        return {"tokenizer.json": Path(tokenizer)}
+    found = {name: source / name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()}
+    if not found and (recorded := recorded_tokenizer(checkpoint, extra, vocab)):
+        found = {"tokenizer.json": recorded}
+    return found
 
 
 def _write_generation_config(out: Path, source: Path | None, hf_config: dict) -> None:

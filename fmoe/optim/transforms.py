@@ -320,6 +320,25 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> S
     return schedule
 
 
+def _check_expert_counts(params: dict, expert_counts) -> None:
+    """``expert_counts`` must be ``[layers, E]`` numbers for these params' layers."""
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if not isinstance(layers, (list, tuple)) or not all(
+            isinstance(layer, dict) and isinstance(layer.get("moe"), dict) and "expert_bias" in layer["moe"]
+            for layer in layers):
+        raise ValueError("update_expert_bias params must be a params pytree whose 'layers' each hold "
+                         "'moe' -> 'expert_bias'")
+    experts = layers[0]["moe"]["expert_bias"].shape[-1] if layers else 0
+    if not isinstance(expert_counts, torch.Tensor):
+        raise ValueError(f"update_expert_bias expert_counts must be a tensor [layers={len(layers)}, "
+                         f"experts={experts}] (out.metrics['expert_counts']), got {type(expert_counts).__name__}")
+    if expert_counts.dtype == torch.bool or expert_counts.dtype.is_complex or \
+            tuple(expert_counts.shape) != (len(layers), experts):
+        raise ValueError(f"update_expert_bias expert_counts has shape {list(expert_counts.shape)} and dtype "
+                         f"{expert_counts.dtype}; these params need [layers={len(layers)}, experts={experts}] "
+                         "integer or float counts (out.metrics['expert_counts'])")
+
+
 def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, donate: bool = False,
                        applied: torch.Tensor | None = None) -> dict:
     """Aux-loss-free balancing: nudge each layer's ``expert_bias`` toward even load.
@@ -347,6 +366,7 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
     """
     check("update_expert_bias donate", donate, isinstance(donate, bool), "must be True or False")
     check_finite("update_expert_bias rate", rate, positive=False)
+    _check_expert_counts(params, expert_counts)
     counts = expert_counts.float()
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
     layers = []

@@ -11,17 +11,16 @@ from tqdm import tqdm
 
 from .. import hf
 from ..checkpoint import load, save
-from ..data import corpus_fingerprint, heldout_batches, sample_batch, unigram_cross_entropy
+from ..data import heldout_batches, sample_batch, tokenizer_record, unigram_cross_entropy
 from ..initialize import init
 from ..generate import generate, load_tokenizer
 from ..optim import adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
 from ..params import flat_shapes, train_flops_per_token
 from ..shard.gather import gather_full
 from ..step import eval_loss, step
-from . import options
 from .metrics import MetricsLog, expert_load, peak_tflops
 from .resilience import CheckpointDir, StopSignals, is_staging, remove, run_contents
-from .setup import Run
+from .setup import SAMPLE_PROMPT, Run, settings_file
 
 # What the data a step sees depends on: a resumed run must agree on them. The corpus is
 # compared by content (``corpus_fingerprint``), so a moved corpus or another spelling of
@@ -86,6 +85,10 @@ def _start(run: Run, opt, data: dict):
         if s["stop_after"] and ck.step >= s["stop_after"]:
             raise SystemExit(f"fmoe.train: the checkpoint is at step {ck.step} already; raise --stop-after "
                              "(or leave it out) to go on")
+        if ck.extra.get("threads") not in (None, _threads(run)):
+            _say(run, f"warning: resuming with {_threads(run)} CPU thread(s) per process where the run used "
+                      f"{ck.extra['threads']} (--threads): CPU kernels split their sums by thread, so from here on "
+                      "the run is not bit for bit what an uninterrupted one gives")
         _say(run, f"resumed from {run.out / 'checkpoint'} at step {ck.step}")
         return ck.params, ck.opt_state, ck.step + 1
     if s["init_from_hf"]:
@@ -94,6 +97,11 @@ def _start(run: Run, opt, data: dict):
     else:
         params = init(plan, seed=s["seed"])
     return params, opt.init(params), 1
+
+
+def _threads(run: Run) -> int | None:
+    """The CPU threads a step's kernels use, which decide its rounding; None on GPUs."""
+    return torch.get_num_threads() if torch.device(run.plan.device).type == "cpu" else None
 
 
 def _nonfinite_stop(in_a_row: int, step_num: int, first: int, loss: float, checkpoints: CheckpointDir) -> str:
@@ -124,7 +132,7 @@ def _prepare_out(run: Run) -> None:
         remove(stale)
         _say(run, f"removed {len(stale)} staging folder(s) left in {run.out} by an interrupted save")
     run.out.mkdir(parents=True, exist_ok=True)
-    (run.out / "settings.toml").write_text(options.to_toml(options.resolved(s, run.plan)))
+    (run.out / "settings.toml").write_text(settings_file(s, run.explicit, run.plan))
     if run.corpus.tokenizer is not None:
         shutil.copyfile(run.corpus.tokenizer, run.out / "tokenizer.json")
 
@@ -142,14 +150,14 @@ def _sample(run: Run, params) -> None:
     full = gather_full(params, run.plan)  # a collective: every rank takes part
     if not run.world.is_main:
         return
-    prompt = torch.as_tensor(run.corpus.heldout[:16].astype("int64"), device=run.plan.device)[None]
+    prompt = torch.as_tensor(run.corpus.heldout[:SAMPLE_PROMPT].astype("int64"), device=run.plan.device)[None]
     ids = generate(full, prompt, run.plan.model, n, temperature=0.8, top_k=50, seed=run.settings["seed"],
                    eos_id=run.corpus.eos_id, dtype=run.plan.compute_dtype)[0].tolist()
     try:
         tok = load_tokenizer(run.corpus.tokenizer)
-        text = f"{tok.decode(ids[:16])!r} -> {tok.decode(ids[16:])!r}"
+        text = f"{tok.decode(ids[:SAMPLE_PROMPT])!r} -> {tok.decode(ids[SAMPLE_PROMPT:])!r}"
     except ValueError as err:  # the tokenizers package is optional
-        text = f"token ids {ids[:16]} -> {ids[16:]} ({err})"
+        text = f"token ids {ids[:SAMPLE_PROMPT]} -> {ids[SAMPLE_PROMPT:]} ({err})"
     tqdm.write(f"sample: {text}")
 
 
@@ -202,6 +210,14 @@ def train(run: Run) -> dict:
     row have non-finite gradients, seen at the next logged step; every one of them is
     skipped on the device meanwhile.
     """
+    signals = StopSignals()  # from the start: a signal while the run loads stops it after its first step
+    try:
+        return _train(run, signals)
+    finally:
+        signals.restore()
+
+
+def _train(run: Run, signals: StopSignals) -> dict:
     s, plan, world, corpus = run.settings, run.plan, run.world, run.corpus
     cfg = plan.model
     if s["threads"]:
@@ -218,7 +234,7 @@ def train(run: Run) -> dict:
     norm_in_state = bool(s["clip"] or s["max_skips"])  # the optimizer computes the norm and keeps it
     heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
     data = {key: s[key] for key in _DATA_KEYS if key != "corpus"}
-    data["corpus"] = corpus_fingerprint(corpus)
+    data["corpus"] = run.fingerprint
     params, opt_state, first = _start(run, opt, data)
     if world.is_main:  # every check has passed: now the folder changes
         _prepare_out(run)
@@ -235,10 +251,11 @@ def train(run: Run) -> dict:
     log = MetricsLog(run.out, world.is_main, first - 1 if s["resume"] else None, not s["no_tensorboard"])
     stepper = _Stepper(run)
     checkpoints = CheckpointDir(run.out, s["keep"])
-    signals = StopSignals()
+
+    tokenizer = tokenizer_record(corpus)  # the run folder's tokenizer.json, by content
 
     def checkpoint(step_num):
-        extra = dict(data, data=corpus.source)
+        extra = dict(data, data=corpus.source, tokenizer=tokenizer, threads=_threads(run))
         extra["state_switches"] = {key: bool(s[key]) for key in _STATE_SWITCHES}
         extra.update(samples_seen=step_num * s["batch"], eos_id=corpus.eos_id)
         save(checkpoints.path_for(step_num), plan, params, opt_state=opt_state, step=step_num, extra=extra)
@@ -317,7 +334,6 @@ def train(run: Run) -> dict:
                 checkpoint(step_num)
             window.restart()  # after the evaluation, log and checkpoint: they are not training
     finally:
-        signals.restore()
         bar.close()
         log.close()
     wall = time.perf_counter() - start

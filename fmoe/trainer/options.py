@@ -49,7 +49,7 @@ RUN_OPTIONS = (
     ("out", str, "runs/fmoe-lm", "folder for metrics.jsonl, TensorBoard events and the checkpoint"),
     ("save_every", int, 250, "checkpoint every N steps (0: only at the end)"),
     ("keep", int, 1, "checkpoints to keep (the newest; one is removed only after a newer one is complete)"),
-    ("resume", bool, False, "continue from the checkpoint in --out"),
+    ("resume", bool, False, "continue from the checkpoint in --out (--no-resume: not, whatever --config says)"),
     ("overwrite", bool, False, "start afresh in an --out that holds a run: its settings, metrics, events and "
                                "checkpoints are removed (and listed) first"),
     ("auto_resume", bool, False, "continue from the checkpoint in --out if there is one, else start "
@@ -65,6 +65,10 @@ RUN_OPTIONS = (
     ("no_tensorboard", bool, False, "no TensorBoard events even when tensorboard is installed"),
 )
 RUN_DEFAULTS = {name: default for name, _, default, _ in RUN_OPTIONS}
+# What a run is asked to do with its folder, not how it trains: never written to a
+# settings file (reusing one for a new --out must not resume or remove anything), and
+# each has a --no- form to undo a --config that sets it.
+FOLDER_ACTIONS = ("resume", "auto_resume", "overwrite")
 UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded corpus / random weights
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -145,7 +149,7 @@ def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
             if name not in ("config", "print_config"):
                 help_ += f" (default: {_shown(defaults[name])})"
             help_ = help_.replace("%", "%%")
-            if kind is bool and title == "run":
+            if kind is bool and title == "run" and name not in FOLDER_ACTIONS:
                 group.add_argument(_flag(name), action="store_true", help=help_)
             elif kind is bool:
                 group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_)
@@ -242,17 +246,25 @@ def resolved(settings: dict, plan: Plan) -> dict:
     return out
 
 
-def to_toml(settings: dict) -> str:
+def to_toml(settings: dict, derived: dict | None = None) -> str:
     """The settings as a flat TOML document (what ``--print-config`` shows and
     ``settings.toml`` holds), usable as a ``--config``: paths left unset (``data``,
-    ``init_from_hf``) are comments, since an empty path is refused, and ``overwrite``
-    is left out, so reusing a file never removes a run."""
+    ``init_from_hf``) are comments, since an empty path is refused; the folder actions
+    (``resume``, ``auto_resume``, ``overwrite``) are left out, so reusing a file never
+    resumes or removes a run; ``derived`` (name -> why) are comments too, values the
+    run worked out rather than was given (``dp`` from the number of processes), so the
+    file runs on another world as well."""
+    derived = derived or {}
     lines = []
-    run_keys = [n for n, _, _, _ in RUN_OPTIONS if n not in ("config", "print_config", "overwrite")]
+    run_keys = [n for n, _, _, _ in RUN_OPTIONS if n not in ("config", "print_config", *FOLDER_ACTIONS)]
     for title, names in (("run", run_keys), ("model", list(MODEL_FIELDS)), ("plan", list(PLAN_FIELDS))):
         lines.append(f"# {title}")
         for name in names:
             value = settings[name]
             line = f"{name} = {json.dumps(value) if not isinstance(value, float) else repr(value)}"
-            lines.append(f"# {line}  (unset)" if name in UNSET_PATHS and not value else line)
+            if name in UNSET_PATHS and not value:
+                line = f"# {line}  (unset)"
+            elif name in derived:
+                line = f"# {line}  ({derived[name]})"
+            lines.append(line)
     return "\n".join(lines) + "\n"
