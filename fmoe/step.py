@@ -7,6 +7,7 @@ from typing import NamedTuple
 import optree
 import torch
 
+from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
 from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
@@ -24,15 +25,16 @@ class StepOutput(NamedTuple):
     """Result of ``fmoe.step``.
 
     Attributes:
-        loss: fp32 scalar, mean next-token cross-entropy over every target of the batch.
+        loss: fp32 scalar, mean next-token cross-entropy over every counted target of the
+            global batch (``loss_mask`` and ``segments``: ``fmoe.batch``).
         grads: fp32 pytree shaped like ``params``; the gradient of
             ``loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss``.
         metrics: dict of detached tensors, summed over ranks: ``loss``, ``aux_loss`` and
             ``z_loss`` (summed over layers, averaged over microbatches and ranks),
             ``objective`` (what was differentiated), ``expert_counts [layers, E]`` (the
             load on the global batch), ``padded_rows``, ``dropped_tokens``,
-            ``a2a_bytes`` (sent by the forward all-to-alls); ``tokens`` (an int, the global target
-            count) and ``trace`` (the step's lifecycle and compute Events).
+            ``a2a_bytes`` (sent by the forward all-to-alls); ``tokens`` (an int, the global count
+            of counted targets) and ``trace`` (the step's lifecycle and compute Events).
     """
 
     loss: torch.Tensor
@@ -60,44 +62,26 @@ def check_params(params, plan: Plan) -> None:
             raise ValueError(f"params[{path!r}] is on {leaf.device}, but Plan.device={plan.device!r}")
 
 
-def check_batch(batch, plan: Plan) -> torch.Tensor:
-    """Validate ``batch`` for ``plan`` and return its ``tokens`` on the plan's device."""
-    if not isinstance(batch, dict) or "tokens" not in batch:
-        raise ValueError("batch must be a dict with 'tokens': LongTensor[B, S+1]")
-    tokens = batch["tokens"]
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 2:
-        desc = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ValueError(f"batch['tokens'] must be a LongTensor[B, S+1], got {desc}")
-    if tokens.device.type == "meta":
-        raise ValueError("batch['tokens'] is on the meta device, which holds no values; allowed: ids on a device "
-                         f"that holds data (they are moved to Plan.device={plan.device!r})")
-    rows, cols = tokens.shape
-    if cols < 2:
-        raise ValueError(f"batch['tokens'] has {cols} column(s); it needs S+1 >= 2 (inputs and shifted targets)")
-    if rows == 0 or rows % plan.microbatches:
-        raise ValueError(
-            f"batch['tokens'] has {rows} rows, which Plan.microbatches={plan.microbatches} "
-            f"does not divide (allowed: a positive multiple of {plan.microbatches})"
-        )
-    lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one host read
-    if lo < 0 or hi >= plan.model.vocab:
-        raise ValueError(f"batch['tokens'] holds ids in [{lo}, {hi}]; allowed: 0..{plan.model.vocab - 1}")
-    return tokens.to(plan.device)
+def check_batch(batch, plan: Plan) -> Batch:
+    """Validate ``batch`` for ``plan`` (``fmoe.batch.read_batch``) and return it as a
+    Batch on the plan's device."""
+    return read_batch(batch, plan.model.vocab, plan.microbatches, plan.device)
 
 
-def check_inputs(params, batch, plan: Plan) -> torch.Tensor:
-    """All of ``step``'s validation; returns the batch's tokens on the plan's device."""
+def check_inputs(params, batch, plan: Plan) -> Batch:
+    """All of ``step``'s validation; returns the Batch on the plan's device."""
     check_runtime(plan)
     check_params(params, plan)
     return check_batch(batch, plan)
 
 
-def num_targets(tokens: torch.Tensor) -> int:
-    """Next-token targets in a ``[B, S+1]`` batch: ``B * S``."""
-    return tokens.shape[0] * (tokens.shape[1] - 1)
+def num_targets(batch: Batch) -> int:
+    """The counted next-token targets of a Batch's rows (``B * S`` without a loss mask
+    or segments)."""
+    return batch.counted
 
 
-def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, total_targets: int):
+def microbatch_objective(params: dict, batch_mb: Batch, plan: Plan, total_targets: int):
     """One microbatch's share of the step objective, differentiable w.r.t. ``params``.
 
     ``ce_sum / total_targets + (aux_coef * aux + z_coef * z) / microbatches``: summed
@@ -109,7 +93,8 @@ def microbatch_objective(params: dict, tokens_mb: torch.Tensor, plan: Plan, tota
     """
     cfg = plan.model
     compute_params = cast_for_compute(params, plan.compute_dtype)
-    ce_sum, layer_stats = lm_loss_sum(compute_params, tokens_mb, cfg, plan.expert_backend, GEMMS[plan.fp8])
+    ce_sum, layer_stats = lm_loss_sum(compute_params, batch_mb.tokens, cfg, plan.expert_backend, GEMMS[plan.fp8],
+                                      batch_mb.targets, batch_mb.documents)
     s = stack_stats(layer_stats)
     router_losses = router_loss(s.aux_loss.sum(), s.z_loss.sum(), cfg)
     return ce_sum / total_targets + router_losses / plan.microbatches, ce_sum, s
@@ -124,29 +109,47 @@ class Prepared(NamedTuple):
     """A validated step, ready to run: everything ``step`` settles before its compute.
 
     Attributes:
-        tokens: this rank's ``[B, S+1]`` batch on the plan's device.
+        batch: this rank's Batch on the plan's device.
         program: the schedule's program; ``slots``: its double-buffer slots.
-        mesh: the plan's Mesh; ``total``: the global target count (summed over ranks).
+        mesh: the plan's Mesh; ``total``: the global count of counted targets (summed
+            over ranks); ``divisor``: the same as a fp32 device scalar, what the loss is
+            divided by (data, so a CUDA-graphed step reads each batch's own count).
     """
 
-    tokens: torch.Tensor
+    batch: Batch
     program: tuple
     slots: dict | None
     mesh: Mesh
     total: int
+    divisor: torch.Tensor
 
 
 def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
     """``step``'s validation (ValueErrors before any collective), its program, and the
     global target count (on several ranks one small all-reduce and host read)."""
-    tokens = check_inputs(params, batch, plan)
+    checked = check_inputs(params, batch, plan)
     program = program_for(plan, train)
     slots = check_program(plan, program)  # the last check; collectives start below
     mesh = mesh_for(plan)
-    total = num_targets(tokens)
-    if mesh.world.size > 1:  # one small all-reduce and host read; a single rank knows its count
-        total = int(_sum_over_ranks(mesh.world, torch.tensor(total, device=tokens.device)))
-    return Prepared(tokens, program, slots, mesh, total)
+    total = global_targets(checked, mesh)
+    divisor = torch.tensor(float(total), device=checked.tokens.device)
+    return Prepared(checked, program, slots, mesh, total, divisor)
+
+
+def global_targets(checked: Batch, mesh: Mesh) -> int:
+    """The counted targets of the global batch: this rank's count summed over the
+    ranks (one small all-reduce and host read; a single rank knows its own).
+
+    Raises:
+        ValueError: none counts (every rank reads the same sum, so all raise, before
+            any compute).
+    """
+    total = num_targets(checked)
+    if mesh.world.size > 1:
+        total = int(_sum_over_ranks(mesh.world, torch.tensor(total, device=checked.tokens.device)))
+    if total == 0:
+        raise no_counted_target()
+    return total
 
 
 def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
@@ -162,7 +165,10 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) 
 
     Arguments:
         params: this rank's fp32 parameter pytree (from ``fmoe.init``).
-        batch: ``{"tokens": LongTensor[B, S+1]}``, this rank's rows.
+        batch: ``{"tokens": LongTensor[B, S+1]}``, this rank's rows, optionally with
+            ``"loss_mask": BoolTensor[B, S]`` (which targets count) and ``"segments":
+            IntTensor[B, S+1]`` (a document id per position: attention stays inside a
+            document, positions restart at each one's first token); see ``fmoe.batch``.
         plan: the Plan.
         kernels: the functions inside the layer nodes (``interop.cuda_graph`` passes
             CUDA-graphed ones); by default the pure functions, compiled when
@@ -179,9 +185,10 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
     """The compute of ``step`` for a Prepared batch: no host read of a device value
     under a static-shape plan (capacity routing or no expert parallelism), so it can
     be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""
-    tokens, mesh, total = prepared.tokens, prepared.mesh, prepared.total
+    mesh, total = prepared.mesh, prepared.total
     group = mesh.world
-    run = execute(prepared.program, named_leaves(params), tokens, plan, mesh, total, prepared.slots, kernels)
+    run = execute(prepared.program, named_leaves(params), prepared.batch, plan, mesh, prepared.divisor,
+                  prepared.slots, kernels)
 
     M, world = plan.microbatches, group.size
     floats = torch.stack([run.ce_sum, run.objective,
@@ -193,7 +200,7 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
                          sum(s.a2a_bytes.sum() for s in run.stats)])
     ints = _sum_over_ranks(group, torch.cat([counts.flatten(), extra]))
     floats = _sum_over_ranks(group, floats)
-    loss = floats[0] / total
+    loss = floats[0] / prepared.divisor
     metrics = {
         "loss": loss,
         "objective": floats[1],
@@ -221,12 +228,13 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
-    tokens, program, slots, mesh, total = prepare_step(params, batch, plan, train=False)
-    run = execute(program, named_leaves(params), tokens, plan, mesh, total, slots)
+    checked, program, slots, mesh, total, _ = prepare_step(params, batch, plan, train=False)
+    run = execute(program, named_leaves(params), checked, plan, mesh, total, slots)
     return _sum_over_ranks(mesh.world, run.ce_sum.clone()) / total
 
 
 # What fmoe.step is made of, for adapters (interop): the checks, a step split into its
 # validation (run once, outside a CUDA-graph capture) and its compute.
-__all__ = ["Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "microbatch_objective",
+__all__ = ["Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "global_targets",
+           "microbatch_objective",
            "num_targets", "prepare_step", "run_step", "step"]

@@ -31,7 +31,8 @@ from fmoe import Plan, StepOutput
 from fmoe.layers import attention_half, expert_mlp, route
 from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
-from fmoe.step import check_batch, check_params, prepare_step, run_step
+from fmoe.shard.mesh import mesh_for
+from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
 SCOPES = ("attn", "router", "experts")
 
@@ -97,28 +98,38 @@ class GraphedStep:
     ``metrics["trace"]`` is the captured step's trace.
     """
 
-    def __init__(self, plan: Plan, graph, static_params, static_tokens, out: StepOutput):
+    def __init__(self, plan: Plan, graph, static_params, prepared: Prepared, out: StepOutput):
         self.plan, self.graph, self.out = plan, graph, out
-        self.static_params, self.static_tokens = static_params, static_tokens
+        self.static_params, self.static_batch, self.divisor = static_params, prepared.batch, prepared.divisor
 
     def __call__(self, params: dict, batch: dict) -> StepOutput:
         """Copy ``params`` and ``batch`` into the graph's buffers and replay it.
 
         ``params`` and ``batch`` are checked as ``fmoe.step`` checks them (the token
         range check reads the batch's min and max on the host) and must have the
-        captured shapes.
+        captured shapes and keys. The loss's divisor, the global count of counted
+        targets, is data too: the graph reads it from a device scalar.
         """
         check_params(params, self.plan)
-        tokens = check_batch(batch, self.plan)
-        if tokens.shape != self.static_tokens.shape:
-            raise ValueError(f"batch['tokens'] has shape {list(tokens.shape)}; this graph was captured for "
-                             f"{list(self.static_tokens.shape)} (capture another for a new shape)")
+        checked = check_batch(batch, self.plan)
+        static = self.static_batch
+        if checked.tokens.shape != static.tokens.shape or (checked.segments is None) != (static.segments is None):
+            def keys(b):
+                return ["tokens", *(["segments"] if b.segments is not None else [])]
+            raise ValueError(f"batch['tokens'] has shape {list(checked.tokens.shape)} with keys {keys(checked)}; "
+                             f"this graph was captured for {list(static.tokens.shape)} with {keys(static)} "
+                             "(capture another for a new shape; a loss_mask may come and go)")
+        total = global_targets(checked, mesh_for(self.plan))
         with torch.no_grad():
-            for new, static in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
-                if not _same_memory(new, static):  # an optimizer that donated updated them in place
-                    static.copy_(new)
-            self.static_tokens.copy_(tokens)
+            for new, static_leaf in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
+                if not _same_memory(new, static_leaf):  # an optimizer that donated updated them in place
+                    static_leaf.copy_(new)
+            for new, static_tensor in zip(checked[:3], static[:3]):
+                if new is not None:
+                    static_tensor.copy_(new)
+            self.divisor.fill_(float(total))
         self.graph.replay()
+        self.out.metrics["tokens"] = total
         return self.out
 
 
@@ -163,12 +174,16 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     prepared = prepare_step(params, batch, plan)
     # the graph's own copy unless donated: replays read it as it is
     static_params = params if donate else optree.tree_map(lambda t: t.detach().clone(), params)
-    prepared = prepared._replace(tokens=prepared.tokens.clone())
+    # the graph's own copies of the batch (targets cloned apart from the tokens they may view)
+    b = prepared.batch
+    static_batch = b._replace(tokens=b.tokens.clone(), targets=b.targets.clone(),
+                              segments=None if b.segments is None else b.segments.clone())
+    prepared = prepared._replace(batch=static_batch)
     _warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = run_step(static_params, prepared, plan)
-    return GraphedStep(plan, graph, static_params, prepared.tokens, out)
+    return GraphedStep(plan, graph, static_params, prepared, out)
 
 
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
@@ -220,7 +235,11 @@ class _ScopeGraphs:
     def kernels(self) -> Kernels:
         chosen = {}
         if "attn" in self.scopes:
-            def attn(site, p, h, cfg):
+            def attn(site, p, h, cfg, docs=None):
+                if docs is not None:
+                    raise ValueError("a graphed 'attn' scope runs plain causal attention: batches with "
+                                     "'segments' (packed documents) need the eager or compiled attention, or "
+                                     "capture_step (capture without 'attn' in scopes)")
                 leaves, make = _attn_flat(p, self.plan)
                 return self._call("attn", site, make, [h, *leaves])
             chosen["attn"] = attn
@@ -277,6 +296,9 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
         ValueError: a scope cannot be captured under ``plan`` (``check_capturable``).
     """
     check_capturable(plan, tuple(scopes))
+    if "attn" in scopes and isinstance(batch, dict) and batch.get("segments") is not None:
+        raise ValueError("scopes=['attn'] graphs plain causal attention, but the batch has 'segments' (packed "
+                         "documents); graph the other scopes, or the whole step with capture_step")
     graphs = _ScopeGraphs(plan, scopes)
     kernels = graphs.kernels()
     run_step(params, prepare_step(params, batch, plan), plan, kernels)

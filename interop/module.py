@@ -19,6 +19,7 @@ from torch import nn
 import fmoe
 from fmoe.layers import cast_for_compute, moe
 from fmoe.params import named_leaves, param_table, trainable
+from fmoe.batch import no_counted_target
 from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
 
 
@@ -55,7 +56,8 @@ class FMoEModule(nn.Module):
         params: start from this canonical pytree instead of a fresh init.
 
     ``module(batch)`` returns the same scalar ``fmoe.step`` differentiates (the mean
-    next-token cross-entropy, plus router losses when their coefficients are set),
+    next-token cross-entropy over the counted targets, ``loss_mask`` and ``segments``
+    included, plus router losses when their coefficients are set),
     and ``backward()`` leaves the same gradients in ``.grad``.
     """
 
@@ -71,10 +73,12 @@ class FMoEModule(nn.Module):
         return _tree_of(self)
 
     def forward(self, batch: dict) -> torch.Tensor:
-        tokens = check_batch(batch, self.plan)
+        checked = check_batch(batch, self.plan)
+        if num_targets(checked) == 0:
+            raise no_counted_target()
         params = self.params()
-        return sum(microbatch_objective(params, mb, self.plan, num_targets(tokens))[0]
-                   for mb in tokens.chunk(self.plan.microbatches))
+        return sum(microbatch_objective(params, mb, self.plan, num_targets(checked))[0]
+                   for mb in checked.microbatches(self.plan.microbatches))
 
 
 class MoELayer(nn.Module):

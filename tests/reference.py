@@ -35,14 +35,16 @@ def rms_norm(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x_SHd, theta):
-    """Rotate pairs (i, i + d/2) at position s by s * theta^(-2i/d), one position at a time."""
+def rope(x_SHd, theta, positions=None):
+    """Rotate pairs (i, i + d/2) at position s by s * theta^(-2i/d), one position at a time
+    (``positions``: each row's own position instead of its index)."""
     S, H, d = x_SHd.shape
     out = torch.empty_like(x_SHd)
     half = d // 2
     for s in range(S):
+        pos = s if positions is None else int(positions[s])
         for i in range(half):
-            ang = s * theta ** (-2.0 * i / d)
+            ang = pos * theta ** (-2.0 * i / d)
             c, sn = math.cos(ang), math.sin(ang)
             a, b = x_SHd[s, :, i], x_SHd[s, :, i + half]
             out[s, :, i] = a * c - b * sn
@@ -50,8 +52,20 @@ def rope(x_SHd, theta):
     return out
 
 
-def attention(p, x_BSD, cfg):
-    """Per sequence, head and position; query head h reads key/value head h // (H / KV)."""
+def document_positions(doc_S):
+    """Each position's index inside its document (a run of equal ids), one at a time."""
+    out, start = [], 0
+    for s in range(len(doc_S)):
+        if s and doc_S[s] != doc_S[s - 1]:
+            start = s
+        out.append(s - start)
+    return out
+
+
+def attention(p, x_BSD, cfg, docs_BS=None):
+    """Per sequence, head and position; query head h reads key/value head h // (H / KV).
+    ``docs_BS``: a document id per position; a query reads only its document's keys at
+    or before it, and positions restart at each document's first token."""
     B, S, D = x_BSD.shape
     H, KV, d = cfg.heads, cfg.kv_heads or cfg.heads, cfg.head_dim
     eps = cfg.norm_eps
@@ -66,14 +80,16 @@ def attention(p, x_BSD, cfg):
         q, k, v = q.reshape(S, H, d), k.reshape(S, KV, d), v.reshape(S, KV, d)
         if cfg.qk_norm == "head":
             q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+        positions = None if docs_BS is None else document_positions(docs_BS[b].tolist())
+        q, k = rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions)
         o = torch.empty(S, H, d, dtype=x_BSD.dtype)
         for h in range(H):
             kv = h // (H // KV)
             for s in range(S):
-                logits = (k[: s + 1, kv] @ q[s, h]) / math.sqrt(d)
+                first = 0 if positions is None else s - positions[s]
+                logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d)
                 w = torch.exp(logits - logits.max())
-                o[s, h] = (w / w.sum()) @ v[: s + 1, kv]
+                o[s, h] = (w / w.sum()) @ v[first: s + 1, kv]
         outs.append(o.reshape(S, H * d) @ p["out"])
     return torch.stack(outs)
 
@@ -163,14 +179,16 @@ def moe(p, x_TD, cfg, capacity=None):
     return torch.stack(ys), torch.tensor(counts), aux, z
 
 
-def lm_loss_sum(params, tokens_BS1, cfg):
-    """Summed next-token cross-entropy and per-layer (aux, z) lists."""
+def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
+    """Summed next-token cross-entropy and per-layer (aux, z) lists. Target j of a row
+    counts where ``loss_mask[j]`` and, with segments, ``segments[j] == segments[j+1]``."""
     inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     B, S = inputs.shape
+    docs = None if segments_BS1 is None else segments_BS1[:, :-1]
     h = params["embed"][inputs]
     aux, z = [], []
     for p in params["layers"]:
-        h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg)
+        h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg, docs)
         x = rms_norm(h, p["moe"]["norm"], cfg.norm_eps).reshape(B * S, -1)
         y, _, a, zz = moe(p["moe"], x, cfg)
         h = h + y.reshape(B, S, -1)
@@ -179,5 +197,8 @@ def lm_loss_sum(params, tokens_BS1, cfg):
     head = params["embed"].T if cfg.tie_embeddings else params["head"]
     logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ head
     logp = logits - torch.logsumexp(logits, -1, keepdim=True)
-    ce = -logp.gather(-1, targets[..., None]).sum()
+    counts = torch.ones(B, S, dtype=torch.bool) if loss_mask_BS is None else loss_mask_BS.clone()
+    if segments_BS1 is not None:
+        counts &= segments_BS1[:, :-1] == segments_BS1[:, 1:]
+    ce = -(logp.gather(-1, targets[..., None])[..., 0] * counts).sum()
     return ce, aux, z

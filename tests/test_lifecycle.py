@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import fmoe
+from fmoe.batch import Batch
 from fmoe.schedule import Action, Node, build_program, double_buffer_slots, execute
 from fmoe.shard import LifecycleError
 from fmoe.shard.mesh import mesh_for
@@ -17,7 +18,7 @@ TOKENS = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0)
 
 def run(plan, program):
     params = fmoe.init(plan, seed=0)
-    return execute(program, named_leaves(params), TOKENS, plan, mesh_for(plan), 4 * 8)
+    return execute(program, named_leaves(params), Batch.of_tokens(TOKENS), plan, mesh_for(plan), 4 * 8)
 
 
 def zero3(**kw):

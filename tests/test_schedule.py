@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import fmoe
+from fmoe.batch import Batch
 from fmoe.layers import DeferredWgrad, expert_mlp, make_dispatch, permute
 from fmoe.params import named_leaves
 from fmoe.schedule import Action, Node, build_program, execute
@@ -76,7 +77,7 @@ def test_a_program_without_a_landing_is_caught():
 
 
 def run(p, program):
-    return execute(program, named_leaves(fmoe.init(p, seed=0)), TOKENS, p, mesh_for(p), 6 * 8)
+    return execute(program, named_leaves(fmoe.init(p, seed=0)), Batch.of_tokens(TOKENS), p, mesh_for(p), 6 * 8)
 
 
 def moved(program, action, after):

@@ -271,7 +271,7 @@ def test_log_every_reads_the_device_only_on_logged_steps(tmp_path, monkeypatch):
                 self.seen.append(marks[-1])
             return func(*args, **(kwargs or {}))
 
-    def sampling(*args, _real=loop.sample_batch):
+    def sampling(*args, _real=loop.train_batch):
         marks.append(args[4])
         return _real(*args)
 
@@ -282,7 +282,7 @@ def test_log_every_reads_the_device_only_on_logged_steps(tmp_path, monkeypatch):
         finally:
             inside[0] = False
 
-    monkeypatch.setattr(loop, "sample_batch", sampling)
+    monkeypatch.setattr(loop, "train_batch", sampling)
     monkeypatch.setattr(loop, "step", stepping)
     args = ["--steps", 8, "--log-every", 3, "--eval-every", 8, "--save-every", 4, "--batch", 4, "--seq", 16,
             "--eval-batches", 1, "--sample-tokens", 0, "--no-progress", "--threads", 1, "--out", tmp_path]

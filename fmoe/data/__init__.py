@@ -7,7 +7,8 @@
   ``open_corpus`` / ``embedded_corpus`` -> ``TokenCorpus``, ``check_vocab``,
   ``check_corpus`` (every id read once), the tokenizer a run records
   (``tokenizer_record``, ``recorded_tokenizer``), and batches that depend on
-  ``(seed, step)`` only (``sample_batch``, ``heldout_batches``).
+  ``(seed, step)`` only (``sample_batch``, ``heldout_batches``; ``train_batch`` and
+  ``heldout_set`` also take a packed corpus's rows, with ``loss_mask`` and ``segments``).
 - ``prepare``: text files -> a corpus directory, the module behind
   ``python -m fmoe.data prepare FILE_OR_DIR... --out DIR [--tokenizer tokenizer.json]``.
 """
@@ -15,7 +16,12 @@
 from . import prepare
 from .embedded import corpus_bytes, random_windows, tiled_windows, train_heldout_split
 from .tokens import (
+    PackedRows,
     TokenCorpus,
+    check_packed_seq,
+    corpus_unigram,
+    heldout_set,
+    train_batch,
     check_corpus,
     check_vocab,
     corpus_fingerprint,
@@ -28,6 +34,6 @@ from .tokens import (
     unigram_cross_entropy,
 )
 
-__all__ = ["TokenCorpus", "check_corpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus",
+__all__ = ["PackedRows", "TokenCorpus", "check_packed_seq", "corpus_unigram", "heldout_set", "train_batch", "check_corpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus",
            "heldout_batches", "open_corpus", "prepare", "random_windows", "recorded_tokenizer", "sample_batch",
            "tiled_windows", "tokenizer_record", "train_heldout_split", "unigram_cross_entropy"]

@@ -120,13 +120,9 @@ def _encode_bytes(docs: list[str]) -> np.ndarray:
     return np.frombuffer((SEPARATOR.join(docs) + SEPARATOR).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
-def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
-    """The encoder of a ``tokenizer.json`` (``eos`` None: found; ``""``: none), or
-    byte-level when ``tokenizer`` is None."""
-    if tokenizer is None:
-        if eos:
-            raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
-        return Encoder(_encode_bytes, 256, None, None)
+def open_tokenizer(tokenizer) -> tuple:
+    """A ``tokenizer.json`` as ``(tokenizers.Tokenizer, vocab)``: ``vocab`` covers every
+    id, added tokens included (ValueError naming the file, or the missing package)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -138,6 +134,17 @@ def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
         raise ValueError(f"{tokenizer}: not a readable tokenizer.json ({err})") from None
     # added tokens may sit past the model vocab's ids: the vocab must cover the largest
     vocab = max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(True).values(), default=-1) + 1)
+    return tok, vocab
+
+
+def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
+    """The encoder of a ``tokenizer.json`` (``eos`` None: found; ``""``: none), or
+    byte-level when ``tokenizer`` is None."""
+    if tokenizer is None:
+        if eos:
+            raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
+        return Encoder(_encode_bytes, 256, None, None)
+    tok, vocab = open_tokenizer(tokenizer)
     names = [eos] if eos is not None else [c for c in EOS_CANDIDATES if tok.token_to_id(c) is not None][:1]
     eos_id = tok.token_to_id(names[0]) if names and names[0] else None
     if eos and eos_id is None:
@@ -224,6 +231,27 @@ def _is_corpus(path: Path) -> bool:
         return False
 
 
+def check_out(out, overwrite: bool) -> Path:
+    """``out`` as a Path, if it may be written: absent, or (``overwrite``) a corpus
+    (ValueError otherwise: never replace, say, a folder of input texts)."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
+    if out.exists() and not _is_corpus(out):
+        raise ValueError(f"--out {out} exists and is not a corpus written by fmoe.data prepare; "
+                         "refusing to replace it")
+    return out
+
+
+def temporary_sibling(out: Path) -> Path:
+    """A new empty directory beside ``out``, renamed onto it when complete (so ``out``
+    never holds a partial corpus)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
 def prepare(inputs, out, tokenizer=None, eos: str | None = None, overwrite: bool = False, quiet: bool = False,
             globs=GLOBS) -> dict:
     """Tokenize ``inputs`` into the corpus directory ``out``.
@@ -241,18 +269,11 @@ def prepare(inputs, out, tokenizer=None, eos: str | None = None, overwrite: bool
     Returns:
         The written ``meta.json`` as a dict.
     """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
-    if out.exists() and not _is_corpus(out):
-        raise ValueError(f"--out {out} exists and is not a corpus written by fmoe.data prepare; "
-                         "refusing to replace it")
+    out = check_out(out, overwrite)
     files = find_inputs(inputs, globs)
     enc = load_encoder(tokenizer, eos)
     dtype = enc.dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = temporary_sibling(out)
     try:
         count, n_docs, max_id = _write_tokens(files, enc, tmp / "tokens.bin", quiet)
         if count == 0:
@@ -287,15 +308,39 @@ def main(argv=None) -> None:
                    help=f"files to take from directories, repeatable (default: {' '.join(GLOBS)})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    chat = p.add_argument_group("chat data for fine-tuning (the format: pydoc fmoe.data.chat)")
+    chat.add_argument("--chat", action="store_true",
+                      help="the inputs are chat JSONL (directories: their *.jsonl): rendered, masked and packed "
+                           "into rows of --seq + 1 tokens")
+    chat.add_argument("--seq", type=int, default=None, help="with --chat: the tokens a row trains on (required)")
+    chat.add_argument("--train-on", default=None, metavar="{assistant,all}",
+                      help="with --chat: the tokens trained on (default: assistant)")
+    chat.add_argument("--long", default=None, metavar="{split,truncate}",
+                      help="with --chat: a conversation longer than a row is split at message boundaries "
+                           "(default) or truncated")
     args = ap.parse_args(argv)
+    chat_only = [flag for flag, value in (("--seq", args.seq), ("--train-on", args.train_on),
+                                          ("--long", args.long)) if value is not None]
+    if chat_only and not args.chat:
+        raise SystemExit(f"fmoe.data: {' and '.join(chat_only)} only go with --chat (chat JSONL for fine-tuning)")
     try:
-        meta = prepare(args.inputs, args.out, args.tokenizer, args.eos, args.overwrite, args.quiet,
-                       args.globs or GLOBS)
+        if args.chat:
+            from .chat import GLOBS as CHAT_GLOBS, prepare_chat, summary
+
+            meta = prepare_chat(args.inputs, args.out, args.seq, args.tokenizer, args.eos,
+                                args.train_on or "assistant", args.long or "split", args.overwrite, args.quiet,
+                                args.globs or CHAT_GLOBS)
+        else:
+            meta = prepare(args.inputs, args.out, args.tokenizer, args.eos, args.overwrite, args.quiet,
+                           args.globs or GLOBS)
     except (ValueError, OSError) as err:
         raise SystemExit(f"fmoe.data: {err}") from None
     except KeyboardInterrupt:  # the partial corpus is removed by prepare's cleanup
         kept = "the corpus there is unchanged" if Path(args.out).exists() else "nothing was written there"
         print(f"fmoe.data: interrupted; --out {args.out}: {kept}", file=sys.stderr)
         raise SystemExit(130) from None
+    if args.chat:
+        print(summary(meta, args.out))
+        return
     print(f"fmoe.data: {meta['documents']} documents, {meta['tokens']} tokens ({meta['dtype']}, vocab "
           f"{meta['vocab']}) -> {args.out}")

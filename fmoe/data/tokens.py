@@ -9,6 +9,12 @@ A corpus directory (written by ``python -m fmoe.data prepare``) holds
   "max_id", "documents", "tokenizer", "eos_id", "sources"}``;
 - ``tokenizer.json`` when a Hugging Face tokenizer made the ids (byte-level otherwise).
 
+A packed corpus (``python -m fmoe.data prepare --chat``: conversations packed into rows
+for fine-tuning) also holds ``loss_mask.bin`` (``uint8``, per position: 1 where that
+token is a trained target) and ``segments.bin`` (``uint32``, per position: its document
+within the row), and ``meta.json``'s ``"packed": {"row_tokens": S + 1, "rows", ...}``.
+Its batches are whole rows with ``loss_mask`` and ``segments`` (``fmoe.batch``).
+
 Batches are drawn at offsets from a generator seeded by ``(seed, step)`` alone, so any
 number of ranks sees the same global batch and a resumed run draws exactly what an
 uninterrupted one draws at the same step.
@@ -29,6 +35,22 @@ DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 EMBEDDED = "embedded:pydoc_data.topics"
 
 
+class PackedRows(NamedTuple):
+    """A packed corpus's per-position data beside its ids, split as the ids are.
+
+    Attributes:
+        row: positions per row (``S + 1``).
+        train_mask, heldout_mask: 1-D ``uint8``: 1 where that position's token is a trained target.
+        train_segments, heldout_segments: 1-D ``uint32``: the position's document within its row.
+    """
+
+    row: int
+    train_mask: np.ndarray
+    heldout_mask: np.ndarray
+    train_segments: np.ndarray
+    heldout_segments: np.ndarray
+
+
 class TokenCorpus(NamedTuple):
     """Token ids split into a training part and a held-out tail.
 
@@ -38,6 +60,7 @@ class TokenCorpus(NamedTuple):
         tokenizer: the ``tokenizer.json`` that made the ids, or None (UTF-8 bytes).
         eos_id: the end-of-document id between documents, if any.
         source: the corpus directory, or ``embedded:pydoc_data.topics``.
+        packed: a packed corpus's rows (split at a row), or None for a plain stream of ids.
     """
 
     train: np.ndarray
@@ -46,6 +69,7 @@ class TokenCorpus(NamedTuple):
     tokenizer: Path | None
     eos_id: int | None
     source: str
+    packed: PackedRows | None = None
 
 
 def check_corpus(corpus: TokenCorpus) -> str:
@@ -89,6 +113,12 @@ def _scan(corpus: TokenCorpus, check: bool) -> str:
                                  "(prepare it again with `python -m fmoe.data prepare`)")
             digest.update(chunk.astype("<i8", copy=False).tobytes())
         at += len(flat)
+    if corpus.packed is not None:  # which targets count, and where documents end, are data too
+        p = corpus.packed
+        for part in (p.train_mask, p.heldout_mask, p.train_segments, p.heldout_segments):
+            for start in range(0, len(part), _CHUNK):
+                digest.update(np.asarray(part[start:start + _CHUNK]).astype("<u4", copy=False).tobytes())
+        return f"{at} tokens in rows of {p.row}, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
     return f"{at} tokens, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
 
 
@@ -226,11 +256,44 @@ def open_corpus(path, heldout_fraction: float = 0.05) -> TokenCorpus:
         raise ValueError(f"{data}: {data.stat().st_size} bytes, but meta.json's 'tokens'={meta['tokens']} "
                          f"of {meta['dtype']} need {meta['tokens'] * dtype.itemsize}")
     ids = np.memmap(data, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)
-    train, heldout = _split(ids, heldout_fraction, str(directory))
     tokenizer = directory / meta["tokenizer"] if meta.get("tokenizer") is not None else None
     if tokenizer is not None and not tokenizer.is_file():
         raise ValueError(f"{directory}: meta.json's key 'tokenizer' names {meta['tokenizer']!r}, which is missing")
+    if "packed" in meta:
+        return _open_packed(directory, meta, ids, heldout_fraction, tokenizer)
+    train, heldout = _split(ids, heldout_fraction, str(directory))
     return TokenCorpus(train, heldout, meta["vocab"], tokenizer, meta.get("eos_id"), str(directory))
+
+
+_PACKED_FILES = {"loss_mask.bin": np.uint8, "segments.bin": np.uint32}
+
+
+def _open_packed(directory: Path, meta: dict, ids: np.ndarray, heldout_fraction: float,
+                 tokenizer: Path | None) -> TokenCorpus:
+    """A packed corpus: its rows split at a row, the held-out rows the tail."""
+    packed, where = meta["packed"], directory / "meta.json"
+    row = packed.get("row_tokens") if isinstance(packed, dict) else None
+    if isinstance(row, bool) or not isinstance(row, int) or row < 2 or len(ids) % row:
+        raise ValueError(f"{where}: key 'packed.row_tokens'={row!r} must be an int >= 2 dividing 'tokens'="
+                         f"{len(ids)}")
+    arrays = []
+    for name, dtype in _PACKED_FILES.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != len(ids) * np.dtype(dtype).itemsize:
+            state = "is missing" if not path.is_file() else f"has {path.stat().st_size} bytes"
+            raise ValueError(f"{path} {state}; a packed corpus of {len(ids)} tokens needs "
+                             f"{len(ids) * np.dtype(dtype).itemsize} ({np.dtype(dtype).name} per token)")
+        arrays.append(np.memmap(path, dtype=dtype, mode="r") if len(ids) else np.zeros(0, dtype))
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction={heldout_fraction!r} is invalid: must be in (0, 1)")
+    rows = len(ids) // row
+    held = max(1, round(rows * heldout_fraction))
+    if rows - held < 1:
+        raise ValueError(f"{directory}: {rows} packed row(s) are too few to hold out {heldout_fraction:.0%} of them")
+    cut = (rows - held) * row
+    mask, segments = arrays
+    split = PackedRows(row, mask[:cut], mask[cut:], segments[:cut], segments[cut:])
+    return TokenCorpus(ids[:cut], ids[cut:], meta["vocab"], tokenizer, meta.get("eos_id"), str(directory), split)
 
 
 def check_vocab(corpus: TokenCorpus, vocab: int) -> None:
@@ -281,6 +344,61 @@ def sample_batch(ids, batch: int, seq: int, seed: int, step: int, rank: int = 0,
     return {"tokens": _windows(ids, starts_B[first:last].tolist(), seq)}
 
 
+def _rows(ids, mask, segments, row: int, which: list[int]) -> dict:
+    """Whole packed rows as a fine-tuning batch (``fmoe.batch``)."""
+    def take(a):
+        return torch.from_numpy(np.stack([np.asarray(a[r * row:(r + 1) * row], dtype=np.int64) for r in which]))
+
+    return {"tokens": take(ids), "loss_mask": take(mask)[:, 1:].bool(), "segments": take(segments)}
+
+
+def check_packed_seq(corpus: TokenCorpus, seq: int) -> None:
+    """ValueError unless a packed corpus's rows are ``seq + 1`` positions long."""
+    if corpus.packed is not None and corpus.packed.row != seq + 1:
+        longer = "longer" if corpus.packed.row > seq + 1 else "shorter"
+        raise ValueError(f"--data {corpus.source}: its rows hold {corpus.packed.row} positions (packed for "
+                         f"--seq {corpus.packed.row - 1}), {longer} than --seq={seq} + 1; allowed: --seq "
+                         f"{corpus.packed.row - 1} (or leave --seq out), or prepare the data again with --seq {seq}")
+
+
+def train_batch(corpus: TokenCorpus, batch: int, seq: int, seed: int, step: int, rank: int = 0,
+                world: int = 1) -> dict:
+    """This rank's rows of step ``step``'s global batch: random windows of a plain
+    corpus (``sample_batch``), random whole rows of a packed one (with ``loss_mask`` and
+    ``segments``), chosen by ``(seed, step)`` alone either way."""
+    if corpus.packed is None:
+        return sample_batch(corpus.train, batch, seq, seed, step, rank, world)
+    p = corpus.packed
+    first, last = _rank_rows(batch, rank, world)
+    state_B = np.random.SeedSequence([seed, step]).generate_state(batch, np.uint64)
+    which = (state_B % np.uint64(len(corpus.train) // p.row))[first:last].tolist()
+    return _rows(corpus.train, p.train_mask, p.train_segments, p.row, which)
+
+
+def heldout_set(corpus: TokenCorpus, batch: int, seq: int, max_batches: int, rank: int = 0,
+                world: int = 1) -> list[dict]:
+    """The held-out batches: ``heldout_batches`` of a plain corpus; of a packed one its
+    rows in order (a batch's rows that train on nothing left out: every evaluation
+    batch has targets to count)."""
+    if corpus.packed is None:
+        return heldout_batches(corpus.heldout, batch, seq, max_batches, rank, world)
+    p = corpus.packed
+    rows = len(corpus.heldout) // p.row
+    if rows < batch:
+        raise ValueError(f"--data {corpus.source}: its {rows} held-out row(s) are fewer than one batch of {batch} "
+                         "(raise --heldout-fraction or lower --batch)")
+    first, last = _rank_rows(batch, rank, world)
+    out = []
+    for b in range(min(rows // batch, max_batches)):
+        if not np.asarray(p.heldout_mask[b * batch * p.row:(b + 1) * batch * p.row]).any():
+            continue
+        out.append(_rows(corpus.heldout, p.heldout_mask, p.heldout_segments, p.row,
+                         [b * batch + r for r in range(first, last)]))
+    if not out:
+        raise ValueError(f"--data {corpus.source}: its held-out rows train on no token (loss_mask.bin is 0 there)")
+    return out
+
+
 def heldout_batches(ids, batch: int, seq: int, max_batches: int, rank: int = 0, world: int = 1) -> list[dict]:
     """Non-overlapping windows covering ``ids`` in order (as ``tiled_windows``), at most
     ``max_batches`` global batches.
@@ -295,6 +413,19 @@ def heldout_batches(ids, batch: int, seq: int, max_batches: int, rank: int = 0, 
     first, last = _rank_rows(batch, rank, world)
     return [{"tokens": _windows(ids, [(b * batch + r) * seq for r in range(first, last)], seq)}
             for b in range(n // batch)]
+
+
+def corpus_unigram(corpus: TokenCorpus, vocab: int) -> float:
+    """``unigram_cross_entropy`` of the corpus; of a packed one over its trained targets."""
+    if corpus.packed is None:
+        return unigram_cross_entropy(corpus.train, corpus.heldout, vocab)
+    p = corpus.packed
+
+    def trained(ids, mask):
+        n = min(len(ids), 10_000_000)
+        return np.asarray(ids[:n])[np.asarray(mask[:n]).astype(bool)]
+
+    return unigram_cross_entropy(trained(corpus.train, p.train_mask), trained(corpus.heldout, p.heldout_mask), vocab)
 
 
 def unigram_cross_entropy(train, heldout, vocab: int = 256, max_tokens: int = 10_000_000) -> float:

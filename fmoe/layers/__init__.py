@@ -4,7 +4,7 @@ re-exported from ``fmoe.backends``, where the table of named backends lives."""
 
 from ..backends import ExpertBackend, register_expert_backend, registered_backend
 
-from .attention import apply_rope, attend, attention, project_qkv, rope_tables
+from .attention import Documents, apply_rope, attend, attention, documents, project_qkv, rope_tables
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
 from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch, from_experts, plan_exchange, to_experts
@@ -18,9 +18,9 @@ from .triton_kernels import fused_kernels_available
 from . import kernel_ops  # noqa: F401  (registers the fmoe:: custom ops the kernels run as)
 
 __all__ = [
-    "QUICK_GELU_ALPHA", "DeferredWgrad", "Dispatch", "ExpertBackend", "ExpertParallel", "MoEStats", "Routed",
+    "QUICK_GELU_ALPHA", "DeferredWgrad", "Dispatch", "Documents", "ExpertBackend", "ExpertParallel", "MoEStats", "Routed",
     "Routing", "activation", "add_expert_bias", "apply_rope", "attend", "attention", "attention_half", "block", "capacity_rows", "cast_for_compute", "combine",
-    "dense_mlp", "dispatch", "embed", "expert_mlp", "forward", "from_experts", "fused_kernels_available", "glu_halves",
+    "dense_mlp", "dispatch", "documents", "embed", "expert_mlp", "forward", "from_experts", "fused_kernels_available", "glu_halves",
     "grouped_matmul", "head_weight",
     "lm_loss_sum", "make_dispatch", "moe", "moe_experts", "moe_output", "moe_route", "permute",
     "plan_exchange", "project_qkv", "register_expert_backend", "registered_backend", "rms_norm", "rope_tables",

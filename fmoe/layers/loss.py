@@ -3,15 +3,17 @@
 import torch
 import torch.nn.functional as F
 
+from ..batch import IGNORE
 from .fp8 import Fp8Weight
 from .precision import upcast
 
 
 def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
                       matmul=torch.matmul) -> torch.Tensor:
-    """``sum_t CE(x_t @ w, target_t)``, the softmax in fp32 whatever x's dtype; the
-    logits' product through ``matmul`` (``Gemms.head``: FP8 under ``Plan.fp8='tensorwise'``)."""
-    return F.cross_entropy(upcast(matmul(x_TD, w_DV)), targets_T, reduction="sum")
+    """``sum_t CE(x_t @ w, target_t)`` over the targets that are not ``IGNORE``, the
+    softmax in fp32 whatever x's dtype; the logits' product through ``matmul``
+    (``Gemms.head``: FP8 under ``Plan.fp8='tensorwise'``)."""
+    return F.cross_entropy(upcast(matmul(x_TD, w_DV)), targets_T, reduction="sum", ignore_index=IGNORE)
 
 
 def _head_weight(w_DV: torch.Tensor, q_DV: torch.Tensor | None, scale: torch.Tensor | None):
@@ -58,7 +60,7 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
     Arguments:
         x_TD: ``[T, D]`` final hidden states (normalised).
         w_DV: ``[D, V]`` output projection, or an ``Fp8Weight`` (gathered in FP8).
-        targets_T: ``[T]`` target ids.
+        targets_T: ``[T]`` target ids (``IGNORE``: not counted).
         chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
         piece: the function each piece runs, ``cross_entropy_sum``'s signature (a
             ``torch.compile``d one under ``Plan.compile``).

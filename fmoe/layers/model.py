@@ -4,9 +4,10 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from ..batch import IGNORE
 from ..config import ModelConfig
 from ..params import FP32_LEAVES
-from .attention import KVSlot, attention
+from .attention import Documents, KVSlot, attention, documents
 from .embedding import embed
 from .fp8 import PLAIN, Gemms
 from .moe import MoEStats, moe
@@ -32,22 +33,24 @@ def head_weight(params: dict) -> torch.Tensor:
     return params["head"] if "head" in params else params["embed"].t()
 
 
-def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None,
-                   gemms: Gemms = PLAIN):
-    """``h += attn(norm(h))``, then the MoE's input norm (``kv``, ``gemms``: see ``attention``).
+def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
+                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+    """``h += attn(norm(h))``, then the MoE's input norm (``docs``, ``kv``, ``gemms``: see
+    ``attention``).
 
     Returns:
         ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
     """
     eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms)
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs)
     return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
 
 
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None,
-          kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+          kv: KVSlot | None = None, gemms: Gemms = PLAIN, docs: Documents | None = None):
     """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``. The schedule's
-    layer nodes run the same phases one at a time; decoding passes its cache as ``kv``.
+    layer nodes run the same phases one at a time; decoding passes its cache as ``kv``,
+    packed rows their ``docs``.
 
     ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert);
     ``gemms`` the products its weights enter (``fmoe.layers.fp8``).
@@ -55,13 +58,13 @@ def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"
     Returns:
         ``(h_BSD, MoEStats)``.
     """
-    h_BSD, x_TD = attention_half(p, h_BSD, cfg, kv, gemms)
+    h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, kv, gemms)
     y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep, gemms)
     return h_BSD + y_TD.view_as(h_BSD), stats
 
 
 def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
-            gemms: Gemms = PLAIN):
+            gemms: Gemms = PLAIN, segments_BS: torch.Tensor | None = None):
     """Logits for every position.
 
     Arguments:
@@ -70,31 +73,37 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         cfg: the ModelConfig.
         backend: expert matmul backend.
         gemms: the layers' and the head's products (``Plan.fp8``: ``fmoe.layers.fp8``).
+        segments_BS: ``[B, S]`` a document id per position (packed documents), or None.
 
     Returns:
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
     """
     h = embed(params["embed"], tokens_BS)
+    docs = None if segments_BS is None else documents(segments_BS)
     stats = []
     for p in params["layers"]:
-        h, s = block(p, h, cfg, backend, gemms=gemms)
+        h, s = block(p, h, cfg, backend, gemms=gemms, docs=docs)
         stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     return gemms.head(h, head_weight(params)), stats
 
 
 def lm_loss_sum(params: dict, tokens_BS1: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
-                gemms: Gemms = PLAIN):
+                gemms: Gemms = PLAIN, targets_BS: torch.Tensor | None = None,
+                segments_BS: torch.Tensor | None = None):
     """Summed next-token cross-entropy (fp32) of ``tokens[:, :-1] -> tokens[:, 1:]``
-    (``backend``, ``gemms``: as ``forward``).
+    (``backend``, ``gemms``, ``segments_BS``: as ``forward``).
+
+    ``targets_BS``: the targets, ``fmoe.batch.IGNORE`` where one does not count (a
+    ``Batch``'s ``targets``); default ``tokens[:, 1:]``, all of them.
 
     Returns:
-        ``(ce_sum, stats)``: a fp32 scalar summed over all ``B * S`` targets, and the
+        ``(ce_sum, stats)``: a fp32 scalar summed over the counted targets, and the
         per-layer MoEStats.
     """
-    logits, stats = forward(params, tokens_BS1[:, :-1], cfg, backend, gemms)
-    targets = tokens_BS1[:, 1:]
-    ce = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum")
+    logits, stats = forward(params, tokens_BS1[:, :-1], cfg, backend, gemms, segments_BS)
+    targets = tokens_BS1[:, 1:] if targets_BS is None else targets_BS
+    ce = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE)
     return ce, stats
 
 

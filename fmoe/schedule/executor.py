@@ -24,7 +24,9 @@ from typing import NamedTuple
 import optree
 import torch
 
+from ..batch import Batch
 from ..config import Plan
+from ..layers.attention import documents
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
 from ..layers.fp8 import Fp8Weight
@@ -142,9 +144,11 @@ class _Flow:
     record for its ``wgrad``). ``events``: exchanges that landed, for the trace.
     """
 
-    def __init__(self, plan: Plan, mesh: Mesh, tokens: torch.Tensor, total_targets: int, kernels: Kernels):
+    def __init__(self, plan: Plan, mesh: Mesh, batch: Batch, total_targets, kernels: Kernels):
         self.plan, self.mesh, self.total_targets, self.kernels = plan, mesh, total_targets, kernels
-        self.tokens_mb = tokens.chunk(plan.microbatches)
+        self.batch_mb = batch.microbatches(plan.microbatches)
+        # packed documents: worked out once per microbatch, read by every layer
+        self.docs_mb = [None if b.documents is None else documents(b.documents) for b in self.batch_mb]
         self.train = torch.is_grad_enabled()
         self.ep_events: list = []
         self.ep = ExpertParallel(mesh.ep, plan.model.experts // plan.ep, self.ep_events) if plan.ep > 1 else None
@@ -226,14 +230,14 @@ def _input_h(flow: _Flow, mb: int, node: Node) -> torch.Tensor:
 
 
 def _forward_embed(flow: _Flow, mb: int, node: Node, weights: dict):
-    h = embed_node(weights, flow.tokens_mb[mb])
+    h = embed_node(weights, flow.batch_mb[mb].inputs)
     flow.values[(mb, node)] = {"h": h}
     flow.save(mb, node, _Computed({}, {"h": h}, weights))
 
 
 def _forward_head(flow: _Flow, mb: int, node: Node, weights: dict):
     plan, h = flow.plan, _input_h(flow, mb, node)
-    objective, ce_sum = head_node(weights, h, flow.tokens_mb[mb], flow.total_targets, plan.model.norm_eps,
+    objective, ce_sum = head_node(weights, h, flow.batch_mb[mb].targets, flow.total_targets, plan.model.norm_eps,
                                   mb, flow.kernels, plan.loss_chunk)
     flow.save(mb, node, _Computed({"h": h}, {}, weights, objective))
     return objective.detach(), ce_sum
@@ -241,7 +245,8 @@ def _forward_head(flow: _Flow, mb: int, node: Node, weights: dict):
 
 def _forward_attn(flow: _Flow, mb: int, node: Node, weights: dict) -> Attended:
     h = _input_h(flow, mb, node)
-    result = attn_node(weights, h, flow.plan, node.layer, flow.mesh.world.size, flow.ep, mb, flow.kernels)
+    result = attn_node(weights, h, flow.plan, node.layer, flow.mesh.world.size, flow.ep, mb, flow.kernels,
+                       docs=flow.docs_mb[mb])
     if flow.remat:  # kept: the input and the routing; the rows go on as an output and
         # a recompute makes them again
         result = _detached(result)
@@ -350,7 +355,8 @@ def _recompute(state, a: Action, flow: _Flow):
     attn, _, experts, combine = layer_nodes(layer)
     h = _leaf(kept["h"], True)
     weights = _weights(state, a.unit, attn, flow, what)
-    res = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed)
+    res = attn_node(weights, h, plan, layer, flow.mesh.world.size, flow.ep, mb, flow.kernels, decided=routed,
+                    docs=flow.docs_mb[mb])
     flow.save(mb, attn, _Computed({"h": h}, res.outputs, weights, res.objective, routed))
     crossed = routed.exchange is not None
     rows, probs = (kept["rows"], kept["row_probs"]) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
@@ -446,9 +452,11 @@ def _profiled(a: Action):
     return torch.profiler.record_function(f"fmoe {a.op} {a.node or a.unit}{mb}")
 
 
-def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, plan: Plan, mesh: Mesh,
-            total_targets: int, slots: dict | None = None, kernels: Kernels | None = None) -> Executed:
-    """Run ``program`` on this rank's params (``{path: leaf}``) and batch slice ``tokens``.
+def execute(program: list[Action], params_named: dict, batch: Batch, plan: Plan, mesh: Mesh,
+            total_targets: int | torch.Tensor, slots: dict | None = None,
+            kernels: Kernels | None = None) -> Executed:
+    """Run ``program`` on this rank's params (``{path: leaf}``) and Batch (its rows;
+    ``total_targets``: the global batch's counted targets, an int or a device scalar).
 
     ``slots`` come from ``check_program`` (double buffering), which ``step`` calls
     before its first collective; ``kernels`` are the functions the layer nodes call
@@ -458,9 +466,9 @@ def execute(program: list[Action], params_named: dict, tokens: torch.Tensor, pla
     if slots is None:
         slots = check_program(plan, program)
     state = lc.start(plan, spec, mesh, lc.build_shards(params_named, spec, plan, mesh), max_live_units(plan), slots)
-    flow = _Flow(plan, mesh, tokens, total_targets, kernels_for(plan) if kernels is None else kernels)
-    ce_sum = torch.zeros((), device=tokens.device)
-    objective = torch.zeros((), device=tokens.device)
+    flow = _Flow(plan, mesh, batch, total_targets, kernels_for(plan) if kernels is None else kernels)
+    ce_sum = torch.zeros((), device=batch.tokens.device)
+    objective = torch.zeros((), device=batch.tokens.device)
     stats: dict = {}
     for a in program:
         t0 = now()

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..config import ModelConfig, Plan
+from ..layers.attention import Documents
 from ..layers.dispatch import make_dispatch
 from ..layers.embedding import embed
 from ..layers.experts import DeferredWgrad, dense_mlp, expert_mlp
@@ -133,7 +134,8 @@ class Kernels(NamedTuple):
     take those).
 
     Attributes:
-        attn: ``(site, p_layer, h_BSD, cfg) -> (h_BSD, x_TD)``, as ``attention_half``.
+        attn: ``(site, p_layer, h_BSD, cfg, docs) -> (h_BSD, x_TD)``, as ``attention_half``
+            (``docs``: the microbatch's packed ``Documents``, or None).
         router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
         experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, backend, deferred) -> y_RD``,
             as ``expert_mlp``.
@@ -170,18 +172,19 @@ class Attended(NamedTuple):
     stats: MoEStats
 
 
-def embed_node(weights: dict, tokens_mb: torch.Tensor) -> torch.Tensor:
-    return embed(weights["embed"], tokens_mb[:, :-1])
+def embed_node(weights: dict, inputs_BS: torch.Tensor) -> torch.Tensor:
+    return embed(weights["embed"], inputs_BS)
 
 
 def attn_node(weights: dict, h_BSD: torch.Tensor, plan: Plan, layer: int, world: int,
               ep: ExpertParallel | None, mb: int = 0, kernels: Kernels = EAGER,
-              decided: Routed | None = None) -> Attended:
+              decided: Routed | None = None, docs: Documents | None = None) -> Attended:
     """Attention half of layer ``layer`` and the MoE up to the rows leaving for their
-    experts (``decided``: the routing of the forward this run recomputes)."""
+    experts (``decided``: the routing of the forward this run recomputes; ``docs``: the
+    microbatch's packed documents)."""
     cfg = plan.model
     p, site = layer_tree(weights, cfg), (layer, mb)
-    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg)
+    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
     routed = moe_route(p["moe"], x_TD, cfg, ep, functools.partial(kernels.router, site),
                        functools.partial(kernels.dispatch, site), decided)
     shared = kernels.shared(site, p["moe"]["shared"], x_TD, cfg) if "shared" in p["moe"] else None
@@ -209,8 +212,10 @@ def combine_output(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tens
     return h_BSD + moe_output(y_RD, routed.dispatch, probs_TK, shared_TD).view_as(h_BSD)
 
 
-def head_node(weights: dict, h_BSD: torch.Tensor, tokens_mb: torch.Tensor, total_targets: int, eps: float,
+def head_node(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, total_targets, eps: float,
               mb: int = 0, kernels: Kernels = EAGER, chunk: int = 0):
-    """``(objective, ce_sum)``: summed next-token cross-entropy over ``total_targets``."""
-    ce_sum = kernels.head(("head", mb), weights, h_BSD, tokens_mb[:, 1:], eps, chunk)
+    """``(objective, ce_sum)``: the cross-entropy summed over the counted targets
+    (``IGNORE`` elsewhere), over ``total_targets``, the global batch's count (an int or
+    a device scalar)."""
+    ce_sum = kernels.head(("head", mb), weights, h_BSD, targets_BS, eps, chunk)
     return ce_sum / total_targets, ce_sum.detach()

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from .. import hf
 from ..checkpoint import load, save
-from ..data import heldout_batches, sample_batch, tokenizer_record, unigram_cross_entropy
+from ..data import corpus_unigram, heldout_set, tokenizer_record, train_batch
 from ..initialize import init
 from ..generate import generate, load_tokenizer
 from ..optim import adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
@@ -191,7 +191,7 @@ class _Window:
         self.restart()
 
     def restart(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+        self.start, self.steps, self.trained = time.perf_counter(), 0, 0
 
     def seconds_per_step(self) -> float:
         """The wall time per step since ``restart``; call it right after a host read."""
@@ -232,19 +232,23 @@ def _train(run: Run, signals: StopSignals) -> dict:
                 fused=s["fused_optimizer"], donate=s["fused_optimizer"],
                 skip_nonfinite=s["steps"] + s["max_skips"] if s["max_skips"] else 0)
     norm_in_state = bool(s["clip"] or s["max_skips"])  # the optimizer computes the norm and keeps it
-    heldout = heldout_batches(corpus.heldout, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
+    heldout = heldout_set(corpus, s["batch"], s["seq"], s["eval_batches"], world.rank, world.size)
     data = {key: s[key] for key in _DATA_KEYS if key != "corpus"}
     data["corpus"] = run.fingerprint
     params, opt_state, first = _start(run, opt, data)
     if world.is_main:  # every check has passed: now the folder changes
         _prepare_out(run)
     last = min(s["steps"], s["stop_after"]) if s["stop_after"] else s["steps"]
-    baseline = unigram_cross_entropy(corpus.train, corpus.heldout, cfg.vocab)
+    baseline = corpus_unigram(corpus, cfg.vocab)
     n_params = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
     _say(run, f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
               f"tokens from {corpus.source}; {world.size} rank(s), dp={plan.dp} ep={plan.ep} "
               f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")
-    _say(run, f"unigram baseline (held-out): {baseline:.4f} nats/token")
+    if corpus.packed is not None:
+        _say(run, f"packed rows of {corpus.packed.row} positions: the loss counts the trained targets "
+                  "(loss_mask.bin) and attention stays inside each document (segments.bin)")
+    _say(run, f"unigram baseline (held-out{', trained targets' if corpus.packed is not None else ''}): "
+              f"{baseline:.4f} nats/token")
     tokens_per_step = s["batch"] * s["seq"]
     flops_per_step = train_flops_per_token(cfg, s["seq"]) * tokens_per_step
     peak = peak_tflops(plan.device, plan.dtype, s["peak_tflops"])
@@ -271,7 +275,7 @@ def _train(run: Run, signals: StopSignals) -> dict:
     window = _Window()
     try:
         for step_num in bar:
-            batch = sample_batch(corpus.train, s["batch"], s["seq"], s["seed"], step_num, world.rank, world.size)
+            batch = train_batch(corpus, s["batch"], s["seq"], s["seed"], step_num, world.rank, world.size)
             try:
                 out = stepper(params, batch)
             except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
@@ -291,6 +295,7 @@ def _train(run: Run, signals: StopSignals) -> dict:
                 params = update_expert_bias(params, out.metrics["expert_counts"], cfg.expert_bias_rate, donate=True,
                                             applied=opt_state.applied if s["max_skips"] else None)
             window.steps += 1
+            window.trained += out.metrics["tokens"]  # the global batch's counted targets: a host int
             done = step_num
             if step_num == first and plan.compile:  # say what the first step's wait was
                 float(out.loss)
@@ -314,6 +319,8 @@ def _train(run: Run, signals: StopSignals) -> dict:
                       "expert_load": got["expert_load"], "dropped_tokens": int(got["dropped_tokens"]),
                       "elapsed_s": time.perf_counter() - start}
             record["max_load"] = max(record["expert_load"])
+            if corpus.packed is not None:  # fine-tuning: the targets the loss counts, per second
+                record["trained_tokens_per_s"] = window.trained / window.steps / step_s
             if peak:
                 record["mfu"] = flops_per_step / step_s / world.size / (peak * 1e12)
             if s["max_skips"] and in_a_row >= s["max_skips"]:
@@ -325,7 +332,8 @@ def _train(run: Run, signals: StopSignals) -> dict:
                 _say(run, f"step {step_num:5d}  train {train_loss:.4f}  held-out {heldout_loss:.4f}  "
                           f"(unigram {baseline:.4f})")
             log.write(record)
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            trained = {"trained_tok_s": f"{record['trained_tokens_per_s']:.0f}"} if corpus.packed is not None else {}
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}", **trained,
                             skipped=record["skipped_steps"])
             if stop:
                 stopped = signals.received or "a signal on another rank"

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 from .. import hf
 from ..backends import BUILT_IN, declared_backends, expert_backend_names, registered_backend
 from ..config import ModelConfig, Plan
-from ..data import TokenCorpus, check_corpus, check_vocab, embedded_corpus, open_corpus
+from ..data import TokenCorpus, check_corpus, check_packed_seq, check_vocab, embedded_corpus, open_corpus
 from ..generate import kv_cache_bytes
 from ..hf.families import TRAINING_FIELDS
 from ..params import flat_shapes
@@ -186,6 +186,9 @@ def _model_config(s: dict, explicit: set, corpus: TokenCorpus, base: ModelConfig
 def _corpus_and_model(s: dict, explicit: set) -> tuple[TokenCorpus, ModelConfig]:
     base = hf.config(s["init_from_hf"]) if s["init_from_hf"] else None  # its folder named before its tokenizer
     corpus = _open_corpus(s)
+    if corpus.packed is not None and "seq" not in explicit:  # a packed corpus's rows fix the sequence
+        s["seq"] = corpus.packed.row - 1
+    check_packed_seq(corpus, s["seq"])
     return corpus, _model_config(s, explicit, corpus, base)
 
 

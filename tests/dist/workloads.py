@@ -13,6 +13,7 @@ import optree
 import torch
 
 import fmoe
+from fmoe.batch import Batch
 from fmoe.schedule import Node
 from fmoe.shard import count
 
@@ -147,7 +148,7 @@ def released_weights(rank, world):
     wrong = [a for i, a in enumerate(program) if i not in regather]
     tokens = rank_rows(global_batch(), rank, world)
     try:
-        execute(wrong, named_leaves(fmoe.init(plan, seed=0)), tokens, plan, mesh_for(plan), 16 * 12)
+        execute(wrong, named_leaves(fmoe.init(plan, seed=0)), Batch.of_tokens(tokens), plan, mesh_for(plan), 16 * 12)
     except LifecycleError as err:
         return str(err)
     return "no error"
@@ -512,4 +513,26 @@ def fp8_gather_configs(rank, world, device="cuda"):
         state = lc.release(state, u.name)
     out["weights"] = weights
     out["graphed"] = graphed_losses(plan, tokens, modes=("eager", "attn", "attn+router"), steps=3)
+    return out
+
+
+def finetune_configs(rank, world, dp, ep):
+    """Fine-tuning batches under ZeRO-3 x EP: packed rows (``segments``) and separate
+    rows (``loss_mask``), and a batch whose ranks count very different numbers of
+    targets; each rank's loss and the full gradients."""
+    from ..test_finetune import PLAIN, fine_tuning_batch, packed_and_separate
+    plan = fmoe.Plan(model=PLAIN, dp=dp, ep=ep, sharding="optim_grads_params", microbatches=2)
+    params = fmoe.init(plan, seed=0)
+    packed, separate = packed_and_separate()
+    uneven = fine_tuning_batch(B=8, seed=3)
+    uneven["loss_mask"][:4] = False  # rank 0's rows (of 2 ranks): one counted target
+    uneven["loss_mask"][0, 5] = True
+    uneven["segments"][0, 5:7] = uneven["segments"][0, 5]
+    out = {}
+    for name, batch in (("packed", packed), ("uneven", uneven), ("separate", separate)):
+        if name == "separate":  # 11 rows: rank r takes its share of whole rows, padded by masked rows
+            batch = {k: torch.cat([v, torch.zeros_like(v[:5])]) for k, v in batch.items()}
+        mine = {k: rank_rows(v, rank, world) for k, v in batch.items()}
+        step = fmoe.step(params, mine, plan)
+        out[name] = {"loss": step.loss, "tokens": step.metrics["tokens"], "grads": fmoe.gather_full(step.grads, plan)}
     return out

@@ -1,0 +1,150 @@
+"""A step's batch as one value: the token ids, the targets that count, the documents.
+
+``fmoe.step`` takes ``{"tokens": LongTensor[B, S+1], "loss_mask": BoolTensor[B, S],
+"segments": IntTensor[B, S+1]}`` (the last two optional). ``read_batch`` checks it once
+and turns it into a ``Batch``: target ``j`` of a row (``tokens[j+1]``) counts where
+``loss_mask[j]`` holds and, with ``segments``, where ``segments[j] == segments[j+1]``
+(a document's last token predicts nothing of the next one); a target that does not
+count becomes ``IGNORE``, which the cross-entropy skips. So every loss path (whole,
+in pieces, FP8, compiled, graphed) sums exactly the counted targets, and a batch
+without those keys has ``targets = tokens[:, 1:]`` as before.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+IGNORE = -100
+"""The target id the cross-entropy skips (``torch.nn.functional.cross_entropy``'s
+``ignore_index``, and transformers' ``labels = -100``)."""
+
+BATCH_KEYS = ("tokens", "loss_mask", "segments")
+
+
+class Batch(NamedTuple):
+    """A checked batch on the plan's device.
+
+    Attributes:
+        tokens: ``[B, S+1]`` ids; the model reads ``tokens[:, :-1]``.
+        targets: ``[B, S]`` next-token ids, ``IGNORE`` where a target does not count.
+        segments: ``[B, S+1]`` document id per position (packed documents), or None.
+        counted: the number of counted targets in these rows (an int).
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    segments: torch.Tensor | None
+    counted: int
+
+    @classmethod
+    def of_tokens(cls, tokens_BS1: torch.Tensor) -> "Batch":
+        """Rows whose every target counts, one document each (ids not checked)."""
+        return cls(tokens_BS1, tokens_BS1[:, 1:], None, tokens_BS1.shape[0] * (tokens_BS1.shape[1] - 1))
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """``[B, S]``: the ids the model reads."""
+        return self.tokens[:, :-1]
+
+    @property
+    def documents(self) -> torch.Tensor | None:
+        """``[B, S]``: the document id of each input position, or None (one document a row)."""
+        return None if self.segments is None else self.segments[:, :-1]
+
+    def microbatches(self, n: int) -> list["Batch"]:
+        """The rows split into ``n`` equal blocks, in order (``counted`` left as the whole's)."""
+        segments = [None] * n if self.segments is None else self.segments.chunk(n)
+        return [Batch(t, y, s, self.counted) for t, y, s in zip(self.tokens.chunk(n), self.targets.chunk(n), segments)]
+
+
+def _describe(x) -> str:
+    return f"{x.dtype} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _integer_dtype(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
+def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
+    """Check ``batch`` (a dict with ``tokens`` and optionally ``loss_mask`` and
+    ``segments``) and return it as a Batch on ``device``.
+
+    Arguments:
+        batch: the dict ``fmoe.step`` was given (this rank's rows).
+        vocab: ids must lie in ``0..vocab-1``.
+        microbatches: the row count must be a positive multiple of it.
+        device: where the Batch's tensors go.
+
+    Returns:
+        A Batch. One host read (of the ids' range, and with masks or segments their
+        checks and the counted targets).
+
+    Raises:
+        ValueError: naming the key, what it holds and what is allowed.
+    """
+    if not isinstance(batch, dict) or "tokens" not in batch:
+        raise ValueError("batch must be a dict with 'tokens': LongTensor[B, S+1] (and optionally 'loss_mask': "
+                         "BoolTensor[B, S], 'segments': IntTensor[B, S+1])")
+    unknown = [k for k in batch if k not in BATCH_KEYS]
+    if unknown:
+        raise ValueError(f"batch has unknown key {unknown[0]!r}; allowed keys: {', '.join(map(repr, BATCH_KEYS))}")
+    tokens = batch["tokens"]
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 2:
+        raise ValueError(f"batch['tokens'] must be a LongTensor[B, S+1], got {_describe(tokens)}")
+    for key in BATCH_KEYS:
+        if isinstance(batch.get(key), torch.Tensor) and batch[key].device.type == "meta":
+            raise ValueError(f"batch[{key!r}] is on the meta device, which holds no values; allowed: a device "
+                             f"that holds data (they are moved to the plan's device {str(device)!r})")
+    rows, cols = tokens.shape
+    if cols < 2:
+        raise ValueError(f"batch['tokens'] has {cols} column(s); it needs S+1 >= 2 (inputs and shifted targets)")
+    if rows == 0 or rows % microbatches:
+        raise ValueError(f"batch['tokens'] has {rows} rows, which Plan.microbatches={microbatches} "
+                         f"does not divide (allowed: a positive multiple of {microbatches})")
+    mask, segments = batch.get("loss_mask"), batch.get("segments")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                             or tuple(mask.shape) != (rows, cols - 1)):
+        raise ValueError(f"batch['loss_mask'] must be a BoolTensor[B, S] = [{rows}, {cols - 1}] (True: the target "
+                         f"counts), got {_describe(mask)}")
+    if segments is not None and (not isinstance(segments, torch.Tensor) or not _integer_dtype(segments)
+                                 or tuple(segments.shape) != (rows, cols)):
+        raise ValueError(f"batch['segments'] must be an integer tensor [B, S+1] = [{rows}, {cols}] (a document id "
+                         f"per position), got {_describe(segments)}")
+
+    tokens = tokens.to(device)
+    targets = tokens[:, 1:]
+    checks = [*torch.aminmax(tokens)]
+    counted = None
+    if mask is not None or segments is not None:
+        keep = torch.ones(rows, cols - 1, dtype=torch.bool, device=device)
+        if mask is not None:
+            keep = keep & mask.to(device)
+        if segments is not None:
+            segments = segments.to(device=device, dtype=torch.int64)
+            keep = keep & (segments[:, :-1] == segments[:, 1:])
+            checks += [segments.min(), (segments[:, 1:] < segments[:, :-1]).sum()]
+        checks.append(keep.sum())
+        targets = targets.masked_fill(~keep, IGNORE)
+    values = torch.stack([c.to(torch.int64) for c in checks]).tolist()  # the one host read
+    lo, hi = values[:2]
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"batch['tokens'] holds ids in [{lo}, {hi}]; allowed: 0..{vocab - 1}")
+    if segments is not None:
+        if values[2] < 0:
+            raise ValueError(f"batch['segments'] holds a negative document id ({values[2]}); allowed: ids >= 0")
+        if values[3]:
+            raise ValueError("batch['segments'] decreases along a row; allowed: document ids non-decreasing "
+                             "along each row (one run of equal ids per document)")
+    counted = values[-1] if len(values) > 2 else rows * (cols - 1)
+    return Batch(tokens, targets, segments, counted)
+
+
+def no_counted_target() -> ValueError:
+    """The error of a global batch whose every target is masked out."""
+    return ValueError("batch['loss_mask'] (with 'segments') leaves no counted target in the global batch; "
+                      "allowed: at least one True in loss_mask at a position whose segment continues")
+
+
+__all__ = ["BATCH_KEYS", "Batch", "IGNORE", "no_counted_target", "read_batch"]

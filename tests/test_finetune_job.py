@@ -1,0 +1,120 @@
+"""The main job as supervised fine-tuning: a Hugging Face model, a chat corpus packed
+with ``prepare --chat``, trained on the assistant's tokens, exported back to
+transformers."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import fmoe
+from fmoe.data.chat import prepare_chat
+from fmoe.hf.export import main as export_main
+from fmoe.train import main as train_main
+
+from .test_chat_data import CHATML, make_tokenizer, varied_chats, write_chats
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def hf_chat(tmp_path):
+    """A tiny random Qwen3-MoE in Hugging Face form with a ChatML tokenizer, and chats."""
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    tok = make_tokenizer(hf, {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None})
+    cfg = transformers.Qwen3MoeConfig(vocab_size=tok.get_vocab_size() + 8, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(hf)
+    chats = write_chats(tmp_path / "chats" / "train.jsonl", varied_chats(240))
+    return transformers, hf, chats
+
+
+def test_fine_tuning_on_chats_trains_the_assistant_tokens_and_exports_to_transformers(tmp_path, hf_chat):
+    transformers, hf, chats = hf_chat
+    data = tmp_path / "sft"
+    meta = prepare_chat([chats], data, seq=63, tokenizer=hf / "tokenizer.json", quiet=True)
+    assert meta["packed"]["row_tokens"] == 64 and 0 < meta["packed"]["trained_tokens"] < meta["tokens"]
+    run = tmp_path / "run"
+    args = ["--init-from-hf", hf, "--data", data, "--steps", 4, "--batch", 4, "--eval-every", 4,
+            "--eval-batches", 2, "--log-every", 1, "--no-progress", "--sample-tokens", 0, "--lr", 1e-3,
+            "--out", run]
+    summary = train_main(list(map(str, args)))
+    assert summary["steps"] == 4
+    settings = (run / "settings.toml").read_text()
+    assert "seq = 63" in settings  # the corpus's rows set --seq
+
+    # the first step's loss is the HF model's mean over that step's trained targets
+    corpus = fmoe.data.open_corpus(data)
+    batch = fmoe.data.train_batch(corpus, 4, 63, seed=0, step=1)
+    plan = fmoe.Plan(model=fmoe.hf.config(hf))
+    logged = records(run)
+    start = fmoe.hf.load(hf, plan)
+    assert logged[0]["loss"] == pytest.approx(float(fmoe.eval_loss(start, batch, plan)), rel=1e-5)
+    # transformers' own convention on one document of those rows: labels -100 where untrained
+    rows = [b for b in range(4) if batch["loss_mask"][b, :int((batch["segments"][b] == 0).sum()) - 1].any()]
+    b = rows[0]
+    length = int((batch["segments"][b] == 0).sum())
+    ids, mask = batch["tokens"][b:b + 1, :length], batch["loss_mask"][b:b + 1, :length - 1]
+    labels = ids.clone()
+    labels[:, 1:][~mask] = -100
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        want = model(ids, labels=labels).loss
+    torch.testing.assert_close(fmoe.eval_loss(start, {"tokens": ids, "loss_mask": mask}, plan), want.float(),
+                               rtol=1e-5, atol=1e-6)
+    # the log shows the trained targets per second beside all tokens per second
+    assert all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] for r in logged)
+    assert "heldout_loss" in logged[-1]
+
+    # exported back, transformers gives fmoe's logits
+    export_main(["export", str(run / "checkpoint"), "--out", str(tmp_path / "export"), "--dtype", "float32"])
+    tuned = fmoe.load(run / "checkpoint", plan).params
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "export").eval()
+    tokens = batch["tokens"][:2, :40]
+    with torch.no_grad():
+        hf_logits = model(tokens).logits
+    logits, _ = fmoe.layers.forward(tuned, tokens, plan.model)
+    torch.testing.assert_close(logits, hf_logits, rtol=1e-4, atol=2e-5)
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
+
+
+def test_a_packed_corpus_whose_rows_do_not_match_seq_is_refused_before_any_work(tmp_path, hf_chat):
+    _, hf, chats = hf_chat
+    data = tmp_path / "sft"
+    prepare_chat([chats], data, seq=63, tokenizer=hf / "tokenizer.json", quiet=True)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"its rows hold 64 positions \(packed for --seq 63\), longer than "
+                                         r"--seq=32 \+ 1; allowed: --seq 63"):
+        train_main(["--init-from-hf", str(hf), "--data", str(data), "--seq", "32", "--out", str(run)])
+    assert not run.exists()
+    # a packed corpus's files are checked as its tokens.bin is
+    broken = tmp_path / "broken"
+    shutil.copytree(data, broken)
+    (broken / "loss_mask.bin").write_bytes(np.zeros(3, np.uint8).tobytes())
+    with pytest.raises(SystemExit, match=r"loss_mask.bin has 3 bytes; a packed corpus of \d+ tokens needs"):
+        train_main(["--init-from-hf", str(hf), "--data", str(broken), "--out", str(run)])
+
+
+def test_the_readmes_fine_tuning_example_runs(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    from fmoe.data.prepare import main as prepare_main
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("make_chats", root / "examples" / "make_chats.py")
+    make_chats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_chats)
+    monkeypatch.chdir(tmp_path)
+    make_chats.main(["runs/chats.jsonl", "--count", "600"])
+    prepare_main(["prepare", "--chat", "runs/chats.jsonl", "--seq", "256", "--out", "runs/sft-data", "--quiet"])
+    summary = train_main(["--data", "runs/sft-data", "--steps", "30", "--batch", "8", "--eval-every", "30",
+                          "--no-progress", "--sample-tokens", "0", "--out", "runs/sft"])
+    assert summary["heldout_loss"] < summary["unigram"]  # the answers' pattern is learned from the start
+    assert "seq = 256" in (tmp_path / "runs" / "sft" / "settings.toml").read_text()
