@@ -12,8 +12,9 @@ import pytest
 import fmoe.data.chat as chat_module
 import fmoe.data.prepare as prepare_module
 from fmoe.data import open_corpus
-from fmoe.data.chat import (Packer, Template, assistant_spans, message_starts, plain_render, plain_spans,
-                            prepare_chat, split_points)
+from fmoe.data.chat import prepare_chat
+from fmoe.data.chat_template import Template, assistant_spans, message_starts, plain_render, plain_spans
+from fmoe.data.packing import Packer, split_points
 from fmoe.data.tokens import read_meta
 
 from .test_data import bpe_tokenizer

@@ -36,7 +36,7 @@ A token is trained when its characters (the tokenizer's offsets) lie inside such
 target (nothing in its document precedes it).
 
 Packing: conversations are packed whole, best-fit (the open row with the least room that
-still holds it; at most ``_OPEN_ROWS`` rows open, the fullest one closed when a
+still holds it; at most ``packing.OPEN_ROWS`` rows open, the fullest one closed when a
 conversation fits none), into rows of exactly ``seq + 1`` tokens. Each conversation in a
 row is a document, numbered 0, 1, 2, ... along the row; the rest of the row is padding
 (the EOS id, or 0 without one; never trained) with the next number. A conversation longer
@@ -65,13 +65,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
-from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -81,22 +78,18 @@ from tqdm import tqdm
 
 from ..checkpoint.files import swap_into_place, write_atomically
 from . import prepare as _prepare
+from .chat_template import CONFIG, Template, describe_kind, load_template, message_starts, render_conversation, \
+    single_token
+from .packing import OPEN_ROWS, Packer, split_points
 from .tokens import FORMAT, VERSION
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "all")
 LONG = ("split", "truncate")
 GLOBS = ("*.jsonl",)
-CONFIG = "tokenizer_config.json"
-PLAIN_GENERATION_PROMPT = "<|assistant|>\n"
-# a token a chat template writes as literal text, such as ChatML's <|im_start|>: the
-# tokenizer must hold it as one token, or every turn silently becomes ordinary text
-_LITERAL_SPECIAL = re.compile(r"<\|[^|\s]+\|>")
 # conversations are rendered here and encoded in threads a batch at a time (see
-# prepare's _BATCH_*); at most _OPEN_ROWS rows wait for more conversations: enough for
-# best-fit to leave little padding, bounded memory
+# prepare's _BATCH_*)
 _BATCH_CONVERSATIONS, _BATCH_BYTES = 2048, 1 << 20
-_OPEN_ROWS = 64
 
 
 # ---------------------------------------------------------------------------- input
@@ -119,29 +112,25 @@ def parse_conversation(line: str, where: str) -> list[dict]:
         for key in ("prompt", "completion"):
             if not isinstance(row.get(key), str):
                 raise ValueError(f"{where}: '{key}' must be a string (a prompt/completion line needs both), "
-                                 f"not {_kind(row.get(key))}")
+                                 f"not {describe_kind(row.get(key))}")
         return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
     messages = row["messages"]
     if not isinstance(messages, list):
         raise ValueError(f"{where}: 'messages' must be a list of {{\"role\", \"content\"}} objects, "
-                         f"not {_kind(messages)}")
+                         f"not {describe_kind(messages)}")
     if not messages:
         raise ValueError(f"{where}: an empty conversation ('messages' is [])")
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"{where}: messages[{k}] must be an object with 'role' and 'content', "
-                             f"not {_kind(message)}")
+                             f"not {describe_kind(message)}")
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"{where}: messages[{k}] has role {role!r}; allowed: {', '.join(ROLES)}")
         if not isinstance(message.get("content"), str):
-            raise ValueError(f"{where}: messages[{k}] ({role}) has 'content' of {_kind(message.get('content'))}; "
+            raise ValueError(f"{where}: messages[{k}] ({role}) has 'content' of {describe_kind(message.get('content'))}; "
                              "it must be a string")
     return messages
-
-
-def _kind(value) -> str:
-    return "null (or missing)" if value is None else f"type {type(value).__name__}"
 
 
 def read_conversations(path: Path) -> Iterator[tuple[list[dict] | None, int, str]]:
@@ -154,254 +143,6 @@ def read_conversations(path: Path) -> Iterator[tuple[list[dict] | None, int, str
                 continue
             where = f"{path}:{number}"
             yield parse_conversation(raw.decode("utf-8", errors="replace"), where), len(raw), where
-
-
-# ---------------------------------------------------------------------------- templates
-
-
-class Template(NamedTuple):
-    """How a conversation becomes text.
-
-    Attributes:
-        name: ``"tokenizer"`` (the tokenizer_config's ``chat_template``) or ``"plain"``.
-        render: ``(messages, add_generation_prompt) -> text``.
-        eos: the end-of-sequence token's text (``eos_token``), or None.
-        direct: for the plain template, ``messages -> (text, assistant spans, message
-            starts)`` in one pass: what incremental rendering finds, without re-rendering.
-        source: where the template comes from, for error messages.
-    """
-
-    name: str
-    render: Callable[[list[dict], bool], str]
-    eos: str | None
-    direct: Callable[[list[dict]], tuple[str, list[tuple[int, int]], list[int]]] | None = None
-    source: str = "the plain chat template"
-
-
-def plain_render(messages: list[dict], add_generation_prompt: bool, eos: str = "") -> str:
-    """The plain template (see the module docstring); ``eos`` ends each assistant turn."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}{eos if m['role'] == 'assistant' else ''}\n" for m in messages)
-    return text + PLAIN_GENERATION_PROMPT if add_generation_prompt else text
-
-
-def plain_spans(messages: list[dict], eos: str = "") -> tuple[str, list[tuple[int, int]], list[int]]:
-    """``plain_render(messages)`` with, in characters, each assistant message's span
-    (its content, ``eos`` and newline: what it adds after the generation prompt) and
-    where each message after the first starts."""
-    parts, spans, starts, at = [], [], [], 0
-    for m in messages:
-        if at:
-            starts.append(at)
-        header = f"<|{m['role']}|>\n"
-        body = f"{m['content']}{eos}\n" if m["role"] == "assistant" else f"{m['content']}\n"
-        if m["role"] == "assistant":
-            spans.append((at + len(header), at + len(header) + len(body)))
-        parts += (header, body)
-        at += len(header) + len(body)
-    return "".join(parts), spans, starts
-
-
-def plain_template(eos: str | None) -> Template:
-    """The plain template, its assistant turns ending with ``eos`` (None: bytes, none)."""
-    eos_text = eos or ""
-    return Template("plain", lambda messages, gen: plain_render(messages, gen, eos_text), eos,
-                    lambda messages: plain_spans(messages, eos_text))
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # Hugging Face's: jinja's own tojson escapes HTML characters, which a prompt must keep
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(source: str, variables: dict,
-                          where: str) -> tuple[Callable[[list[dict], bool], str], set[str]]:
-    """A Hugging Face ``chat_template`` as ``(messages, add_generation_prompt) -> text``,
-    rendered as ``transformers``' ``apply_chat_template`` does; ``variables`` are the
-    special tokens (``bos_token``, ``eos_token``, ...).
-
-    Returns:
-        ``(render, names)``: ``names`` are the variables the template reads.
-
-    Raises:
-        ValueError naming ``where`` if it does not parse (or jinja2 is missing).
-    """
-    try:
-        import jinja2
-        import jinja2.ext
-        import jinja2.meta
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise ValueError(f"{where}: rendering its chat_template needs jinja2: pip install jinja2 "
-                         "(or the extra fmoe[data])") from None
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        names = jinja2.meta.find_undeclared_variables(env.parse(source))
-        template = env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as err:
-        raise ValueError(f"{where}: its chat_template does not parse (line {err.lineno}: {err.message})") from None
-
-    def render(messages: list[dict], add_generation_prompt: bool) -> str:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
-
-    return render, names
-
-
-def _token_text(value) -> str | None:
-    """A tokenizer_config special token: a string or an ``{"content": ...}`` dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{path}: unreadable ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: must hold a JSON object, not {_kind(config)}")
-    return config
-
-
-def _chat_template_source(config: dict, path: Path) -> str | None:
-    """The config's ``chat_template``: a string, or the one named ``"default"`` of a list."""
-    source = config.get("chat_template")
-    if source is None or isinstance(source, str):
-        return source or None
-    if isinstance(source, list) and all(isinstance(t, dict) for t in source):
-        named = {t.get("name"): t.get("template") for t in source}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-        raise ValueError(f"{path}: 'chat_template' is a list of templates named {', '.join(map(repr, named))}; "
-                         "one must be named 'default' (with a string 'template')")
-    raise ValueError(f"{path}: 'chat_template' must be a string or a list of {{\"name\", \"template\"}}, "
-                     f"not {_kind(source)}")
-
-
-def _single_token(tok, text: str) -> int | None:
-    """The id ``text`` encodes to when it is one token of ``tok`` (encoded as the
-    rendered conversations are: no special tokens added), else None."""
-    ids = tok.encode(text, add_special_tokens=False).ids
-    return ids[0] if len(ids) == 1 else None
-
-
-def _require_tokens(tok, tokenizer: Path, needed: dict[str, str]) -> None:
-    """ValueError naming the first of ``needed`` (``{token: what needs it}``) that is not
-    one token of ``tok``."""
-    for text, why in needed.items():
-        if _single_token(tok, text) is None:
-            raise ValueError(f"{tokenizer}: a tokenizer without the special tokens the template needs: {text!r} "
-                             f"({why}) is not a token of it; add it to the tokenizer, or pick another template")
-
-
-def load_template(tokenizer: Path | None, tok, eos: str | None) -> Template:
-    """The template for ``tokenizer`` (see the module docstring), its special tokens
-    checked against ``tok``.
-
-    Arguments:
-        tokenizer: the ``tokenizer.json`` (its folder may hold ``tokenizer_config.json``),
-            or None for UTF-8 bytes.
-        tok: the ``tokenizers.Tokenizer`` read from it (None for bytes).
-        eos: ``--eos``: overrides the config's ``eos_token`` (``""``: none).
-    """
-    if tokenizer is None:
-        if eos:
-            raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
-        return plain_template(None)
-    config_path = Path(tokenizer).parent / CONFIG
-    config = _read_config(config_path) if config_path.is_file() else {}
-    eos_text = (eos or None) if eos is not None else _token_text(config.get("eos_token"))
-    source = _chat_template_source(config, config_path)
-    if source is None:
-        if eos_text is None:
-            have = [c for c in _prepare.EOS_CANDIDATES if tok.token_to_id(c) is not None]
-            hint = f" (this tokenizer has {have[0]!r})" if have else ""
-            raise ValueError(f"{tokenizer}: a tokenizer without the special tokens the template needs: the plain "
-                             "chat template ends each assistant turn with an end-of-sequence token, and none is set; "
-                             f"pass --eos TOKEN{hint}, or give {config_path} an 'eos_token' or a 'chat_template'")
-        _require_tokens(tok, tokenizer, {eos_text: "the end of each assistant turn"})
-        return plain_template(eos_text)
-    variables = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    variables["eos_token"] = eos_text
-    render, used = compile_chat_template(source, {k: v for k, v in variables.items() if v is not None},
-                                         str(config_path))
-    needed = {}
-    for name in ("bos_token", "eos_token"):
-        if name in used:
-            if variables[name] is None:
-                flag = " (or pass --eos TOKEN)" if name == "eos_token" else ""
-                raise ValueError(f"{tokenizer}: a tokenizer without the special tokens the template needs: the "
-                                 f"chat_template of {config_path} writes {name}, which it does not set{flag}")
-            needed[variables[name]] = f"{name} of {config_path}"
-    for text in sorted(set(_LITERAL_SPECIAL.findall(source))):
-        needed.setdefault(text, f"written by the chat_template of {config_path}")
-    _require_tokens(tok, tokenizer, needed)
-    return Template("tokenizer", render, eos_text, None, f"the chat_template of {config_path}")
-
-
-def _render(template: Template, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
-    try:
-        return template.render(messages, add_generation_prompt)
-    except Exception as err:  # the template's raise_exception, or any error inside it
-        raise ValueError(f"{where}: {template.source} fails on this conversation "
-                         f"({type(err).__name__}: {err})") from None
-
-
-def _prefix(template: Template, messages: list[dict], count: int, add_generation_prompt: bool, whole: str,
-            where: str) -> int:
-    """The length of ``render(messages[:count])``, checked to be a prefix of ``whole``
-    (the render of more of the conversation)."""
-    if count == 0 and not add_generation_prompt:
-        return 0  # nothing rendered yet; some templates fail on no messages
-    text = _render(template, messages[:count], add_generation_prompt, where)
-    if not whole.startswith(text):
-        prompt = " with the generation prompt" if add_generation_prompt else ""
-        raise ValueError(f"{where}: {template.source} renders the first {count} message(s){prompt} as text that "
-                         f"is not a prefix of its rendering of the conversation, so the assistant's turns (and the "
-                         f"message boundaries) cannot be found by rendering it incrementally; use --train-on all "
-                         f"--long truncate, or another template")
-    return len(text)
-
-
-def assistant_spans(template: Template, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
-    """Each assistant message's ``(start, end)`` in ``text`` (the whole conversation's
-    render): ``render(messages[:i], add_generation_prompt=True)`` to
-    ``render(messages[:i + 1])``."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] == "assistant":
-            end = _prefix(template, messages, i + 1, False, text, where) if i + 1 < len(messages) else len(text)
-            done = text[:end]
-            spans.append((_prefix(template, messages, i, True, done, where), end))
-    return spans
-
-
-def message_starts(template: Template, messages: list[dict], text: str, where: str) -> list[int]:
-    """Where each message after the first starts in ``text``, in characters: where a
-    long conversation may be split."""
-    if template.direct is not None:
-        return template.direct(messages)[2]
-    return [_prefix(template, messages, i, False, text, where) for i in range(1, len(messages))]
-
-
-def render_conversation(template: Template, messages: list[dict], train_on: str,
-                        where: str) -> tuple[str, list[tuple[int, int]]]:
-    """``(text, trained character spans)`` of one conversation."""
-    if template.direct is not None:
-        text, spans, _ = template.direct(messages)
-    else:
-        text = _render(template, messages, False, where)
-        spans = assistant_spans(template, messages, text, where) if train_on == "assistant" else []
-    if not text:
-        raise ValueError(f"{where}: {template.source} renders this conversation as no text")
-    return text, [(0, len(text))] if train_on == "all" else spans
 
 
 # ---------------------------------------------------------------------------- tokens
@@ -475,97 +216,6 @@ def bytes_encoder(texts: list[str], spans_C: list) -> Encoded:
     starts_T = chars_T - np.repeat(chars_before_C, counts_C)
     trained_T = trained_flags(starts_T, starts_T + 1, counts_C, list(map(len, texts)), spans_C)
     return Encoded(data_T.astype(np.uint16), trained_T, ends_C1, starts_T)
-
-
-# ---------------------------------------------------------------------------- packing
-
-
-def split_points(length: int, cuts: list[int], row_tokens: int,
-                 preferred: list[int] = ()) -> tuple[list[tuple[int, int]], bool]:
-    """Pieces ``[(start, end), ...]`` of a conversation of ``length`` tokens, each at most
-    ``row_tokens`` long and cut only at ``cuts`` (token indices where messages start),
-    each as long as it may be, cut at one of ``preferred`` (where a user or system
-    message starts: a piece then opens with a prompt, not with a reply to nothing) when
-    one fits. A message longer than a row keeps its first ``row_tokens`` tokens; its rest
-    is dropped.
-
-    Returns:
-        ``(pieces, truncated)``: truncated when tokens were dropped.
-    """
-    bounds = sorted({c for c in cuts if 0 < c < length} | {length})
-    better = sorted({c for c in preferred if 0 < c < length} | {length})
-    pieces, at, truncated = [], 0, False
-    while at < length:
-        for candidates in (better, bounds):
-            k = bisect_right(candidates, at + row_tokens) - 1
-            if k >= 0 and candidates[k] > at:
-                pieces.append((at, candidates[k]))
-                at = candidates[k]
-                break
-        else:  # the message starting at ``at`` does not fit a row
-            pieces.append((at, at + row_tokens))
-            truncated = True
-            at = bounds[bisect_right(bounds, at)]
-    return pieces, truncated
-
-
-class Packer:
-    """Best-fit packing of documents into rows of ``row_tokens``: each goes to the open
-    row with the least room that holds it; when none does, a new row is opened, after
-    closing the fullest when ``open_rows`` are open. Closed rows go to ``emit(ids,
-    flags, segments)``.
-
-    A document's first token is never a target; padding is ``pad_id``, not a target,
-    and one more document of its row.
-    """
-
-    def __init__(self, row_tokens: int, pad_id: int, dtype: np.dtype, emit: Callable, open_rows: int = _OPEN_ROWS):
-        self.row_tokens, self.pad_id, self.dtype, self.emit, self.open_rows = row_tokens, pad_id, dtype, emit, open_rows
-        self.rows: dict[int, list] = {}  # serial -> [ids, flags, segments, used, documents]
-        self.room: list[tuple[int, int]] = []  # (free tokens, serial) of the open rows, sorted
-        self.serial = 0
-        self.closed = self.trained = self.content = self.max_id = 0
-
-    def add(self, ids: np.ndarray, flags: np.ndarray) -> None:
-        n = len(ids)
-        k = bisect_left(self.room, (n, -1))
-        if k < len(self.room):
-            free, serial = self.room.pop(k)
-        else:
-            if len(self.room) >= self.open_rows:
-                self._close(self.room.pop(0)[1])
-            free, serial = self.row_tokens, self.serial
-            self.serial += 1
-            self.rows[serial] = [np.empty(self.row_tokens, self.dtype), np.empty(self.row_tokens, np.uint8),
-                                 np.empty(self.row_tokens, np.uint32), 0, 0]
-        row = self.rows[serial]
-        ids_R, flags_R, segments_R, used, documents = row
-        ids_R[used:used + n] = ids
-        flags_R[used:used + n] = flags
-        flags_R[used] = 0  # nothing in its document precedes a document's first token
-        segments_R[used:used + n] = documents
-        row[3], row[4] = used + n, documents + 1
-        if free > n:
-            insort(self.room, (free - n, serial))
-        else:
-            self._close(serial)
-
-    def _close(self, serial: int) -> None:
-        ids_R, flags_R, segments_R, used, documents = self.rows.pop(serial)
-        ids_R[used:] = self.pad_id
-        flags_R[used:] = 0
-        segments_R[used:] = documents
-        self.closed += 1
-        self.content += used
-        self.trained += int(flags_R.sum())
-        self.max_id = max(self.max_id, int(ids_R.max()))
-        self.emit(ids_R, flags_R, segments_R)
-
-    def finish(self) -> None:
-        """Close every open row, in the order they were opened."""
-        for serial in sorted(self.rows):
-            self._close(serial)
-        self.room.clear()
 
 
 # ---------------------------------------------------------------------------- the pipeline
@@ -684,7 +334,7 @@ def _write_packed(files: list[Path], template: Template, encode: Callable, packe
 
 def prepare_chat(inputs, out, seq: int | None, tokenizer=None, eos: str | None = None, train_on: str = "assistant",
                  long: str = "split", overwrite: bool = False, quiet: bool = False, globs=GLOBS,
-                 open_rows: int = _OPEN_ROWS) -> dict:
+                 open_rows: int = OPEN_ROWS) -> dict:
     """Render, tokenize, mask and pack chat JSONL ``inputs`` into the corpus directory
     ``out`` (the format is in the module docstring).
 
@@ -723,7 +373,7 @@ def prepare_chat(inputs, out, seq: int | None, tokenizer=None, eos: str | None =
         tokenizer = Path(tokenizer)
         tok, vocab = _prepare.open_tokenizer(tokenizer)
     template = load_template(tokenizer, tok, eos)
-    eos_id = None if tok is None or template.eos is None else _single_token(tok, template.eos)
+    eos_id = None if tok is None or template.eos is None else single_token(tok, template.eos)
     dtype = _prepare._dtype(vocab)
     encode = bytes_encoder if tok is None else tokenizer_encoder(tok, dtype)
     row_tokens = seq + 1
