@@ -19,8 +19,8 @@ from torch import nn
 import fmoe
 from fmoe.layers import cast_for_compute, moe
 from fmoe.params import named_leaves, param_table, trainable
-from fmoe.batch import no_counted_target
-from fmoe.step import check_batch, check_params, microbatch_objective, num_targets
+from fmoe.shard.mesh import mesh_for
+from fmoe.step import check_batch, check_params, global_targets, microbatch_objective
 
 
 def _attach(module: nn.Module, tree: dict) -> None:
@@ -74,10 +74,9 @@ class FMoEModule(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         checked = check_batch(batch, self.plan)
-        if num_targets(checked) == 0:
-            raise no_counted_target()
+        total = global_targets(checked, mesh_for(self.plan))  # one process: its own count, none refused
         params = self.params()
-        return sum(microbatch_objective(params, mb, self.plan, num_targets(checked))[0]
+        return sum(microbatch_objective(params, mb, self.plan, total)[0]
                    for mb in checked.microbatches(self.plan.microbatches))
 
 

@@ -122,9 +122,13 @@ def _scan(corpus: TokenCorpus, check: bool) -> str:
     return f"{at} tokens, vocab {corpus.vocab}, blake2b {digest.hexdigest()}"
 
 
-def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
+def _check_fraction(heldout_fraction: float) -> None:
     if not 0 < heldout_fraction < 1:
         raise ValueError(f"heldout_fraction={heldout_fraction!r} is invalid: must be in (0, 1)")
+
+
+def _split(ids: np.ndarray, heldout_fraction: float, where: str) -> tuple[np.ndarray, np.ndarray]:
+    _check_fraction(heldout_fraction)
     cut = int(len(ids) * (1 - heldout_fraction))
     if cut < 2 or len(ids) - cut < 2:
         raise ValueError(f"{where}: {len(ids)} tokens are too few to hold out {heldout_fraction:.0%} of them")
@@ -284,8 +288,7 @@ def _open_packed(directory: Path, meta: dict, ids: np.ndarray, heldout_fraction:
             raise ValueError(f"{path} {state}; a packed corpus of {len(ids)} tokens needs "
                              f"{len(ids) * np.dtype(dtype).itemsize} ({np.dtype(dtype).name} per token)")
         arrays.append(np.memmap(path, dtype=dtype, mode="r") if len(ids) else np.zeros(0, dtype))
-    if not 0 < heldout_fraction < 1:
-        raise ValueError(f"heldout_fraction={heldout_fraction!r} is invalid: must be in (0, 1)")
+    _check_fraction(heldout_fraction)
     rows = len(ids) // row
     held = max(1, round(rows * heldout_fraction))
     if rows - held < 1:
