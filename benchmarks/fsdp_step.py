@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 import fmoe
-from fmoe.schedule import build_program, max_live_units
-from fmoe.shard import count, shard_spec
+from fmoe.resolve import resolve
+from fmoe.schedule import Gather, Reduce
+from fmoe.dist import count
 
 
 def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:
@@ -66,14 +67,15 @@ def memory_formula(plan) -> float:
     where the strategy shards them) plus the gathered compute-dtype weights: every
     unit for DDP/ZeRO-1/ZeRO-2, the live units for ZeRO-3. Activations, per-step
     flat copies and gradient accumulation buffers are what the measured peak adds."""
-    spec = shard_spec(plan)
+    setup = resolve(plan)
+    spec = setup.spec
     full = [sum(layout.full_size for layout in u.groups.values()) for u in spec.units]
     n, world = sum(full), plan.world
     per = {"no_shard": (4, 4, 8), "optim": (4 / world, 4, 8 / world),
            "optim_grads": (4 / world, 4 / world, 8 / world),
            "optim_grads_params": (4 / world, 4 / world, 8 / world)}[plan.sharding]
     itemsize = torch.empty((), dtype=plan.compute_dtype).element_size()
-    gathered = max_live_units(plan) * max(full) if plan.sharding == "optim_grads_params" else n
+    gathered = setup.train.max_live * max(full) if plan.sharding == "optim_grads_params" else n
     return n * sum(per) + itemsize * gathered
 
 
@@ -112,16 +114,16 @@ def run_case(name, plan, tokens, args):
 def comm_only(plan):
     """Seconds for this plan's parameter gathers and gradient reduce-scatters of one
     step, issued back to back with nothing to hide behind."""
-    spec = shard_spec(plan)
-    program = build_program(plan)
+    setup = resolve(plan)
+    spec, program = setup.spec, setup.train.actions
     work = []
     for u in spec.units:
-        gathers = sum(1 for a in program if a.op == "gather" and a.unit == u.name)
-        reduces = sum(1 for a in program if a.op == "reduce" and a.unit == u.name)
+        gathers = sum(1 for a in program if isinstance(a, Gather) and a.unit == u.name)
+        reduces = sum(1 for a in program if isinstance(a, Reduce) and a.unit == u.name)
         for g, layout in u.groups.items():
             work.append((gathers, reduces,
-                         torch.empty(layout.shard_size, dtype=u.dtype(g, plan), device="cuda"),
-                         torch.empty(layout.full_size, dtype=u.dtype(g, plan), device="cuda"),
+                         torch.empty(layout.shard_size, dtype=spec.dtype(g), device="cuda"),
+                         torch.empty(layout.full_size, dtype=spec.dtype(g), device="cuda"),
                          torch.empty(layout.full_size, dtype=torch.float32, device="cuda"),
                          torch.empty(layout.shard_size, dtype=torch.float32, device="cuda")))
     times = []

@@ -54,14 +54,14 @@ def main_job(preset: str, steps: int, log_every: int, warm: int, out: Path) -> f
 def bare_loop(preset: str, steps: int, log_every: int, warm: int) -> float:
     run = train.parse_args(job_args(preset))
     s, plan = run.settings, run.plan
-    opt = fmoe.adamw(fmoe.warmup_cosine(s["lr"], s["warmup"], s["steps"], floor=s["min_lr_ratio"]),
-                     weight_decay=s["weight_decay"], max_grad_norm=s["clip"] or None, plan=plan,
-                     fused=s["fused_optimizer"], donate=s["fused_optimizer"], skip_nonfinite=s["max_skips"])
+    opt = fmoe.adamw(fmoe.warmup_cosine(s.lr, s.warmup, s.steps, floor=s.min_lr_ratio),
+                     weight_decay=s.weight_decay, max_grad_norm=s.clip or None, plan=plan,
+                     fused=s.fused_optimizer, donate=s.fused_optimizer, skip_nonfinite=s.max_skips)
     params = fmoe.init(plan, seed=0)
     state = opt.init(params)
     rates, start = [], time.perf_counter()
     for i in range(1, steps + 1):
-        out = fmoe.step(params, sample_batch(run.corpus.train, s["batch"], s["seq"], 0, i), plan)
+        out = fmoe.step(params, sample_batch(run.corpus.train, s.batch, s.seq, 0, i), plan)
         params, state = opt.update(out.grads, state, params)
         if plan.model.expert_bias_rate:  # as the job does: routing (so the experts' load) evolves alike
             params = fmoe.update_expert_bias(params, out.metrics["expert_counts"], plan.model.expert_bias_rate,
@@ -69,7 +69,7 @@ def bare_loop(preset: str, steps: int, log_every: int, warm: int) -> float:
         if i % log_every == 0:  # the same statistic as the main job's: windows ended by one sync
             torch.cuda.synchronize()
             if i > warm:
-                rates.append(s["batch"] * s["seq"] * log_every / (time.perf_counter() - start))
+                rates.append(s.batch * s.seq * log_every / (time.perf_counter() - start))
             start = time.perf_counter()
     return statistics.median(rates)
 

@@ -20,8 +20,8 @@ from .optim import (
 )
 from .initialize import init
 from .params import active_param_count, glu_from_interleaved, glu_to_interleaved, param_shapes, train_flops_per_token
-from .shard.gather import gather_full
-from .shard.trace import export_chrome_trace
+from .gather import gather_full
+from .dist.trace import export_chrome_trace
 from .step import StepOutput, eval_loss, step
 
 from . import hf  # noqa: E402  (builds on everything above)

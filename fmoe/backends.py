@@ -61,6 +61,17 @@ def registered_backend(name: str) -> ExpertBackend | None:
     return _registered.get(name)
 
 
+def bound_backend(name: str) -> str | ExpertBackend:
+    """What ``Plan.expert_backend`` names, looked up once: a built-in's name (``torch``,
+    ``loop``), or the registered ExpertBackend (``fmoe.runtime`` has checked it is)."""
+    if name in BUILT_IN:
+        return name
+    if name not in _registered:
+        raise ValueError(f"expert backend {name!r} is not registered in this process: import the module that "
+                         f"registers it (or use {' or '.join(map(repr, BUILT_IN))})")
+    return _registered[name]
+
+
 _declared: dict[str, str] | None = None  # read from the installed packages' metadata once
 
 
@@ -100,5 +111,5 @@ def expert_backend_names() -> tuple[str, ...]:
     return BUILT_IN + tuple(sorted((set(_registered) | set(_declarations())) - set(BUILT_IN)))
 
 
-__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "declare_expert_backend", "declared_backends",
-           "expert_backend_names", "register_expert_backend", "registered_backend"]
+__all__ = ["BUILT_IN", "ENTRY_POINT_GROUP", "ExpertBackend", "bound_backend", "declare_expert_backend",
+           "declared_backends", "expert_backend_names", "register_expert_backend", "registered_backend"]

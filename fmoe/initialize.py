@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .config import Plan
-from .params import initial_leaves, param_table
+from .dist.comm import Group
+from .params import initial_leaves
+from .resolve import resolve
 from .runtime import check_runtime
-from .shard.comm import Group
-from .shard.spec import local_shapes, shard_leaf
 
 
 def init(plan: Plan, seed: int = 0) -> dict:
@@ -25,10 +25,9 @@ def init(plan: Plan, seed: int = 0) -> dict:
         tensor on ``plan.device``.
     """
     check_runtime(plan)
-    rank = Group.world().rank
-    shapes = local_shapes(plan, rank)
-    local = {path: shard_leaf(full, path, plan, rank).reshape(shapes[path])
+    rank, spec = Group.world().rank, resolve(plan).spec
+    shapes = spec.local_shapes(rank)
+    local = {path: spec.shard_leaf(full, path, rank).reshape(shapes[path])
              .to(device=plan.device, dtype=torch.float32).contiguous()
-             for path, full in initial_leaves(plan.model, seed)}
-    table = param_table(plan.model)
-    return table.unflatten(local[leaf.path] for leaf in table.leaves)
+             for path, full in initial_leaves(spec.table, plan.model, seed)}
+    return spec.table.unflatten(local[leaf.path] for leaf in spec.table.leaves)

@@ -24,6 +24,7 @@ instead of reading meaning out of a parameter's name.
 
 from __future__ import annotations
 
+import enum
 import functools
 import math
 import zlib
@@ -115,6 +116,15 @@ def trainable(name: str) -> bool:
     return name != "expert_bias"
 
 
+class Domain(enum.StrEnum):
+    """Where a parameter's buffers live: ``EXPERT`` (the routed experts, split over the
+    EP ranks, sharded over the expert-data-parallel group) or ``DENSE`` (everything else,
+    sharded over the world)."""
+
+    DENSE = "dense"
+    EXPERT = "expert"
+
+
 class Leaf(NamedTuple):
     """One parameter, as ``param_table`` describes it.
 
@@ -148,7 +158,7 @@ class Leaf(NamedTuple):
     member: str
     layer: int | None
     node: str
-    domain: str
+    domain: Domain
     fp32: bool
     decayed: bool
     trainable: bool
@@ -211,7 +221,7 @@ def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
     else:
         member = node = "head" if keys[0] in ("head", "final_norm") else keys[0]
     return Leaf(path=_dotted(keys), keys=keys, shape=tuple(shape), init=init, member=member, layer=layer,
-                node=node, domain="expert" if experts else "dense", fp32=name in FP32_LEAVES,
+                node=node, domain=Domain.EXPERT if experts else Domain.DENSE, fp32=name in FP32_LEAVES,
                 decayed=decays(name), trainable=trainable(name),
                 glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"),
                 linear=keys == ("head",) or (len(keys) > 1 and name in LINEAR_WEIGHTS.get(keys[-2], ())))
@@ -242,11 +252,11 @@ def _leaf_seed(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
 
-def initial_leaves(cfg: ModelConfig, seed: int):
-    """``(path, fp32 CPU tensor)`` of every leaf's initial value, drawn one at a time
-    (``fmoe.init`` lays them out for a plan)."""
+def initial_leaves(table: ParamTable, cfg: ModelConfig, seed: int):
+    """``(path, fp32 CPU tensor)`` of every leaf of ``table`` (``cfg``'s), its initial
+    value, drawn one at a time (``fmoe.init`` lays them out for a plan)."""
     out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
-    for leaf in param_table(cfg).leaves:
+    for leaf in table.leaves:
         if leaf.init == "ones":
             yield leaf.path, torch.ones(leaf.shape)
         elif leaf.init == "zeros":
@@ -290,6 +300,6 @@ def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     return 6.0 * active_param_count(cfg) + 6.0 * cfg.layers * seq * cfg.q_width
 
 
-__all__ = ["FP32_LEAVES", "LINEAR_WEIGHTS", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays",
+__all__ = ["FP32_LEAVES", "LINEAR_WEIGHTS", "Domain", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays",
            "flat_shapes", "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves",
            "param_shapes", "param_specs", "param_table", "train_flops_per_token", "trainable"]

@@ -9,16 +9,15 @@ import torch
 
 from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
+from .dist.comm import Group
 from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
-from .layers.router import router_loss
+from .layers.nodes import Kernels
+from .layers.router import router_share
 from .params import named_leaves
+from .resolve import Program, Setup, check_memory, resolve
 from .runtime import check_runtime
-from .schedule import Kernels, check_program, execute
-from .schedule.program import program_for
-from .shard.comm import Group
-from .shard.mesh import Mesh, mesh_for
-from .shard.spec import local_shapes
+from .schedule.executor import execute
 
 
 class StepOutput(NamedTuple):
@@ -42,10 +41,11 @@ class StepOutput(NamedTuple):
     metrics: dict
 
 
-def check_params(params, plan: Plan) -> None:
+def check_params(params, plan: Plan, setup: Setup | None = None) -> None:
     """Raise ValueError unless ``params`` has the layout, shapes, dtype and device this
-    rank holds under ``plan``."""
-    want = local_shapes(plan, Group.world().rank)
+    rank holds under ``plan`` (``setup``: its Setup, if the caller has it)."""
+    setup = resolve(plan) if setup is None else setup
+    want = setup.spec.local_shapes(Group.world().rank)
     got = named_leaves(params)
     if list(got) != list(want):
         differing = sorted(set(want) ^ set(got)) or [p for p, q in zip(want, got) if p != q]
@@ -70,9 +70,16 @@ def check_batch(batch, plan: Plan) -> Batch:
 
 def check_inputs(params, batch, plan: Plan) -> Batch:
     """All of ``step``'s validation; returns the Batch on the plan's device."""
-    check_runtime(plan)
-    check_params(params, plan)
-    return check_batch(batch, plan)
+    return _checked(params, batch, plan)[0]
+
+
+def _checked(params, batch, plan: Plan) -> tuple[Batch, Setup]:
+    check_runtime(plan)  # first: resolving binds the expert backend it checks
+    setup = resolve(plan)
+    check_params(params, plan, setup)
+    checked = check_batch(batch, plan)
+    check_memory(setup)  # the last check; collectives start after it
+    return checked, setup
 
 
 def num_targets(batch: Batch) -> int:
@@ -96,8 +103,9 @@ def microbatch_objective(params: dict, batch_mb: Batch, plan: Plan, total_target
     ce_sum, layer_stats = lm_loss_sum(compute_params, batch_mb.tokens, cfg, plan.expert_backend, GEMMS[plan.fp8],
                                       batch_mb.targets, batch_mb.documents)
     s = stack_stats(layer_stats)
-    router_losses = router_loss(s.aux_loss.sum(), s.z_loss.sum(), cfg)
-    return ce_sum / total_targets + router_losses / plan.microbatches, ce_sum, s
+    router = router_share(s.aux_loss.sum(), s.z_loss.sum(), cfg, plan.microbatches)
+    objective = ce_sum / total_targets
+    return objective if router is None else objective + router, ce_sum, s
 
 
 def _sum_over_ranks(group: Group, t: torch.Tensor) -> torch.Tensor:
@@ -110,33 +118,29 @@ class Prepared(NamedTuple):
 
     Attributes:
         batch: this rank's Batch on the plan's device.
-        program: the schedule's program; ``slots``: its double-buffer slots.
-        mesh: the plan's Mesh; ``total``: the global count of counted targets (summed
-            over ranks); ``divisor``: the same as a fp32 device scalar, what the loss is
-            divided by (data, so a CUDA-graphed step reads each batch's own count).
+        setup: the plan resolved (``fmoe.resolve``); ``program``: the one to run.
+        total: the global count of counted targets (summed over ranks); ``divisor``:
+            the same as a fp32 device scalar, what the loss is divided by (data, so a
+            CUDA-graphed step reads each batch's own count).
     """
 
     batch: Batch
-    program: tuple
-    slots: dict | None
-    mesh: Mesh
+    setup: Setup
+    program: Program
     total: int
     divisor: torch.Tensor
 
 
 def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
-    """``step``'s validation (ValueErrors before any collective), its program, and the
-    global target count (on several ranks one small all-reduce and host read)."""
-    checked = check_inputs(params, batch, plan)
-    program = program_for(plan, train)
-    slots = check_program(plan, program)  # the last check; collectives start below
-    mesh = mesh_for(plan)
-    total = global_targets(checked, mesh)
+    """``step``'s validation (ValueErrors before any collective), its Setup and program,
+    and the global target count (on several ranks one small all-reduce and host read)."""
+    checked, setup = _checked(params, batch, plan)
+    total = global_targets(checked, setup.mesh)
     divisor = torch.tensor(float(total), device=checked.tokens.device)
-    return Prepared(checked, program, slots, mesh, total, divisor)
+    return Prepared(checked, setup, setup.program(train), total, divisor)
 
 
-def global_targets(checked: Batch, mesh: Mesh) -> int:
+def global_targets(checked: Batch, mesh) -> int:
     """The counted targets of the global batch: this rank's count summed over the
     ranks (one small all-reduce and host read; a single rank knows its own).
 
@@ -185,10 +189,8 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
     """The compute of ``step`` for a Prepared batch: no host read of a device value
     under a static-shape plan (capacity routing or no expert parallelism), so it can
     be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""
-    mesh, total = prepared.mesh, prepared.total
-    group = mesh.world
-    run = execute(prepared.program, named_leaves(params), prepared.batch, plan, mesh, prepared.divisor,
-                  prepared.slots, kernels)
+    total, group = prepared.total, prepared.setup.mesh.world
+    run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.divisor, prepared.program, kernels)
 
     M, world = plan.microbatches, group.size
     floats = torch.stack([run.ce_sum, run.objective,
@@ -213,9 +215,8 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
         "tokens": total,
         "trace": run.state.trace,
     }
-    leaves, treedef = optree.tree_flatten(params)
     grads = [run.grads[p] for p in named_leaves(params)]
-    return StepOutput(loss, optree.tree_unflatten(treedef, grads), metrics)
+    return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(params), grads), metrics)
 
 
 @torch.no_grad()
@@ -228,9 +229,9 @@ def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
-    checked, program, slots, mesh, total, _ = prepare_step(params, batch, plan, train=False)
-    run = execute(program, named_leaves(params), checked, plan, mesh, total, slots)
-    return _sum_over_ranks(mesh.world, run.ce_sum.clone()) / total
+    prepared = prepare_step(params, batch, plan, train=False)
+    run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.total, prepared.program)
+    return _sum_over_ranks(prepared.setup.mesh.world, run.ce_sum.clone()) / prepared.total
 
 
 # What fmoe.step is made of, for adapters (interop): the checks, a step split into its

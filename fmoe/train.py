@@ -66,7 +66,7 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     except KeyboardInterrupt:
         raise SystemExit(_interrupted("before the first step: nothing was written")) from None
     try:
-        launch.start(run.world, run.plan.device, run.settings["timeout"])
+        launch.start(run.world, run.plan.device, run.settings.timeout)
         return loop.train(run)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop catches signals
         latest = run.out / "checkpoint"

@@ -31,7 +31,7 @@ from fmoe import Plan, StepOutput
 from fmoe.layers import attention_half, expert_mlp, route
 from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
-from fmoe.shard.mesh import mesh_for
+from fmoe.backends import bound_backend
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
 SCOPES = ("attn", "router", "experts")
@@ -101,6 +101,7 @@ class GraphedStep:
     def __init__(self, plan: Plan, graph, static_params, prepared: Prepared, out: StepOutput):
         self.plan, self.graph, self.out = plan, graph, out
         self.static_params, self.static_batch, self.divisor = static_params, prepared.batch, prepared.divisor
+        self.setup = prepared.setup
 
     def __call__(self, params: dict, batch: dict) -> StepOutput:
         """Copy ``params`` and ``batch`` into the graph's buffers and replay it.
@@ -110,7 +111,7 @@ class GraphedStep:
         captured shapes and keys. The loss's divisor, the global count of counted
         targets, is data too: the graph reads it from a device scalar.
         """
-        check_params(params, self.plan)
+        check_params(params, self.plan, self.setup)
         checked = check_batch(batch, self.plan)
         static = self.static_batch
         if checked.tokens.shape != static.tokens.shape or (checked.segments is None) != (static.segments is None):
@@ -119,7 +120,7 @@ class GraphedStep:
             raise ValueError(f"batch['tokens'] has shape {list(checked.tokens.shape)} with keys {keys(checked)}; "
                              f"this graph was captured for {list(static.tokens.shape)} with {keys(static)} "
                              "(capture another for a new shape; a loss_mask may come and go)")
-        total = global_targets(checked, mesh_for(self.plan))
+        total = global_targets(checked, self.setup.mesh)
         with torch.no_grad():
             for new, static_leaf in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
                 if not _same_memory(new, static_leaf):  # an optimizer that donated updated them in place
@@ -252,7 +253,7 @@ class _ScopeGraphs:
             chosen["experts"] = self._experts
         return kernels_for(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
 
-    def _experts(self, site, p, rows, segs, cfg, probs, backend, deferred):
+    def _experts(self, site, p, rows, segs, cfg, probs, deferred):
         if deferred is not None:
             raise ValueError("a graphed 'experts' scope computes its weight gradients in its backward graph; "
                              "run it under a plan with delay_wgrad=False (the plan it was captured for)")
@@ -260,6 +261,7 @@ class _ScopeGraphs:
         names = list(p)
         seg_fields = [(i, v) for i, v in enumerate(segs) if isinstance(v, torch.Tensor)]
         has_probs = probs is not None
+        backend = bound_backend(self.plan.expert_backend)
 
         def make(cfg):
             def fn(rows, *rest):

@@ -18,8 +18,8 @@ from torch import nn
 
 import fmoe
 from fmoe.layers import cast_for_compute, moe
-from fmoe.params import named_leaves, param_table, trainable
-from fmoe.shard.mesh import mesh_for
+from fmoe.params import flat_shapes, named_leaves, trainable
+from fmoe.resolve import resolve
 from fmoe.step import check_batch, check_params, global_targets, microbatch_objective
 
 
@@ -74,7 +74,7 @@ class FMoEModule(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         checked = check_batch(batch, self.plan)
-        total = global_targets(checked, mesh_for(self.plan))  # one process: its own count, none refused
+        total = global_targets(checked, resolve(self.plan).mesh)  # one process: its own count, none refused
         params = self.params()
         return sum(microbatch_objective(params, mb, self.plan, total)[0]
                    for mb in checked.microbatches(self.plan.microbatches))
@@ -103,8 +103,9 @@ class MoELayer(nn.Module):
         if params is None:
             params = fmoe.init(fmoe.Plan(model=cfg.replace(layers=1)), seed)["layers"][0]["moe"]
         tree = {k: v for k, v in params.items() if k != "norm"}
-        want = {".".join(map(str, leaf.keys[3:])): leaf.shape for leaf in param_table(cfg).leaves
-                if leaf.keys[:3] == ("layers", 0, "moe") and leaf.keys[3] != "norm"}
+        prefix = "layers.0.moe."
+        want = {path[len(prefix):]: shape for path, shape in flat_shapes(cfg).items()
+                if path.startswith(prefix) and path != prefix + "norm"}
         got = {path: tuple(t.shape) for path, t in named_leaves(tree).items()}
         if got != want:
             wrong = sorted(set(got.items()) ^ set(want.items()))

@@ -202,3 +202,21 @@ def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
         counts &= segments_BS1[:, :-1] == segments_BS1[:, 1:]
     ce = -(logp.gather(-1, targets[..., None])[..., 0] * counts).sum()
     return ce, aux, z
+
+
+# Comparing two pytrees: the structures first (a tree that is short a leaf, or
+# holds another key, fails here instead of passing a shorter ``zip``), then leaf by leaf.
+
+def assert_trees_close(a, b, **tol):
+    """Same tree structure, and every leaf of ``a`` close to its leaf in ``b``
+    (``torch.testing.assert_close`` with ``tol``)."""
+    assert optree.tree_structure(a) == optree.tree_structure(b)
+    for path, x, y in zip(optree.tree_paths(a), optree.tree_leaves(a), optree.tree_leaves(b)):
+        torch.testing.assert_close(x, y, **tol, msg=lambda m, path=path: f"{path}: {m}")
+
+
+def assert_trees_equal(a, b):
+    """Same tree structure, and ``torch.equal`` leaf by leaf."""
+    assert optree.tree_structure(a) == optree.tree_structure(b)
+    for path, x, y in zip(optree.tree_paths(a), optree.tree_leaves(a), optree.tree_leaves(b)):
+        assert torch.equal(x, y), path

@@ -41,6 +41,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def leaf_errors(got, want) -> dict:
     """``{path: relative 2-norm error}`` of every gradient leaf that is not all zeros."""
+    assert optree.tree_structure(got) == optree.tree_structure(want)
     return {p: rel(g, w) for (p, w), g in zip(named_leaves(want).items(), optree.tree_leaves(got)) if w.any()}
 
 

@@ -1,6 +1,5 @@
 """Layout conversions and plain state-dict export: exact round trips, same training."""
 
-import optree
 import pytest
 import torch
 
@@ -15,16 +14,11 @@ from fmoe.checkpoint import (
 )
 
 from . import reference as ref
+from .reference import assert_trees_equal
 
 CFG = fmoe.ModelConfig(vocab=32, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4,
                        expert_biases=True)
 BATCH = {"tokens": torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0))}
-
-
-def assert_trees_equal(a, b):
-    assert optree.tree_structure(a) == optree.tree_structure(b)
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        assert torch.equal(x, y)
 
 
 def test_per_expert_round_trip_is_exact_and_uses_linear_layout():

@@ -93,7 +93,7 @@ def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
 def test_scopes_not_graphed_run_as_the_plan_says():
     # Under Plan.compile the scopes left out of the capture keep their compiled kernels.
     from fmoe.schedule.compiled import compiled_kernels
-    from fmoe.schedule.nodes import EAGER
+    from fmoe.layers.nodes import EAGER
     from interop.cuda_graph import _ScopeGraphs
 
     compiled = compiled_kernels()
@@ -107,7 +107,7 @@ def test_scopes_not_graphed_run_as_the_plan_says():
 def test_graphed_attention_beside_compiled_kernels_is_bitwise_their_eager_run():
     # A graph replays the eager attention's kernels; the router, experts and head stay compiled.
     from fmoe.schedule.compiled import compiled_kernels
-    from fmoe.schedule.nodes import EAGER
+    from fmoe.layers.nodes import EAGER
 
     plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, compile=True, **BF16)
     params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch().cuda()}

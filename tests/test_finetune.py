@@ -10,6 +10,7 @@ from fmoe.layers import forward, lm_loss_sum, stack_stats
 from fmoe.params import named_leaves
 
 from . import reference as ref
+from .reference import assert_trees_close
 
 CFG = fmoe.ModelConfig(vocab=32, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
                        expert_biases=True)
@@ -59,11 +60,6 @@ def fmoe_loss(params, batch, cfg):
 def reference_loss(params, batch, cfg):
     ce, aux, z = ref.lm_loss_sum(params, batch["tokens"], cfg, batch.get("loss_mask"), batch.get("segments"))
     return ce, []
-
-
-def assert_trees_close(a, b, **tol):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol)
 
 
 def test_masked_packed_loss_and_grads_equal_the_float64_per_token_reference():

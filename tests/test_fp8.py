@@ -264,7 +264,7 @@ def test_the_plans_kernels_run_attention_the_shared_expert_and_the_tensorwise_he
     from fmoe.layers import attention_half, cast_for_compute, dense_mlp
     from fmoe.layers.loss import cross_entropy_sum
     from fmoe.schedule import kernels_for
-    from fmoe.schedule.nodes import head_loss_sum
+    from fmoe.layers.loss import head_loss_sum
 
     cfg = fmoe.ModelConfig(vocab=64, dim=64, layers=1, heads=4, experts=4, topk=2, ffn=32, shared_ffn=32)
     plan = fmoe.Plan(model=cfg, fp8=recipe, dtype="bfloat16", device="cuda")  # checked for a GPU at the step

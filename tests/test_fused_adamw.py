@@ -8,7 +8,8 @@ import torch
 
 import fmoe
 from fmoe.params import named_leaves
-from fmoe.shard.spec import local_leaf, shard_leaf, shard_spec, write_shard
+from fmoe.resolve import resolve
+from fmoe.shard.spec import local_leaf, write_shard
 
 from .test_optim_finite import assert_bitwise
 
@@ -39,12 +40,12 @@ def test_init_gives_every_leaf_its_own_storage():
 def test_write_shard_casts_each_leaf_into_its_slot_and_zeroes_the_padding(dtype):
     p = plan(dp=2, sharding="optim_grads_params")
     full = fmoe.init(plan(), seed=7)  # every rank's rows come from the full leaves
-    spec = shard_spec(p)
+    spec = resolve(p).spec
     assert sum(len(layout.gaps) for u in spec.units for layout in u.groups.values()) > 4  # padding to zero
     for u in spec.units:
         for (domain, _), layout in u.groups.items():
             for rank in range(2):
-                named = {s.path: shard_leaf(named_leaves(full)[s.path], s.path, p, rank) for s in layout.slots}
+                named = {s.path: spec.shard_leaf(named_leaves(full)[s.path], s.path, rank) for s in layout.slots}
                 out = write_shard(named, layout, rank, torch.full((layout.shard_size,), float("nan"), dtype=dtype))
                 covered = torch.zeros(layout.shard_size, dtype=torch.bool)
                 for i, slot in enumerate(layout.slots):

@@ -7,18 +7,22 @@ import torch
 
 import fmoe
 from fmoe.batch import Batch
-from fmoe.schedule import Action, Node, build_program, double_buffer_slots, execute
-from fmoe.shard import LifecycleError
-from fmoe.shard.mesh import mesh_for
 from fmoe.params import named_leaves
+from fmoe.resolve import resolve
+from fmoe.schedule import Backward, Forward, Gather, Node, Reduce, Wait, execute
+from fmoe.shard import LifecycleError
 
 CFG = fmoe.ModelConfig(vocab=32, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
 TOKENS = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(0))
 
 
+def build_program(plan):
+    return list(resolve(plan).train.actions)
+
+
 def run(plan, program):
-    params = fmoe.init(plan, seed=0)
-    return execute(program, named_leaves(params), Batch.of_tokens(TOKENS), plan, mesh_for(plan), 4 * 8)
+    params, setup = fmoe.init(plan, seed=0), resolve(plan)
+    return execute(setup, named_leaves(params), Batch.of_tokens(TOKENS), 4 * 8, setup.train.with_actions(program))
 
 
 def zero3(**kw):
@@ -42,7 +46,7 @@ def test_program_runs_and_matches_step():
 def test_backward_on_a_released_unit_is_caught_before_it_runs():
     plan = zero3()
     program = build_program(plan)
-    bwd = program.index(Action("backward", "layers.0", Node("experts", 0), 0))
+    bwd = program.index(Backward(Node("experts", 0), 0, "layers.0"))
     # Drop the re-gather (and its wait) that precede layers.0's backward: the weights
     # it would read were released after its forward.
     regather = [i for i, a in enumerate(program[:bwd]) if a.unit == "layers.0" and a.op in ("gather", "wait")][-2:]
@@ -54,14 +58,14 @@ def test_backward_on_a_released_unit_is_caught_before_it_runs():
 
 def test_forward_before_wait_is_caught():
     plan = zero3()
-    wrong = without(build_program(plan), Action("wait", "embed"))
+    wrong = without(build_program(plan), Wait("embed"))
     with pytest.raises(LifecycleError, match="forward embed .* gathering, not gathered"):
         run(plan, wrong)
 
 
 def test_too_many_live_units_is_caught():
     plan = zero3(prefetch=1)
-    wrong = [Action("gather", "layers.0"), Action("gather", "layers.1")] + build_program(plan)
+    wrong = [Gather("layers.0"), Gather("layers.1")] + build_program(plan)
     with pytest.raises(LifecycleError, match="exceed the plan's 2"):
         run(plan, wrong)
 
@@ -69,19 +73,19 @@ def test_too_many_live_units_is_caught():
 def test_gradients_reduced_twice_or_never_are_caught():
     plan = zero3(microbatches=2)
     program = build_program(plan)
-    reduce = Action("reduce", "head", None, 0)
+    reduce = Reduce("head", 0, False)
     twice = program[:program.index(reduce) + 1] + [reduce] + program[program.index(reduce) + 1:]
     with pytest.raises(LifecycleError, match="already reduced"):
         run(plan, twice)
     with pytest.raises(LifecycleError, match="never reduced|reduced for microbatches"):
-        run(plan, without(program, Action("reduce", "layers.1", None, 1)))
+        run(plan, without(program, Reduce("layers.1", 1, True)))
 
 
 def test_zero1_reducing_every_microbatch_is_caught():
     plan = fmoe.Plan(model=CFG, sharding="optim", microbatches=2)
     program = build_program(plan)
-    at = program.index(Action("backward", "head", Node("head"), 0)) + 1
-    wrong = program[:at] + [Action("reduce", "head", None, 0)] + program[at:]
+    at = program.index(Backward(Node("head"), 0, "head")) + 1
+    wrong = program[:at] + [Reduce("head", 0, False)] + program[at:]
     with pytest.raises(LifecycleError, match="reduces once, on the last microbatch"):
         run(plan, wrong)
 
@@ -97,15 +101,15 @@ def test_double_buffers_refuse_a_schedule_that_needs_one_slot_twice():
     plan = fmoe.Plan(model=CFG, dp=2, sharding="optim_grads_params", gather_buffers="double",
                      units=(("embed", "head"), ("layers.0",), ("layers.1",)))
     with pytest.raises(ValueError, match="share a slot while both are live"):
-        double_buffer_slots(plan, build_program(plan))
+        resolve(plan)
     ok = plan.replace(units=None)
-    assert double_buffer_slots(ok, build_program(ok)) == {"embed": 0, "layers.0": 1, "layers.1": 0, "head": 1}
+    assert resolve(ok).train.slots == {"embed": 0, "layers.0": 1, "layers.1": 0, "head": 1}
 
 
 def test_prefetch_issues_gathers_ahead():
     def gathered_before_forward(plan, node):
         program = build_program(plan)
-        return program.index(Action("gather", node)) < program.index(Action("forward", "layers.0", Node("attn", 0), 0))
+        return program.index(Gather(node)) < program.index(Forward(Node("attn", 0), 0, "layers.0"))
 
     assert gathered_before_forward(zero3(prefetch=1), "layers.1")
     assert not gathered_before_forward(zero3(prefetch=0), "layers.1")

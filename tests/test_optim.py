@@ -175,22 +175,32 @@ def test_last_grad_norm_needs_an_optimizer_that_computes_one():
 @pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
 @pytest.mark.parametrize("kw", [dict(), dict(max_grad_norm=1.0), dict(max_grad_norm=1.0, skip_nonfinite=2)],
                          ids=["plain", "clip", "clip+skip"])
-def test_adamw_states_are_named_and_a_positional_state_from_before_still_updates(fused, kw):
-    # adamw's chain is a named_chain: its states are found by name. A state saved before
-    # they were named (a tuple in ADAMW_STATES order, e.g. in a checkpoint on disk)
-    # updates exactly as the named one it stands for.
+def test_adamw_states_are_named_and_a_positional_state_from_before_still_updates(fused, kw, tmp_path):
+    # adamw's chain is a named_chain: its states are found by name. A checkpoint saved
+    # before they were named holds a tuple in ADAMW_STATES order: fmoe.load renames it
+    # once, and it updates exactly as the named one it stands for. update itself takes
+    # only the named form (it migrates nothing on every step).
     from fmoe.optim.optimizers import ADAMW_STATES
 
+    plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=32, dim=32, heads=2, experts=4, ffn=16))
     opt = fmoe.adamw(lr=0.1, weight_decay=0.1, fused=fused, **kw)
-    params, grads = tree(0), tree(1)
+    params = fmoe.init(plan, seed=0)
+    grads = optree.tree_map(lambda t: torch.randn_like(t), params)
     state = opt.init(params)
     named = state.inner_state if "skip_nonfinite" in kw else state
     assert list(named) == [n for n in ADAMW_STATES if n != "clip" or "max_grad_norm" in kw]
     positional = tuple(named.values())
     if "skip_nonfinite" in kw:
         positional = state._replace(inner_state=positional)
+    with pytest.raises(ValueError, match="migrate_state"):
+        opt.update(grads, positional, params)
+    fmoe.save(tmp_path / "old", plan, params, opt_state=positional)
+    loaded = fmoe.load(tmp_path / "old", plan).opt_state
+    assert optree.tree_structure(loaded) == optree.tree_structure(state)
+    assert fmoe.optim.migrate_state(state) is state  # a current state is left as it is
     want = opt.update(grads, state, params)
-    got = opt.update(grads, positional, params)
+    got = opt.update(grads, loaded, params)
+    assert optree.tree_structure(got) == optree.tree_structure(want)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
         assert torch.equal(a, b)
 

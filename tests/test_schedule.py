@@ -1,6 +1,5 @@
 """Schedules on one process: the 1F1B program, delayed wgrad and the checks guarding them."""
 
-import optree
 import pytest
 import torch
 
@@ -8,10 +7,12 @@ import fmoe
 from fmoe.batch import Batch
 from fmoe.layers import DeferredWgrad, expert_mlp, make_dispatch, permute
 from fmoe.params import named_leaves
-from fmoe.schedule import Action, Node, build_program, execute
+from fmoe.resolve import resolve
+from fmoe.schedule import Land, Node, Reduce, Release, Wgrad, execute
 from fmoe.schedule.program import schedule_ops
 from fmoe.shard import LifecycleError
-from fmoe.shard.mesh import mesh_for
+
+from .reference import assert_trees_equal
 
 CFG = fmoe.ModelConfig(vocab=32, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=8,
                        expert_biases=True)
@@ -29,8 +30,7 @@ def step(p):
 
 def assert_same_step(a, b):
     assert torch.equal(a.loss, b.loss)
-    for x, y in zip(optree.tree_leaves(a.grads), optree.tree_leaves(b.grads)):
-        assert torch.equal(x, y)
+    assert_trees_equal(a.grads, b.grads)
 
 
 @pytest.mark.parametrize("sharding", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
@@ -43,7 +43,7 @@ def test_1f1b_and_delayed_wgrad_are_bitwise_the_standard_step(sharding, prefetch
 
 
 def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
-    ops = [(mb, op, str(node)) for mb, op, node in schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))]
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))]
     start = ops.index((0, "backward", "layers.1.combine"))
     assert ops[start:start + 9] == [
         (0, "backward", "layers.1.combine"), (1, "forward", "layers.0.attn"), (1, "forward", "layers.0.dispatch"),
@@ -56,7 +56,7 @@ def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
 
 @pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
 def test_each_combine_lands_right_before_its_output_is_read(schedule):
-    ops = [(mb, op, str(node)) for mb, op, node in schedule_ops(plan(schedule=schedule, delay_wgrad=True))]
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(plan(schedule=schedule, delay_wgrad=True))]
     for mb in range(3):
         for i, reader in ((0, "layers.1.attn"), (1, "head")):
             land = ops.index((mb, "land", f"layers.{i}.combine"))
@@ -71,13 +71,19 @@ def test_each_combine_lands_right_before_its_output_is_read(schedule):
 
 def test_a_program_without_a_landing_is_caught():
     p = plan()
-    program = [a for a in build_program(p) if not (a.op == "land" and a.node == Node("combine", 0))]
+    program = [a for a in build_program(p) if a != Land(Node("combine", 0), 0)]
     with pytest.raises(LifecycleError, match=r"forward layers.1.attn \(microbatch 0\): layers.0.combine has not landed"):
         run(p, program)
 
 
+def build_program(p):
+    return list(resolve(p).train.actions)
+
+
 def run(p, program):
-    return execute(program, named_leaves(fmoe.init(p, seed=0)), Batch.of_tokens(TOKENS), p, mesh_for(p), 6 * 8)
+    setup = resolve(p)
+    return execute(setup, named_leaves(fmoe.init(p, seed=0)), Batch.of_tokens(TOKENS), 6 * 8,
+                   setup.train.with_actions(program))
 
 
 def moved(program, action, after):
@@ -90,8 +96,8 @@ def moved(program, action, after):
 def test_delayed_wgrad_on_a_released_unit_is_caught():
     p = plan(delay_wgrad=True)
     program = build_program(p)
-    wgrad = Action("wgrad", "layers.1", Node("experts", 1), 0)
-    release = next(a for a in program[program.index(wgrad):] if a == Action("release", "layers.1"))
+    wgrad = Wgrad(Node("experts", 1), 0, "layers.1")
+    release = next(a for a in program[program.index(wgrad):] if a == Release("layers.1"))
     # Forgetting to keep (or gather again) the unit for its delayed wgrad:
     with pytest.raises(LifecycleError, match=r"wgrad layers.1.experts \(microbatch 0\) needs unit layers.1, "
                                              "which is sharded"):
@@ -101,9 +107,9 @@ def test_delayed_wgrad_on_a_released_unit_is_caught():
 def test_reducing_before_the_delayed_wgrad_is_caught():
     p = plan(delay_wgrad=True)
     program = build_program(p)
-    wgrad = Action("wgrad", "layers.0", Node("experts", 0), 1)
+    wgrad = Wgrad(Node("experts", 0), 1, "layers.0")
     with pytest.raises(LifecycleError, match="delayed wgrad of microbatch 1 has not run"):
-        run(p, moved(program, wgrad, Action("reduce", "layers.0", None, 1)))
+        run(p, moved(program, wgrad, Reduce("layers.0", 1, False)))
     with pytest.raises(LifecycleError, match="delayed wgrad of microbatch 1 has not run"):
         run(p, [a for a in program if a != wgrad])
 
@@ -112,7 +118,7 @@ def test_double_buffers_refuse_the_woven_schedule():
     p = fmoe.Plan(model=CFG, dp=2, sharding="optim_grads_params", gather_buffers="double", microbatches=2,
                   schedule="1f1b_overlap")
     with pytest.raises(ValueError, match="gather_buffers='double' cannot hold this schedule"):
-        fmoe.schedule.check_program(p, build_program(p))
+        resolve(p)
 
 
 @pytest.mark.parametrize("backend", ["torch", "loop"])

@@ -8,6 +8,7 @@ import fmoe
 from fmoe.layers import lm_loss_sum, stack_stats
 
 from . import reference as ref
+from .reference import assert_trees_close
 
 CFG = fmoe.ModelConfig(vocab=32, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
                        expert_biases=True)
@@ -19,11 +20,6 @@ def random_batch(B=8, S=12, vocab=32, seed=0):
 
 def fp32_params(cfg, seed=1):
     return ref.random_params(cfg, seed=seed, dtype=torch.float32)
-
-
-def assert_trees_close(a, b, **tol):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol)
 
 
 def autograd_reference(params, tokens, cfg):

@@ -135,6 +135,19 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
         options.plan_for(settings, options.model_config(settings))
 
 
+def test_run_settings_are_one_typed_frozen_value_checked_when_built():
+    run, fields = options.split(options.resolve(["--steps", "3", "--no-resume"])[0])
+    assert (run.steps, run.resume, run.log_every) == (3, False, 1) and "steps" not in fields and "dim" in fields
+    assert options.joined(run, fields) == options.resolve(["--steps", "3", "--no-resume"])[0]
+    with pytest.raises(AttributeError):  # frozen
+        run.steps = 4
+    with pytest.raises(ValueError, match="--steps=0 is invalid: must be an int >= 1"):
+        run.replace(steps=0)
+    with pytest.raises(ValueError, match="key 'steps' must be an int"):
+        options.RunSettings(steps=3.0)
+    assert options.RunSettings(lr=1).lr == 1.0 and isinstance(options.RunSettings(lr=1).lr, float)
+
+
 @pytest.mark.parametrize("toml,flags,needle", [
     ("dimm = 64\n", [], "unknown key 'dimm' (did you mean 'dim'?)"),
     ("dim = \"wide\"\n", [], "key 'dim' must be an int, got 'wide'"),

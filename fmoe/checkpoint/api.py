@@ -25,14 +25,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import optim
 from ..config import ModelConfig, Plan
-from ..params import flat_shapes, named_leaves, param_table
+from ..dist.comm import Group
+from ..params import flat_shapes, named_leaves
+from ..resolve import resolve
 from ..runtime import check_runtime
-from ..shard.comm import Group
-from ..shard.spec import local_shapes
 from ..step import check_params
 from .boxes import local_boxes
 from .dcp_io import BoxedTensor, BoxLoadPlanner, BoxSavePlanner, JsonMetadataReader, metadata_from_json, metadata_to_json
-from .files import META_FILE, check_files, checksums, resolve, staged_directory, write_atomically
+from .files import META_FILE, check_files, checkpoint_dir, checksums, staged_directory, write_atomically
 
 FORMAT_VERSION = 2
 _STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState,
@@ -128,23 +128,24 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     check_params(params, plan)
     path = Path(path)
     world = Group.world()
-    shapes = flat_shapes(plan.model)
-    local = local_shapes(plan, world.rank)
+    spec = resolve(plan).spec
+    shapes = spec.table.shapes()
+    local = spec.local_shapes(world.rank)
     tensors = {}
     for p, leaf in named_leaves(params).items():
         tensors["params." + p] = BoxedTensor(shapes[p], torch.float32,
-                                             local_boxes(p, shapes[p], leaf.detach().cpu(), plan, world.rank))
+                                             local_boxes(p, shapes[p], leaf.detach().cpu(), spec, world.rank))
     meta: dict = {"format": FORMAT_VERSION, "model": dataclasses.asdict(plan.model), "step": int(step),
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
     if opt_state is not None:
         leaves, mirrors = {}, {}
-        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, param_table(plan.model))
+        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, spec.table)
         for key, t in leaves.items():
             p = mirrors.get(key)
             t = t.cpu()
             if p is not None and tuple(t.shape) == tuple(local[p]):
                 meta["opt_params"][key] = p
-                tensors[key] = BoxedTensor(shapes[p], t.dtype, local_boxes(p, shapes[p], t, plan, world.rank))
+                tensors[key] = BoxedTensor(shapes[p], t.dtype, local_boxes(p, shapes[p], t, spec, world.rank))
             else:  # what mirrors no parameter (step counts, norms): the same on every rank
                 tensors[key] = BoxedTensor(t.shape, t.dtype, [((0,) * t.dim(), t)])
     if rng is not None:
@@ -230,7 +231,7 @@ def read_config(path) -> ModelConfig:
 
 def read_meta(path) -> tuple[Path, dict]:
     """The checkpoint directory and its parsed ``fmoe.json`` (ValueError if unreadable)."""
-    path = resolve(Path(path))
+    path = checkpoint_dir(Path(path))
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -278,15 +279,16 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
     path, meta = read_meta(path)
     _validate(path, meta, plan, verify)
     world = Group.world()
-    shapes = flat_shapes(plan.model)
-    local = local_shapes(plan, world.rank)
+    spec = resolve(plan).spec
+    shapes = spec.table.shapes()
+    local = spec.local_shapes(world.rank)
     stored = meta["dcp"]["tensors"]
     dest, values = {}, {}
 
     def boxed(key, param):
         if param is not None:
             t = torch.empty(local[param], dtype=getattr(torch, stored[key]["dtype"]))
-            return t, BoxedTensor(shapes[param], t.dtype, local_boxes(param, shapes[param], t, plan, world.rank))
+            return t, BoxedTensor(shapes[param], t.dtype, local_boxes(param, shapes[param], t, spec, world.rank))
         t = torch.empty(stored[key]["size"], dtype=getattr(torch, stored[key]["dtype"]))
         return t, BoxedTensor(t.shape, t.dtype, [((0,) * t.dim(), t)])
 
@@ -297,6 +299,7 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
-    params = param_table(plan.model).unflatten(values["params." + p] for p in shapes)
-    opt_state = None if meta["opt_state"] is None else _decode(meta["opt_state"], values)
+    params = spec.table.unflatten(values["params." + p] for p in shapes)
+    # a state saved by an older fmoe is brought to the current form here, once
+    opt_state = None if meta["opt_state"] is None else optim.migrate_state(_decode(meta["opt_state"], values))
     return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Plan
+from ..params import Domain
 from ..shard.layout import rows_cols
-from ..params import param_table
-from ..shard.spec import ep_index, local_full_shape, shard_rank, shard_spec
+from ..shard.spec import ShardSpec
 
 
 def row_boxes(shape: tuple, first: int, last: int) -> list[tuple[tuple, tuple, int, int]]:
@@ -43,20 +42,16 @@ def row_boxes(shape: tuple, first: int, last: int) -> list[tuple[tuple, tuple, i
     return boxes
 
 
-def local_boxes(path: str, global_shape: tuple, leaf: torch.Tensor, plan: Plan, world_rank: int):
-    """``[(global offsets, view of leaf)]`` for a leaf laid out like parameter ``path``."""
-    spec = shard_spec(plan)
-    domain = param_table(plan.model)[path].domain
-    local_shape = local_full_shape(path, global_shape, plan)
-    rows, cols = rows_cols(local_shape)
-    if spec.sharded(domain):
-        layout = spec.layout_of(path, plan)
-        index = next(i for i, s in enumerate(layout.slots) if s.path == path)
-        _, first, last, _ = layout.local_slots(shard_rank(plan, world_rank, domain))[index]
-    else:
-        first, last = 0, rows
+def local_boxes(path: str, global_shape: tuple, leaf: torch.Tensor, spec: ShardSpec, world_rank: int):
+    """``[(global offsets, view of leaf)]`` for a leaf laid out like parameter ``path``
+    (``spec``: the plan's ShardSpec)."""
+    domain = spec.table[path].domain
+    local_shape = spec.local_full_shape(path, global_shape)
+    _, cols = rows_cols(local_shape)
+    piece = spec.leaf_piece(path, global_shape, world_rank)
+    first, last = piece.first, piece.last
     as_rows = leaf.reshape(last - first, cols)
-    expert_offset = ep_index(plan, world_rank) * spec.experts_per_rank if domain == "expert" else 0
+    expert_offset = spec.ep_index(world_rank) * spec.experts_per_rank if domain == Domain.EXPERT else 0
     out = []
     for offsets, sizes, r0, r1 in row_boxes(local_shape, first, last):
         view = as_rows[r0 - first:r1 - first].view(sizes)

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..shard.comm import Group, broadcast_text
+from ..dist.comm import Group, broadcast_text
 
 META_FILE = "fmoe.json"
 
@@ -49,7 +49,7 @@ def swap_into_place(tmp: Path, path: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def resolve(path: Path) -> Path:
+def checkpoint_dir(path: Path) -> Path:
     """The checkpoint directory to read for ``path`` (recovering an interrupted swap,
     of ``path`` or of the directory a link at ``path`` points to)."""
     if path.is_symlink():

@@ -77,11 +77,11 @@ import numpy as np
 from tqdm import tqdm
 
 from ..checkpoint.files import swap_into_place, write_atomically
-from . import prepare as _prepare
 from .chat_template import CONFIG, Template, describe_kind, load_template, message_starts, render_conversation, \
     single_token
+from .encoding import IN_FLIGHT, find_inputs, open_tokenizer
+from .format import FORMAT, VERSION, check_out, temporary_sibling, token_dtype
 from .packing import OPEN_ROWS, Packer, split_points
-from .tokens import FORMAT, VERSION
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "all")
@@ -299,10 +299,10 @@ def _pack_batch(batch: _Batch, encoded: Encoded, template: Template, packer: Pac
 def _write_packed(files: list[Path], template: Template, encode: Callable, packer: Packer, long: str,
                   train_on: str, quiet: bool) -> _Counts:
     """Stream ``files`` into ``packer``: batches are read and rendered here while up to
-    ``prepare._IN_FLIGHT`` earlier ones are encoded in threads, and packed in order. The
+    ``encoding.IN_FLIGHT`` earlier ones are encoded in threads, and packed in order. The
     progress bar advances by each packed batch's input bytes."""
     totals = _Counts(0, 0, 0)
-    in_flight = _prepare._IN_FLIGHT
+    in_flight = IN_FLIGHT
     with tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="chat",
               disable=quiet, file=sys.stderr) as bar, \
             ThreadPoolExecutor(in_flight, thread_name_prefix="fmoe-chat") as pool:
@@ -365,19 +365,19 @@ def prepare_chat(inputs, out, seq: int | None, tokenizer=None, eos: str | None =
         raise ValueError(f"--train-on {train_on!r} is invalid; allowed: {', '.join(TRAIN_ON)}")
     if long not in LONG:
         raise ValueError(f"--long {long!r} is invalid; allowed: {', '.join(LONG)}")
-    out = _prepare.check_out(out, overwrite)
-    files = _prepare.find_inputs(inputs, globs)
+    out = check_out(out, overwrite)
+    files = find_inputs(inputs, globs)
     if tokenizer is None:
         tok, vocab = None, 256
     else:
         tokenizer = Path(tokenizer)
-        tok, vocab = _prepare.open_tokenizer(tokenizer)
+        tok, vocab = open_tokenizer(tokenizer)
     template = load_template(tokenizer, tok, eos)
     eos_id = None if tok is None or template.eos is None else single_token(tok, template.eos)
-    dtype = _prepare._dtype(vocab)
+    dtype = token_dtype(vocab)
     encode = bytes_encoder if tok is None else tokenizer_encoder(tok, dtype)
     row_tokens = seq + 1
-    tmp = _prepare.temporary_sibling(out)
+    tmp = temporary_sibling(out)
     try:
         with open(tmp / "tokens.bin", "wb") as ids_f, open(tmp / "loss_mask.bin", "wb") as flags_f, \
                 open(tmp / "segments.bin", "wb") as segments_f:

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from . import prepare as _prepare
+from .encoding import EOS_CANDIDATES
 
 CONFIG = "tokenizer_config.json"
 PLAIN_GENERATION_PROMPT = "<|assistant|>\n"
@@ -187,7 +187,7 @@ def load_template(tokenizer: Path | None, tok, eos: str | None) -> Template:
     source = _chat_template_source(config, config_path)
     if source is None:
         if eos_text is None:
-            have = [c for c in _prepare.EOS_CANDIDATES if tok.token_to_id(c) is not None]
+            have = [c for c in EOS_CANDIDATES if tok.token_to_id(c) is not None]
             hint = f" (this tokenizer has {have[0]!r})" if have else ""
             raise ValueError(f"{tokenizer}: a tokenizer without the special tokens the template needs: the plain "
                              "chat template ends each assistant turn with an end-of-sequence token, and none is set; "

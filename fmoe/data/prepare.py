@@ -28,49 +28,22 @@ import json
 import os
 import shutil
 import sys
-import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator
 
-import numpy as np
 from tqdm import tqdm
 
 from ..checkpoint.files import swap_into_place, write_atomically
-from .tokens import FORMAT, VERSION
+from .chat import GLOBS as CHAT_GLOBS, prepare_chat, summary
+from .encoding import GLOBS, IN_FLIGHT, SEPARATOR, Encoder, find_inputs, load_encoder
+from .format import FORMAT, VERSION, check_out, temporary_sibling
 
-GLOBS = ("*.txt", "*.md", "*.rst", "*.py", "*.jsonl")
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|im_end|>")
-SEPARATOR = "\n\n"  # after each document when there is no end-of-document token
 # a batch is encoded when it holds this many documents or bytes: enough work for
-# encode_batch to spread over its threads, bounded memory, and a progress bar that moves.
-# _IN_FLIGHT batches are encoded at once (the tokenizer releases the GIL), so that a
-# batch's last long document, or a batch of one long document, leaves no thread idle
-_BATCH_DOCS, _BATCH_BYTES = 4096, 2 << 20
-_IN_FLIGHT = min(8, max(2, os.cpu_count() or 2))
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def find_inputs(paths, globs=GLOBS) -> list[Path]:
-    """Every input file: files as given, directories walked recursively for ``globs``
-    (each directory's files sorted, so the order is deterministic; hidden files and
-    folders, such as ``.git`` or ``.venv``, skipped)."""
-    files = []
-    for p in map(Path, paths):
-        if not p.exists():
-            raise ValueError(f"input {p} does not exist")
-        if p.is_dir():
-            files += sorted({f for g in globs for f in p.rglob(g) if f.is_file() and not _hidden(f, p)})
-        else:
-            files.append(p)
-    if not files:
-        raise ValueError(f"no files matching {' '.join(globs)} under {', '.join(map(str, paths))}")
-    return files
+# encode_batch to spread over its threads, bounded memory, and a progress bar that moves;
+# _IN_FLIGHT batches are encoded at once (encoding.IN_FLIGHT)
+_BATCH_DOCS, _BATCH_BYTES, _IN_FLIGHT = 4096, 2 << 20, IN_FLIGHT
 
 
 def documents(path: Path) -> Iterator[tuple[str, int]]:
@@ -94,74 +67,6 @@ def documents(path: Path) -> Iterator[tuple[str, int]]:
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise ValueError(f"{path}:{number}: a jsonl line needs a string field 'text'")
             yield row["text"], len(raw)
-
-
-class Encoder(NamedTuple):
-    """A batch of documents -> their ids, concatenated, each document's ending with its
-    separator."""
-
-    encode: Callable[[list[str]], np.ndarray]  # of ``dtype``
-    vocab: int
-    eos_id: int | None
-    tokenizer: Path | None  # the tokenizer.json, or None for UTF-8 bytes
-
-    @property
-    def dtype(self) -> np.dtype:
-        return _dtype(self.vocab)
-
-
-def _dtype(vocab: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
-
-
-def _encode_bytes(docs: list[str]) -> np.ndarray:
-    if not docs:
-        return np.empty(0, np.uint16)
-    return np.frombuffer((SEPARATOR.join(docs) + SEPARATOR).encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-
-def open_tokenizer(tokenizer) -> tuple:
-    """A ``tokenizer.json`` as ``(tokenizers.Tokenizer, vocab)``: ``vocab`` covers every
-    id, added tokens included (ValueError naming the file, or the missing package)."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise ValueError("--tokenizer needs the tokenizers package: pip install tokenizers "
-                         "(or the extra fmoe[data])") from None
-    try:
-        tok = Tokenizer.from_file(str(tokenizer))
-    except Exception as err:  # tokenizers raises its own exception type
-        raise ValueError(f"{tokenizer}: not a readable tokenizer.json ({err})") from None
-    # added tokens may sit past the model vocab's ids: the vocab must cover the largest
-    vocab = max(tok.get_vocab_size(with_added_tokens=True), max(tok.get_vocab(True).values(), default=-1) + 1)
-    return tok, vocab
-
-
-def load_encoder(tokenizer=None, eos: str | None = None) -> Encoder:
-    """The encoder of a ``tokenizer.json`` (``eos`` None: found; ``""``: none), or
-    byte-level when ``tokenizer`` is None."""
-    if tokenizer is None:
-        if eos:
-            raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
-        return Encoder(_encode_bytes, 256, None, None)
-    tok, vocab = open_tokenizer(tokenizer)
-    names = [eos] if eos is not None else [c for c in EOS_CANDIDATES if tok.token_to_id(c) is not None][:1]
-    eos_id = tok.token_to_id(names[0]) if names and names[0] else None
-    if eos and eos_id is None:
-        raise ValueError(f"--eos {eos!r} is not a token of {tokenizer}")
-    # the same ids as encode_batch; _fast (tokenizers >= 0.20) skips the character
-    # offsets, about half of encode_batch's work
-    encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    after = () if eos_id is None else (eos_id,)
-    dtype = _dtype(vocab)
-
-    def encode(docs: list[str]) -> np.ndarray:
-        encodings = encode_batch(docs if eos_id is not None else [d + SEPARATOR for d in docs])
-        count = sum(map(len, encodings)) + len(after) * len(encodings)
-        # one pass from the lists of ids into the corpus dtype (ids < vocab fit it)
-        return np.fromiter(chain.from_iterable(ids for e in encodings for ids in (e.ids, after)), dtype, count)
-
-    return Encoder(encode, vocab, eos_id, Path(tokenizer))
 
 
 def _batches(files: list[Path]) -> Iterator[tuple[list[str], int]]:
@@ -222,34 +127,6 @@ def _write_tokens(files: list[Path], enc: Encoder, path: Path, quiet: bool) -> t
         sink.flush()
         os.fsync(sink.fileno())
     return count, n_docs, max_id
-
-
-def _is_corpus(path: Path) -> bool:
-    try:
-        return json.loads((path / "meta.json").read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def check_out(out, overwrite: bool) -> Path:
-    """``out`` as a Path, if it may be written: absent, or (``overwrite``) a corpus
-    (ValueError otherwise: never replace, say, a folder of input texts)."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it")
-    if out.exists() and not _is_corpus(out):
-        raise ValueError(f"--out {out} exists and is not a corpus written by fmoe.data prepare; "
-                         "refusing to replace it")
-    return out
-
-
-def temporary_sibling(out: Path) -> Path:
-    """A new empty directory beside ``out``, renamed onto it when complete (so ``out``
-    never holds a partial corpus)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
 
 
 def prepare(inputs, out, tokenizer=None, eos: str | None = None, overwrite: bool = False, quiet: bool = False,
@@ -325,8 +202,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"fmoe.data: {' and '.join(chat_only)} only go with --chat (chat JSONL for fine-tuning)")
     try:
         if args.chat:
-            from .chat import GLOBS as CHAT_GLOBS, prepare_chat, summary
-
             meta = prepare_chat(args.inputs, args.out, args.seq, args.tokenizer, args.eos,
                                 args.train_on or "assistant", args.long or "split", args.overwrite, args.quiet,
                                 args.globs or CHAT_GLOBS)

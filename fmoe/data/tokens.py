@@ -30,8 +30,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-FORMAT, VERSION = "fmoe-tokens", 1
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+from .encoding import load_encoder
+from .format import DTYPES, FORMAT, VERSION
+
 EMBEDDED = "embedded:pydoc_data.topics"
 
 
@@ -146,8 +147,6 @@ def embedded_corpus(heldout_fraction: float = 0.05, tokenizer=None) -> TokenCorp
         train, heldout = _split(ids, heldout_fraction, EMBEDDED)
         return TokenCorpus(train, heldout, 256, None, None, EMBEDDED)
     from pydoc_data.topics import topics
-
-    from .prepare import load_encoder
 
     enc = load_encoder(tokenizer)
     source = f"{EMBEDDED} tokenized with {tokenizer}"

@@ -17,11 +17,11 @@ import torch
 from ..checkpoint.convert import safetensors_torch
 from ..checkpoint.files import staged_directory, write_atomically
 from ..config import ModelConfig, Plan
-from ..params import flat_shapes, named_leaves, param_table
+from ..params import named_leaves
 from ..runtime import check_runtime
-from ..shard.comm import Group
-from ..shard.gather import iter_full
-from ..shard.spec import leaf_piece, local_full_shape, local_shapes, shard_leaf
+from ..dist.comm import Group
+from ..gather import iter_full
+from ..resolve import resolve
 from ..step import check_params
 from .families import TRAINING_FIELDS, family_of, to_hf_config, to_model_config
 from .weights import SafetensorsDir, file_keys, read_local_leaf, recipes, to_file_tensors
@@ -90,17 +90,17 @@ def load(directory, plan: Plan) -> dict:
     if unread:
         raise ValueError(f"fmoe.hf.load: {directory} holds tensors this model has no place for, e.g. {unread[:3]} "
                          f"(an architecture feature fmoe does not implement)")
-    rank = Group.world().rank
-    local = local_shapes(plan, rank)
+    rank, spec = Group.world().rank, resolve(plan).spec
+    local = spec.local_shapes(rank)
     leaves = []
-    for path, shape in flat_shapes(cfg).items():
+    for path, shape in spec.table.shapes().items():
         if path not in by_path:  # expert_bias: no such tensor in these families
-            leaf = shard_leaf(torch.zeros(shape), path, plan, rank)
+            leaf = spec.shard_leaf(torch.zeros(shape), path, rank)
         else:
-            piece = leaf_piece(path, shape, plan, rank)
-            leaf = read_local_leaf(files, by_path[path], cfg, local_full_shape(path, shape, plan), *piece)
+            piece = spec.leaf_piece(path, shape, rank)
+            leaf = read_local_leaf(files, by_path[path], cfg, spec.local_full_shape(path, shape), *piece)
         leaves.append(leaf.reshape(local[path]).to(device=plan.device, dtype=torch.float32).contiguous())
-    return param_table(cfg).unflatten(leaves)
+    return spec.table.unflatten(leaves)
 
 
 def _check_expert_bias(named: dict, plan: Plan) -> None:

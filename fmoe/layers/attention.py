@@ -192,3 +192,16 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     if kv is not None:  # L: the keys so far
         k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
     return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start, docs), p["out"])
+
+
+def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
+                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+    """A layer's first half: ``h += attn(norm(h))``, then the MoE's input norm (``docs``,
+    ``kv``, ``gemms``: see ``attention``).
+
+    Returns:
+        ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
+    """
+    eps = cfg.norm_eps
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs)
+    return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)

@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..shard.comm import Group, Pending
-from ..shard.trace import Event, now
+from ..dist.comm import Group, Pending
+from ..dist.trace import Event, now
 
 
 @dataclass

@@ -5,7 +5,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..backends import registered_backend
+from ..backends import ExpertBackend, registered_backend
 from ..config import ModelConfig
 from . import triton_kernels
 from .fp8 import PLAIN, Gemms
@@ -184,7 +184,7 @@ def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tenso
 
 
 def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
-               row_probs_R: torch.Tensor | None = None, backend: str = "torch",
+               row_probs_R: torch.Tensor | None = None, backend: str | ExpertBackend = "torch",
                deferred: DeferredWgrad | None = None, act: Callable = activation,
                gemms: Gemms = PLAIN) -> torch.Tensor:
     """``fc2(act(fc1(x) + b1) [* prob]) + b2`` per expert segment.
@@ -195,7 +195,8 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
         segs: their expert segments (see ``grouped_matmul``).
         cfg: the ModelConfig.
         row_probs_R: when given, each row's activation is scaled by it before fc2.
-        backend: see ``grouped_matmul``, or a name given to ``register_expert_backend``.
+        backend: see ``grouped_matmul``; a registered ExpertBackend (``bound_backend``),
+            or the name given to ``register_expert_backend``.
         deferred: collects the fc1/fc2 weight-gradient GEMMs instead of running them
             in backward (delayed wgrad); the bias gradients are not deferred.
         act: the activation, ``activation``'s signature (``Plan.compile`` passes a
@@ -205,7 +206,7 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     Returns:
         ``[R, D]``; rows of padding hold values that callers never read.
     """
-    registered = registered_backend(backend)
+    registered = backend if isinstance(backend, ExpertBackend) else registered_backend(backend)
     if registered is not None:
         return registered.mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred, gemms)
@@ -216,6 +217,15 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)
     return y
+
+
+def experts_with(backend: str | ExpertBackend, gemms: Gemms = PLAIN, **bound) -> Callable:
+    """``expert_mlp`` as the function the MoE calls, ``(p, rows_RD, segs, cfg, row_probs_R,
+    deferred) -> y_RD``: ``backend`` and ``gemms`` (and ``bound``, e.g. a compiled
+    activation) bound in once."""
+    def experts(p, rows_RD, segs, cfg, row_probs_R=None, deferred=None):
+        return expert_mlp(p, rows_RD, segs, cfg, row_probs_R, backend, deferred, gemms=gemms, **bound)
+    return experts
 
 
 def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, gemms: Gemms = PLAIN) -> torch.Tensor:

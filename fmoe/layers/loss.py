@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 from ..batch import IGNORE
 from .fp8 import Fp8Weight
+from .norm import rms_norm
 from .precision import upcast
 
 
@@ -78,3 +79,16 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
     if isinstance(w_DV, Fp8Weight):
         return _Chunked.apply(x_TD, w_DV.grad_leaf, targets_T, chunk, piece, w_DV.q, w_DV.scale)
     return _Chunked.apply(x_TD, w_DV, targets_T, chunk, piece)
+
+
+def head_weight(params: dict) -> torch.Tensor:
+    """The ``[D, V]`` output projection: ``head``, or ``embed.T`` when embeddings are tied."""
+    return params["head"] if "head" in params else params["embed"].t()
+
+
+def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float,
+                  chunk: int = 0, piece=cross_entropy_sum) -> torch.Tensor:
+    """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``
+    (``chunk`` tokens at a time: ``Plan.loss_chunk``; each piece through ``piece``)."""
+    x_TD = rms_norm(h_BSD, weights["final_norm"], eps).flatten(0, 1)
+    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk, piece)

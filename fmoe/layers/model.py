@@ -4,16 +4,17 @@ import optree
 import torch
 import torch.nn.functional as F
 
+from ..backends import bound_backend
 from ..batch import IGNORE
 from ..config import ModelConfig
 from ..params import FP32_LEAVES
-from .attention import Documents, KVSlot, attention, documents
-from .embedding import embed
+from .attention import Documents, KVSlot, documents
 from .fp8 import PLAIN, Gemms
-from .moe import MoEStats, moe
+from .loss import head_weight  # noqa: F401  (re-exported)
+from .moe import MoEStats
+from .nodes import bound_kernels, embed_node, layer_forward
 from .norm import rms_norm
 from .precision import upcast
-
 
 
 def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
@@ -28,29 +29,11 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
     return optree.tree_map_with_path(cast, params)
 
 
-def head_weight(params: dict) -> torch.Tensor:
-    """The ``[D, V]`` output projection: ``head``, or ``embed.T`` when embeddings are tied."""
-    return params["head"] if "head" in params else params["embed"].t()
-
-
-def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
-                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
-    """``h += attn(norm(h))``, then the MoE's input norm (``docs``, ``kv``, ``gemms``: see
-    ``attention``).
-
-    Returns:
-        ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
-    """
-    eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs)
-    return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
-
-
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None,
           kv: KVSlot | None = None, gemms: Gemms = PLAIN, docs: Documents | None = None):
-    """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``. The schedule's
-    layer nodes run the same phases one at a time; decoding passes its cache as ``kv``,
-    packed rows their ``docs``.
+    """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``, the nodes of
+    ``fmoe.layers.nodes`` in order (``layer_forward``); decoding passes its cache as
+    ``kv``, packed rows their ``docs``.
 
     ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert);
     ``gemms`` the products its weights enter (``fmoe.layers.fp8``).
@@ -58,9 +41,7 @@ def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch"
     Returns:
         ``(h_BSD, MoEStats)``.
     """
-    h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, kv, gemms)
-    y_TD, stats = moe(p["moe"], x_TD, cfg, backend, ep, gemms)
-    return h_BSD + y_TD.view_as(h_BSD), stats
+    return layer_forward(p, h_BSD, cfg, bound_kernels(gemms, bound_backend(backend)), ep, docs, kv=kv, gemms=gemms)
 
 
 def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
@@ -78,11 +59,12 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
     Returns:
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
     """
-    h = embed(params["embed"], tokens_BS)
+    kernels = bound_kernels(gemms, bound_backend(backend))
+    h = embed_node(params, tokens_BS)
     docs = None if segments_BS is None else documents(segments_BS)
     stats = []
-    for p in params["layers"]:
-        h, s = block(p, h, cfg, backend, gemms=gemms, docs=docs)
+    for i, p in enumerate(params["layers"]):
+        h, s = layer_forward(p, h, cfg, kernels, docs=docs, site=(i, 0))
         stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     return gemms.head(h, head_weight(params)), stats

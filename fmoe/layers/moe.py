@@ -1,15 +1,15 @@
-"""The MoE layer: route, permute, grouped experts, unpermute (+ shared expert)."""
+"""The MoE layer's phases: route and permute (``moe_route``), the grouped experts
+(``moe_experts``), unpermute (+ shared expert, ``moe_output``); ``fmoe.layers.nodes``
+composes them."""
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from ..config import ModelConfig
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
-from .expert_parallel import Exchange, ExpertParallel, combine, dispatch, plan_exchange
-from .experts import DeferredWgrad, dense_mlp, expert_mlp
-from .fp8 import PLAIN, Gemms
+from .expert_parallel import Exchange, ExpertParallel, plan_exchange
+from .experts import DeferredWgrad, expert_mlp
 from .router import Routing, route
 
 
@@ -85,11 +85,11 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
 
 
 def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
-                cfg: ModelConfig, backend: str = "torch", deferred: DeferredWgrad | None = None,
-                mlp=expert_mlp) -> torch.Tensor:
-    """The routed experts on the rows this rank computes (``mlp``: ``expert_mlp``'s signature)."""
+                cfg: ModelConfig, deferred: DeferredWgrad | None = None, mlp=expert_mlp) -> torch.Tensor:
+    """The routed experts on the rows this rank computes (``mlp``: ``(p, rows_RD, segs,
+    cfg, row_probs_R, deferred) -> y_RD``, the plan's backend bound in: ``experts_with``)."""
     probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
-    return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, backend, deferred)
+    return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, deferred)
 
 
 def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,
@@ -112,42 +112,3 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     if routed.exchange is not None:
         sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
     return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)
-
-
-def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None,
-        gemms: Gemms = PLAIN):
-    """Top-k MoE of already-normalised tokens; no residual.
-
-    Dropless unless ``cfg.capacity_factor > 0`` (then each expert takes at most
-    ``capacity_rows(T, K, E, factor)`` of this rank's assignments, first come first
-    served in token order, and drops the rest). The schedule's layer nodes run the
-    same phases (``moe_route``, ``moe_experts``, ``moe_output``) one at a time.
-
-    Arguments:
-        p: one layer's ``moe`` subtree; under expert parallelism ``experts`` holds only
-            this rank's ``E / ep`` experts.
-        x_TD: ``[T, D]`` normalised tokens.
-        cfg: the ModelConfig.
-        backend: the experts' backend: ``torch``, ``loop``, or a name given to
-            ``register_expert_backend`` (``te``, once ``interop.te`` is imported).
-        ep: the expert-parallel group, or None when this rank holds every expert.
-        gemms: the products of the routed and shared experts (``fmoe.layers.fp8``).
-
-    Returns:
-        ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
-    """
-    routed = moe_route(p, x_TD, cfg, ep)
-    rows_RD, row_probs_R1 = routed.rows_RD, routed.row_probs_R1
-    ex, capacity = routed.exchange, routed.dispatch.capacity
-    if ex is not None:  # the rows this rank's experts compute, from every rank
-        sending = dispatch(rows_RD, ex, ep, capacity)
-        if row_probs_R1 is not None:
-            row_probs_R1 = dispatch(row_probs_R1, ex, ep, capacity).wait()
-        rows_RD = sending.wait()
-    y_RD = moe_experts(p, rows_RD, row_probs_R1, routed, cfg, backend,
-                       mlp=functools.partial(expert_mlp, gemms=gemms))
-    if ex is not None:
-        y_RD = combine(y_RD, ex, ep, capacity).wait()
-    shared_TD = dense_mlp(p["shared"], x_TD, cfg, gemms) if "shared" in p else None
-    y_TD = moe_output(y_RD, routed.dispatch, output_probs(routed), shared_TD)
-    return y_TD, moe_stats(routed, x_TD.shape[1], x_TD.dtype)

@@ -72,3 +72,11 @@ def router_loss(aux_loss: torch.Tensor, z_loss: torch.Tensor, cfg: ModelConfig) 
     """The router's term of the objective: ``aux_loss_coef * aux + z_loss_coef * z`` (of
     one layer, or of sums over layers)."""
     return cfg.aux_loss_coef * aux_loss + cfg.z_loss_coef * z_loss
+
+
+def router_share(aux_loss: torch.Tensor, z_loss: torch.Tensor, cfg: ModelConfig, parts: int) -> torch.Tensor | None:
+    """One part's share of the router's term: ``router_loss / parts`` (the objective
+    averages it over the microbatches of every rank); None when both coefficients are 0."""
+    if not (cfg.aux_loss_coef or cfg.z_loss_coef):
+        return None
+    return router_loss(aux_loss, z_loss, cfg) / parts

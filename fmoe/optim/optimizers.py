@@ -8,16 +8,38 @@ import optree
 from ..checks import check, check_decay, check_finite, check_int, check_lr
 from .finite import ApplyIfFiniteState, apply_if_finite_sharing, select_where, update_applied
 from .fused import ADAMW_STATES, fused_adamw
-from .transforms import (Optimizer, Schedule, StepNorm, Transform, add_decayed_weights, check_norm_scope,
-                         clip_with_norm, freeze, named_chain, scale_by_adam, scale_by_learning_rate)
+from .transforms import (ClipState, EmptyState, Optimizer, Schedule, ScaleByAdamState, ScheduleState, StepNorm,
+                         Transform, add_decayed_weights, check_norm_scope, clip_with_norm, freeze, named_chain,
+                         scale_by_adam, scale_by_learning_rate)
 
-def named_adamw_state(state):
-    """``adamw``'s state with its chain's states by name. States saved before they were
-    named hold them as a tuple in ``ADAMW_STATES`` order: those are renamed (checkpoints
-    on disk keep loading); named ones come back as they are."""
+_POSITIONAL_ADAMW = (ScaleByAdamState, EmptyState, ScheduleState, EmptyState)  # adam, decay, lr, freeze
+
+
+def _positional_adamw_state(state) -> bool:
+    """Whether ``state`` is an ``adamw`` chain state from before its states were named:
+    a plain tuple ``([clip,] adam, decay, lr, freeze)`` of exactly those state types."""
+    if type(state) is not tuple or len(state) not in (4, 5):
+        return False
+    *clip, adam, decay, lr, frozen = state
+    return all(isinstance(s, (ClipState, EmptyState)) for s in clip) and all(
+        isinstance(s, kind) for s, kind in zip((adam, decay, lr, frozen), _POSITIONAL_ADAMW))
+
+
+def migrate_state(state):
+    """An optimizer state saved by an older fmoe, in the form this one's optimizers take.
+
+    ``fmoe.load`` applies it once to the ``opt_state`` it reads; an optimizer's
+    ``update`` takes only the current form. What it migrates: ``adamw``'s chain
+    states were a tuple in ``ADAMW_STATES`` order before they were named; such a tuple
+    (recognised by its length and the types of its states; also inside an
+    ``ApplyIfFiniteState``) becomes the ``{name: state}`` dict, the same tensors. The
+    state of a hand-built ``chain`` of those very transforms looks the same, and is
+    renamed too. Any other state comes back as it is.
+    """
     if isinstance(state, ApplyIfFiniteState):
-        return state._replace(inner_state=named_adamw_state(state.inner_state))
-    if isinstance(state, tuple) and len(state) in (4, 5):
+        inner = migrate_state(state.inner_state)
+        return state if inner is state.inner_state else state._replace(inner_state=inner)
+    if _positional_adamw_state(state):
         return dict(zip(ADAMW_STATES[5 - len(state):], state))
     return state
 
@@ -109,10 +131,8 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
               ("lr", scale_by_learning_rate(lr)), ("freeze", freeze())]
     transform = named_chain(*parts)
     if fused:
-        opt = Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
-                                     skip_nonfinite, donate))
-    else:
-        if skip_nonfinite:
-            transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
-        opt = optimizer(transform)
-    return Optimizer(opt.init, lambda grads, state, params: opt.update(grads, named_adamw_state(state), params))
+        return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
+                                      skip_nonfinite, donate))
+    if skip_nonfinite:
+        transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
+    return optimizer(transform)

@@ -1,8 +1,18 @@
 """The optax-style transforms, the global gradient norm, schedules, the expert-bias update.
 
 A ``Transform`` is ``(init(params) -> state, update(grads, state, params) ->
-(updates, state))``; ``chain`` composes them. Nothing is modified in place; every
-state is a NamedTuple of tensors. Settings are validated when a transform is built.
+(updates, state))``; ``chain`` and ``named_chain`` compose them. The transforms are
+pure: they return new updates and states and write into no tensor they are handed.
+The one exception here is ``update_expert_bias(donate=True)``, which writes the new
+biases into the ``expert_bias`` leaves passed in (``adamw(fused=True, donate=True)``,
+in ``fused.py``, is the other in-place update). A transform's state is a NamedTuple of
+tensors or trees of tensors; ``chain``'s is a tuple of them, ``named_chain``'s a dict
+by name. Settings are validated when a transform is built.
+
+``global_norm`` (so clipping and the finite check too), given a ``plan`` of several
+ranks, reads which leaves are split from the shard spec (``fmoe/shard``) and the
+ranks that split them from the mesh (``fmoe/dist``), and all-reduces over those
+ranks; without a plan, or on one rank, it is a local sum and imports neither.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import optree
 import torch
 
 from ..checks import check, check_decay, check_finite, check_int, check_lr, is_number
-from ..params import decays, param_table, trainable
+from ..params import Domain, decays, trainable
 
 Schedule = Callable[[torch.Tensor], torch.Tensor | float]
 
@@ -78,16 +88,18 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     sq = [torch.linalg.vector_norm(x.float()).square() for x in leaves]
     if plan is None or plan.world == 1:
         return torch.stack(sq).sum().sqrt()
-    from ..shard.mesh import mesh_for  # optim is usable without shard/: import late
-    from ..shard.spec import shard_spec
+    # several ranks: the plan's shard spec and mesh say which leaves are split and over
+    # which ranks (imported here: a single-rank norm needs no plan resolved)
+    from ..resolve import resolve
 
-    spec, mesh, table = shard_spec(plan), mesh_for(plan), param_table(plan.model)
+    setup = resolve(plan)
+    spec, mesh = setup.spec, setup.mesh
     total = torch.zeros((), device=leaves[0].device)
-    for domain in ("dense", "expert"):
-        part = sum((q for p, q in zip(paths, sq) if _domain(table, p) == domain), total * 0)
+    for domain in (Domain.DENSE, Domain.EXPERT):
+        part = sum((q for p, q in zip(paths, sq) if _domain(spec.table, p) == domain), total * 0)
         if spec.sharded(domain):
             mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
-        elif domain == "expert":
+        elif domain == Domain.EXPERT:
             mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep
         total = total + part
     return total.sqrt()
@@ -95,7 +107,7 @@ def global_norm(tree, plan=None) -> torch.Tensor:
 
 def _domain(table, path) -> str:
     leaf = table.mirrored_by(path)
-    return "dense" if leaf is None else leaf.domain
+    return Domain.DENSE if leaf is None else leaf.domain
 
 
 def check_norm_scope(plan, what: str) -> None:
@@ -265,8 +277,10 @@ def check_named_state(state, names: list) -> None:
     """ValueError unless ``state`` is a named chain's state with exactly ``names``."""
     if not isinstance(state, dict) or set(state) != set(names):
         held = sorted(state) if isinstance(state, dict) else type(state).__name__
+        hint = ("; an adamw state saved before its states were named? fmoe.load renames those, "
+                "fmoe.optim.migrate_state(state) too" if type(state) is tuple else "")
         raise ValueError(f"named_chain: the state holds {held}, this chain's states are {names} "
-                         "(a state from an optimizer built with other settings?)")
+                         f"(a state from an optimizer built with other settings?{hint})")
 
 
 def named_chain(*named: tuple[str, Transform]) -> Transform:

@@ -33,14 +33,15 @@ import functools
 
 import torch
 
+from ..backends import ExpertBackend, bound_backend
 from ..config import Plan
+from ..layers.attention import attention_half
 from ..layers.dispatch import make_dispatch
-from ..layers.experts import activation, dense_mlp, expert_mlp, fused_activation, torch_activation
+from ..layers.experts import activation, dense_mlp, experts_with, fused_activation, torch_activation
 from ..layers.fp8 import GEMMS, PLAIN, Gemms
-from ..layers.loss import cross_entropy_sum
-from ..layers.model import attention_half
+from ..layers.loss import cross_entropy_sum, head_loss_sum
+from ..layers.nodes import Kernels, at_any_site, bound_kernels, logits_loss
 from ..layers.router import route
-from .nodes import EAGER, Kernels, at_any_site, head_loss_sum
 from .remat import quiet_compiled, selective, selective_experts, selective_kernels
 
 
@@ -63,23 +64,11 @@ def _compiled_activation():
     return act
 
 
-@functools.cache
-def _logits_loss(matmul):
-    # one object per product: the compiled head guards on its identity, so every
-    # Kernels value of a process shares the head's graphs
-    return functools.partial(cross_entropy_sum, matmul=matmul)
-
-
-def _head_loss(gemms: Gemms):
-    """``head_loss_sum`` with ``gemms.head`` for the logits' product."""
-    return functools.partial(head_loss_sum, piece=_logits_loss(gemms.head))
-
-
 def _compiled_head(gemms: Gemms):
     # Functions, not partials, go to torch.compile: dynamo wraps every partial in one
     # shared code object, whose recompile limit all of them would then share.
     compiled = _compile(head_loss_sum)
-    whole = _logits_loss(gemms.head)
+    whole = logits_loss(gemms.head)
     # In pieces the loop and each piece's backward stay eager (an autograd Function
     # running autograd); the pieces' logits + cross-entropy are compiled, one graph per
     # piece size.
@@ -106,48 +95,48 @@ def _compiled_dispatch():
     return dispatch
 
 
-def compiled_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN) -> Kernels:
-    """The Kernels ``Plan(compile=True)`` runs (built once per process, policy and
-    products; ``torch.compile`` compiles each on its first call and keeps one graph per
-    shape and config). ``selective_remat``: ``Plan.remat='selective'``, its policy
+def compiled_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN,
+                     backend: str | ExpertBackend = "torch") -> Kernels:
+    """The Kernels ``Plan(compile=True)`` runs (built once per process, policy, products
+    and backend; ``torch.compile`` compiles each on its first call and keeps one graph
+    per shape and config). ``selective_remat``: ``Plan.remat='selective'``, its policy
     inside the compiled attention and router (``remat.py``) and around the experts.
-    ``gemms``: the products of ``Plan.fp8`` (``fmoe.layers.fp8``)."""
-    return _compiled_kernels(bool(selective_remat), gemms)
+    ``gemms``: the products of ``Plan.fp8`` (``fmoe.layers.fp8``); ``backend``: the
+    experts' (``fmoe.backends.bound_backend``)."""
+    return _compiled_kernels(bool(selective_remat), gemms, backend)
 
 
 @functools.cache
-def _compiled_kernels(selective_remat: bool, gemms: Gemms) -> Kernels:
+def _compiled_kernels(selective_remat: bool, gemms: Gemms, backend) -> Kernels:
     act = _compiled_activation()
 
     def keep(fn):  # the policy inside the region to compile
         return quiet_compiled(_compile(selective(fn))) if selective_remat else _compile(fn)
 
-    def experts(site, p, x_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
-        return expert_mlp(p, x_RD, segs, cfg, row_probs_R, backend, deferred, act=act, gemms=gemms)
-
+    experts = at_any_site(experts_with(backend, gemms, act=act))
+    registered = isinstance(backend, ExpertBackend)
     return Kernels(attn=at_any_site(keep(functools.partial(attention_half, gemms=gemms))),
                    router=at_any_site(keep(route)),
-                   experts=selective_experts(experts) if selective_remat else experts,
+                   experts=selective_experts(experts, registered) if selective_remat else experts,
                    head=at_any_site(_compiled_head(gemms)), dispatch=at_any_site(_compiled_dispatch()),
                    shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)))
 
 
 @functools.cache
-def eager_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN) -> Kernels:
-    """The Kernels of an eager step: ``EAGER`` with ``gemms``' products bound in, under
+def eager_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN,
+                  backend: str | ExpertBackend = "torch") -> Kernels:
+    """The Kernels of an eager step: ``bound_kernels(gemms, backend)``, under
     ``Plan.remat='selective'``'s policy or not."""
-    kernels = EAGER if gemms == PLAIN else EAGER._replace(
-        attn=at_any_site(functools.partial(attention_half, gemms=gemms)),
-        experts=at_any_site(functools.partial(expert_mlp, gemms=gemms)),
-        shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)),
-        head=at_any_site(_head_loss(gemms)))
-    return selective_kernels(kernels) if selective_remat else kernels
+    kernels = bound_kernels(gemms, backend)
+    return selective_kernels(kernels, isinstance(backend, ExpertBackend)) if selective_remat else kernels
 
 
 def kernels_for(plan: Plan) -> Kernels:
     """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager,
-    under ``Plan.remat='selective'``'s policy or not, with ``Plan.fp8``'s products."""
+    under ``Plan.remat='selective'``'s policy or not, with ``Plan.fp8``'s products and
+    the expert backend (looked up here, once: ``fmoe.runtime`` checked it is loaded)."""
     selective_remat, gemms = plan.remat == "selective", GEMMS[plan.fp8]
+    backend = bound_backend(plan.expert_backend)
     if plan.compile:
-        return compiled_kernels(selective_remat, gemms)
-    return eager_kernels(selective_remat, gemms)
+        return compiled_kernels(selective_remat, gemms, backend)
+    return eager_kernels(selective_remat, gemms, backend)

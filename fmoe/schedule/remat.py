@@ -31,8 +31,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..backends import registered_backend
-from .nodes import Kernels
+from ..layers.nodes import Kernels
 
 _aten = torch.ops.aten
 KEPT_OPS = frozenset({
@@ -111,20 +110,15 @@ def selective(fn: Callable, name: str | None = None) -> Callable:
     return run
 
 
-def selective_experts(experts: Callable) -> Callable:
+def selective_experts(experts: Callable, registered: bool) -> Callable:
     """A Kernels ``experts`` entry under the selective policy; a registered backend's
-    experts run as they are (see the module's note)."""
-    kept = selective(experts, "experts")
-
-    def run(site, p, rows_RD, segs, cfg, row_probs_R=None, backend="torch", deferred=None):
-        fn = experts if registered_backend(backend) is not None else kept
-        return fn(site, p, rows_RD, segs, cfg, row_probs_R, backend, deferred)
-
-    return run
+    experts (``registered``) run as they are (see the module's note)."""
+    return experts if registered else selective(experts, "experts")
 
 
-def selective_kernels(kernels: Kernels) -> Kernels:
+def selective_kernels(kernels: Kernels, registered: bool) -> Kernels:
     """Eager ``kernels`` with ``attn``, ``router`` and ``experts`` under the selective
-    policy (``compiled.py`` wraps its functions before compiling them instead)."""
+    policy (``compiled.py`` wraps its functions before compiling them instead);
+    ``registered``: the experts run a registered backend."""
     return kernels._replace(attn=selective(kernels.attn, "attn"), router=selective(kernels.router, "router"),
-                            experts=selective_experts(kernels.experts))
+                            experts=selective_experts(kernels.experts, registered))

@@ -1,10 +1,8 @@
-"""FSDP as values: units, flat layouts, the lifecycle state machine, collectives, traces."""
+"""FSDP as values: units, flat layouts, the lifecycle state machine, the step's shards."""
 
-from .comm import Group
 from .layout import FlatLayout, make_layout
 from .lifecycle import Lifecycle, LifecycleError, Phase
-from .spec import ShardSpec, shard_spec
-from .trace import Event, count, export_chrome_trace
+from .spec import Domain, GroupDtype, GroupKey, Sharding, ShardSpec, shard_spec
 
-__all__ = ["Event", "FlatLayout", "Group", "Lifecycle", "LifecycleError", "Phase", "ShardSpec", "count",
-           "export_chrome_trace", "make_layout", "shard_spec"]
+__all__ = ["Domain", "FlatLayout", "GroupDtype", "GroupKey", "Lifecycle", "LifecycleError", "Phase", "ShardSpec",
+           "Sharding", "make_layout", "shard_spec"]

@@ -1,16 +1,17 @@
 """How a plan lays parameters out over ranks: units, buffer groups, flat layouts.
 
-A unit's parameters fall into buffer groups keyed ``(domain, dtype)``: the domain is
-``dense`` (sharded over the whole world) or ``expert`` (this rank's ``E / ep``
-experts, sharded over its expert-data-parallel group); the dtype is ``compute``,
-``float32`` (router and biases stay fp32 in bf16 runs) or ``fp8`` (the dense products'
-weights, gathered in FP8 under ``fp8='tensorwise'``: ``gathers_fp8``). Everything here
-is a pure function of the plan (cached), so every rank derives the same layout without
-talking to the others.
+A unit's parameters fall into buffer groups (``GroupKey``): the domain is ``DENSE``
+(sharded over the whole world) or ``EXPERT`` (this rank's ``E / ep`` experts, sharded
+over its expert-data-parallel group); the dtype is the plan's compute dtype, fp32
+(router and biases stay fp32 in bf16 runs) or FP8 (the dense products' weights,
+gathered in FP8 under ``fp8='tensorwise'``: ``ShardSpec.gathers_fp8``). ``shard_spec``
+derives it all once per plan (``fmoe.resolve``), so every rank derives the same layout
+without talking to the others; the ShardSpec answers every question about it.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,109 +19,191 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
-from ..params import Leaf, param_table
+from ..params import Domain, Leaf, ParamTable, param_table
 from ..units import unit_name
 from .layout import FlatLayout, make_layout, rows_cols
 
 
-def gathers_fp8(plan: Plan) -> bool:
-    """Whether the dense products' weights are gathered already cast to FP8: under
-    ``fp8='tensorwise'`` (one scale per weight, which every rank can agree on) when the
-    dense weights are sharded. Half the bytes of a bf16 gather, and no cast after it."""
-    return plan.fp8 == "tensorwise" and shard_sizes(plan)["dense"] > 1
+class Sharding(enum.StrEnum):
+    """``Plan.sharding`` as a value, with what each strategy means for a step."""
+
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"
+    OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        """ZeRO-2/3 reduce-scatter after each microbatch; DDP and ZeRO-1 once, on the last."""
+        return self in (Sharding.OPTIM_GRADS, Sharding.OPTIM_GRADS_PARAMS)
+
+    @property
+    def regathers(self) -> bool:
+        """ZeRO-3 gathers a unit for each span of use and releases it after; the others
+        gather every unit once per step."""
+        return self is Sharding.OPTIM_GRADS_PARAMS
 
 
-def dtype_group(leaf: Leaf, plan: Plan) -> str:
-    """Leaves kept in fp32 whatever the compute dtype form their own gather group, and
-    so do the dense products' weights gathered in FP8 (``gathers_fp8``)."""
-    if plan.compute_dtype != torch.float32 and leaf.fp32:
-        return "float32"
-    return "fp8" if leaf.linear and gathers_fp8(plan) else "compute"
+class GroupDtype(enum.StrEnum):
+    """The dtype of a buffer group: the plan's ``COMPUTE`` dtype, ``FLOAT32`` (router and
+    biases stay fp32 in bf16 runs) or ``FP8`` (the dense products' weights, gathered in
+    FP8 under ``fp8='tensorwise'``)."""
+
+    COMPUTE = "compute"
+    FLOAT32 = "float32"
+    FP8 = "fp8"
 
 
-GROUP_DTYPES = {"float32": torch.float32, "fp8": torch.float8_e4m3fn}  # "compute": the plan's
+class GroupKey(NamedTuple):
+    """A unit's buffer group: the parameters of one domain kept in one dtype."""
+
+    domain: Domain
+    dtype: GroupDtype
 
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One FSDP unit: its members and one flat layout per ``(domain, dtype)`` group."""
+    """One FSDP unit: its members and one flat layout per buffer group."""
 
     name: str
     members: tuple[str, ...]
-    groups: dict
-
-    def dtype(self, key: tuple, plan: Plan) -> torch.dtype:
-        return GROUP_DTYPES.get(key[1], plan.compute_dtype)
+    groups: dict  # {GroupKey: FlatLayout}
 
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """The plan's units and how many ranks share each domain's buffers.
+    """How a plan lays its parameters out over the ranks, derived once (``shard_spec``).
 
     Attributes:
         units: the UnitSpecs in member order.
-        sizes: ``{"dense": G, "expert": G}``; 1 means every rank holds the whole
-            domain (full tensors, or its own experts under EP).
+        sizes: ``{Domain: G}``, how many ranks share each domain's buffers; 1 means
+            every rank holds the whole domain (full tensors, or its own experts under EP).
         experts_per_rank: ``E / ep``.
+        ep: the expert-parallel degree.
+        sharding: the strategy.
+        compute_dtype: the plan's compute dtype (the ``COMPUTE`` groups').
+        gathers_fp8: whether the dense products' weights are gathered already cast to
+            FP8: under ``fp8='tensorwise'`` (one scale per weight, which every rank can
+            agree on) when the dense weights are sharded. Half the bytes of a bf16
+            gather, and no cast after it.
+        table: the model's ParamTable.
     """
 
     units: tuple[UnitSpec, ...]
     sizes: dict
     experts_per_rank: int
+    ep: int
+    sharding: Sharding
+    compute_dtype: torch.dtype
+    gathers_fp8: bool
+    table: ParamTable
 
-    def sharded(self, domain: str) -> bool:
+    def sharded(self, domain: Domain) -> bool:
         """Whether ``domain``'s params/grads at rest are row shards."""
         return self.sizes[domain] > 1
+
+    def unit(self, name: str) -> UnitSpec:
+        return next(u for u in self.units if u.name == name)
 
     def unit_of_member(self, member: str) -> UnitSpec:
         return next(u for u in self.units if member in u.members)
 
-    def layout_of(self, path: str, plan: Plan) -> FlatLayout:
-        leaf = param_table(plan.model)[path]
-        return self.unit_of_member(leaf.member).groups[(leaf.domain, dtype_group(leaf, plan))]
+    def dtype(self, key: GroupKey) -> torch.dtype:
+        """The dtype group ``key``'s buffers hold."""
+        return GROUP_DTYPES.get(key.dtype, self.compute_dtype)
+
+    def layout_of(self, path: str) -> FlatLayout:
+        leaf = self.table[path]
+        return self.unit_of_member(leaf.member).groups[group_key(leaf, self.compute_dtype, self.gathers_fp8)]
+
+    def local_full_shape(self, path: str, shape: tuple) -> tuple:
+        """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
+        if self.table[path].domain == Domain.EXPERT:
+            return (shape[0] // self.ep,) + tuple(shape[1:])
+        return tuple(shape)
+
+    def ep_index(self, world_rank: int) -> int:
+        """Which expert slice a rank holds: its column in the ``dp x ep`` mesh."""
+        return world_rank % self.ep
+
+    def shard_rank(self, world_rank: int, domain: Domain) -> int:
+        """A rank's index among those sharing ``domain``'s buffers (0 if none share):
+        its world rank for dense groups, its row (``rank // ep``) for expert groups."""
+        if not self.sharded(domain):
+            return 0
+        return world_rank if domain == Domain.DENSE else world_rank // self.ep
+
+    def leaf_piece(self, path: str, shape: tuple, world_rank: int) -> "Piece":
+        """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
+        its experts (under EP), then its rows (when the domain is sharded)."""
+        domain = self.table[path].domain
+        experts = None
+        if domain == Domain.EXPERT and self.ep > 1:
+            first = self.ep_index(world_rank) * self.experts_per_rank
+            experts = (first, first + self.experts_per_rank)
+        if not self.sharded(domain):
+            rows, _ = rows_cols(self.local_full_shape(path, shape))
+            return Piece(experts, 0, rows, False)
+        layout = self.layout_of(path)
+        index = next(i for i, s in enumerate(layout.slots) if s.path == path)
+        _, first, last, _ = layout.local_slots(self.shard_rank(world_rank, domain))[index]
+        return Piece(experts, first, last, True)
+
+    def shard_leaf(self, full_leaf: torch.Tensor, path: str, world_rank: int) -> torch.Tensor:
+        """This rank's part of a full parameter (see ``leaf_piece``)."""
+        piece = self.leaf_piece(path, tuple(full_leaf.shape), world_rank)
+        if piece.experts is not None:
+            full_leaf = full_leaf[piece.experts[0]:piece.experts[1]]
+        if not piece.sharded:
+            return full_leaf.clone() if piece.experts is not None else full_leaf
+        rows, cols = rows_cols(tuple(full_leaf.shape))
+        return full_leaf.reshape(rows, cols)[piece.first:piece.last].clone()
+
+    def local_shapes(self, world_rank: int) -> dict:
+        """``{path: shape}`` of the leaves rank ``world_rank`` holds, in table order."""
+        shapes = {}
+        for u in self.units:
+            for key, layout in u.groups.items():
+                rank = self.shard_rank(world_rank, key.domain)
+                for slot, first, last, _ in layout.local_slots(rank):
+                    shapes[slot.path] = (last - first, slot.cols) if self.sharded(key.domain) else slot.shape
+        return {leaf.path: shapes[leaf.path] for leaf in self.table.leaves}
 
 
-def shard_sizes(plan: Plan) -> dict:
-    """Ranks sharing each domain's buffers: world / edp under sharded strategies, else 1."""
-    if plan.sharding == "no_shard":
-        return {"dense": 1, "expert": 1}
-    return {"dense": plan.dp * plan.ep, "expert": plan.dp}
+GROUP_DTYPES = {GroupDtype.FLOAT32: torch.float32, GroupDtype.FP8: torch.float8_e4m3fn}  # COMPUTE: the plan's
 
 
-def local_full_shape(path: str, shape: tuple, plan: Plan) -> tuple:
-    """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
-    if param_table(plan.model)[path].domain == "expert":
-        return (shape[0] // plan.ep,) + tuple(shape[1:])
-    return tuple(shape)
+def group_key(leaf: Leaf, compute_dtype: torch.dtype, gathers_fp8: bool) -> GroupKey:
+    """Leaves kept in fp32 whatever the compute dtype form their own gather group, and
+    so do the dense products' weights gathered in FP8 (``ShardSpec.gathers_fp8``)."""
+    if compute_dtype != torch.float32 and leaf.fp32:
+        dtype = GroupDtype.FLOAT32
+    else:
+        dtype = GroupDtype.FP8 if leaf.linear and gathers_fp8 else GroupDtype.COMPUTE
+    return GroupKey(leaf.domain, dtype)
 
 
 @functools.lru_cache(maxsize=64)
 def shard_spec(plan: Plan) -> ShardSpec:
-    """The layout of ``plan``'s parameters (pure, cached per plan)."""
-    sizes = shard_sizes(plan)
+    """The layout of ``plan``'s parameters (pure, cached per plan; ``fmoe.resolve`` asks)."""
+    table = param_table(plan.model)
+    sharding = Sharding(plan.sharding)
+    if sharding is Sharding.NO_SHARD:
+        sizes = {Domain.DENSE: 1, Domain.EXPERT: 1}
+    else:  # world / edp
+        sizes = {Domain.DENSE: plan.dp * plan.ep, Domain.EXPERT: plan.dp}
+    fp8 = plan.fp8 == "tensorwise" and sizes[Domain.DENSE] > 1
+    ep = plan.ep
     units = []
     for members in plan.unit_groups:
         by_key: dict = {}
-        for leaf in param_table(plan.model).leaves:
+        for leaf in table.leaves:
             if leaf.member in members:
-                key = (leaf.domain, dtype_group(leaf, plan))
-                by_key.setdefault(key, []).append((leaf.path, local_full_shape(leaf.path, leaf.shape, plan)))
-        groups = {key: make_layout(named, sizes[key[0]]) for key, named in sorted(by_key.items())}
+                shape = (leaf.shape[0] // ep,) + leaf.shape[1:] if leaf.domain == Domain.EXPERT else leaf.shape
+                by_key.setdefault(group_key(leaf, plan.compute_dtype, fp8), []).append((leaf.path, shape))
+        groups = {key: make_layout(named, sizes[key.domain]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups))
-    return ShardSpec(tuple(units), sizes, plan.model.experts // plan.ep)
-
-
-def ep_index(plan: Plan, world_rank: int) -> int:
-    """Which expert slice a rank holds: its column in the ``dp x ep`` mesh."""
-    return world_rank % plan.ep
-
-
-def shard_rank(plan: Plan, world_rank: int, domain: str) -> int:
-    """A rank's index among those sharing ``domain``'s buffers (0 if none share):
-    its world rank for dense groups, its row (``rank // ep``) for expert groups."""
-    if not shard_spec(plan).sharded(domain):
-        return 0
-    return world_rank if domain == "dense" else world_rank // plan.ep
+    return ShardSpec(tuple(units), sizes, plan.model.experts // ep, ep, sharding, plan.compute_dtype, fp8, table)
 
 
 def local_leaf(flat: torch.Tensor, layout: FlatLayout, index: int, rank: int, sharded: bool) -> torch.Tensor:
@@ -176,44 +259,3 @@ class Piece(NamedTuple):
     first: int
     last: int
     sharded: bool
-
-
-def leaf_piece(path: str, shape: tuple, plan: Plan, world_rank: int) -> Piece:
-    """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
-    its experts (under EP), then its rows (when the domain is sharded)."""
-    spec = shard_spec(plan)
-    domain = param_table(plan.model)[path].domain
-    experts = None
-    if domain == "expert" and plan.ep > 1:
-        first = ep_index(plan, world_rank) * spec.experts_per_rank
-        experts = (first, first + spec.experts_per_rank)
-    if not spec.sharded(domain):
-        rows, _ = rows_cols(local_full_shape(path, shape, plan))
-        return Piece(experts, 0, rows, False)
-    layout = spec.layout_of(path, plan)
-    index = next(i for i, s in enumerate(layout.slots) if s.path == path)
-    _, first, last, _ = layout.local_slots(shard_rank(plan, world_rank, domain))[index]
-    return Piece(experts, first, last, True)
-
-
-def shard_leaf(full_leaf: torch.Tensor, path: str, plan: Plan, world_rank: int) -> torch.Tensor:
-    """This rank's part of a full parameter (see ``leaf_piece``)."""
-    piece = leaf_piece(path, tuple(full_leaf.shape), plan, world_rank)
-    if piece.experts is not None:
-        full_leaf = full_leaf[piece.experts[0]:piece.experts[1]]
-    if not piece.sharded:
-        return full_leaf.clone() if piece.experts is not None else full_leaf
-    rows, cols = rows_cols(tuple(full_leaf.shape))
-    return full_leaf.reshape(rows, cols)[piece.first:piece.last].clone()
-
-
-def local_shapes(plan: Plan, world_rank: int) -> dict:
-    """``{path: shape}`` of the leaves rank ``world_rank`` holds under ``plan`` (pure)."""
-    spec = shard_spec(plan)
-    shapes = {}
-    for u in spec.units:
-        for (domain, _), layout in u.groups.items():
-            rank = shard_rank(plan, world_rank, domain)
-            for slot, first, last, _ in layout.local_slots(rank):
-                shapes[slot.path] = (last - first, slot.cols) if spec.sharded(domain) else slot.shape
-    return {leaf.path: shapes[leaf.path] for leaf in param_table(plan.model).leaves}

@@ -1,11 +1,13 @@
 """What the main job records: one JSON line per logged step (every ``--log-every``
 steps), TensorBoard scalars when the ``tensorboard`` package is installed, and
-throughput / MFU."""
+throughput / MFU over the steps between logged ones (``Window``), read to the host
+in one transfer (``to_host``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -94,3 +96,32 @@ class MetricsLog:
             self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def to_host(values: dict) -> dict:
+    """``values``' tensors read to the host in one transfer (one sync): 0-dim ones as
+    floats, 1-D ones as lists of floats (fp32 and int64 values come back exactly)."""
+    flat = torch.cat([v.detach().reshape(-1).double() for v in values.values()]).tolist()
+    out, at = {}, 0
+    for key, v in values.items():
+        out[key] = flat[at] if v.dim() == 0 else flat[at:at + v.numel()]
+        at += v.numel()
+    return out
+
+
+class Window:
+    """Wall time and steps since the last logged step: tokens/s and MFU on a logged step
+    are averages over them. The host read of a logged step waits for the device, so the
+    time from one such read to the next is the device's time for the steps between;
+    what the loop does after a read (evaluation, log, checkpoint) is left out by
+    ``restart`` after it."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps, self.trained = time.perf_counter(), 0, 0
+
+    def seconds_per_step(self) -> float:
+        """The wall time per step since ``restart``; call it right after a host read."""
+        return (time.perf_counter() - self.start) / max(self.steps, 1)

@@ -4,9 +4,11 @@ merged from defaults, the ``cpu`` preset, a TOML file and the command line.
 Every setting has one name: ``--shared-ffn`` on the command line is ``shared_ffn`` in
 a TOML file. Precedence, lowest first: the fields' defaults, the ``cpu`` preset (the
 defaults of the main job), ``--config`` (a TOML file, or the name of a shipped
-preset), then the flags given. Everything is checked here, before any process group
-or tensor exists: an unknown key, a value of the wrong type or a value a ModelConfig
-or Plan refuses is a ValueError naming the key.
+preset), then the flags given. Everything is checked before any process group or
+tensor exists: an unknown key or a value of the wrong type here (``resolve``), a run
+setting out of range when its ``RunSettings`` is built (``split``), a value a
+ModelConfig or Plan refuses when ``fmoe.trainer.setup`` builds them; each is a
+ValueError naming the key.
 """
 
 from __future__ import annotations
@@ -21,67 +23,26 @@ import tomllib
 from pathlib import Path
 
 from ..config import ModelConfig, Plan, choices, field_docs
+from .run_settings import RUN_DEFAULTS, RUN_FIELDS, RUN_HELP, TYPES, RunSettings, check_type
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
-# (name, type, default, help). bool options are switches: present means true.
-RUN_OPTIONS = (
-    ("config", str, "", "a TOML file of settings, or a shipped preset's name (see --print-config)"),
-    ("print_config", bool, False, "print the merged settings as TOML and exit"),
-    ("steps", int, 1000, "optimizer steps"),
-    ("batch", int, 16, "sequences per step, over all ranks"),
-    ("seq", int, 128, "tokens per sequence"),
-    ("lr", float, 3e-3, "peak learning rate (linear warm-up, cosine decay)"),
-    ("warmup", int, 30, "warm-up steps"),
-    ("min_lr_ratio", float, 0.1, "the cosine decay ends at this fraction of --lr"),
-    ("weight_decay", float, 0.1, "decoupled weight decay of the matrices"),
-    ("clip", float, 1.0, "global grad-norm clip (0: off)"),
-    ("fused_optimizer", bool, False, "torch's fused AdamW kernel, updating params and moments in place (same state and update up to rounding)"),
-    ("max_skips", int, 5, "skip updates whose gradients hold NaN/inf; stop after this many in a row (0: off)"),
-    ("seed", int, 0, "init and data sampling seed"),
-    ("data", str, "", "a directory written by `python -m fmoe.data prepare` (default: the embedded corpus)"),
-    ("heldout_fraction", float, 0.05, "the tail of the tokens held out for evaluation"),
-    ("init_from_hf", str, "", "start from this Hugging Face checkpoint directory (fine-tuning)"),
-    ("log_every", int, 1, "read the step's metrics to the host and log them every N steps (and at evaluations, "
-                          "checkpoints and the last step); the steps between queue on the device without a sync"),
-    ("eval_every", int, 200, "evaluate the held-out loss every N steps"),
-    ("eval_batches", int, 8, "held-out batches per evaluation"),
-    ("out", str, "runs/fmoe-lm", "folder for metrics.jsonl, TensorBoard events and the checkpoint"),
-    ("save_every", int, 250, "checkpoint every N steps (0: only at the end)"),
-    ("keep", int, 1, "checkpoints to keep (the newest; one is removed only after a newer one is complete)"),
-    ("resume", bool, False, "continue from the checkpoint in --out (--no-resume: not, whatever --config says)"),
-    ("overwrite", bool, False, "start afresh in an --out that holds a run: its settings, metrics, events and "
-                               "checkpoints are removed (and listed) first"),
-    ("auto_resume", bool, False, "continue from the checkpoint in --out if there is one, else start "
-                                 "(for torchrun --max-restarts)"),
-    ("stop_after", int, 0, "end this run after that step, with a checkpoint (0: run to --steps)"),
-    ("timeout", float, 1800.0, "seconds a collective waits for the other ranks before the job fails"),
-    ("cuda_graph", str, "", "CUDA-graph scopes, comma-separated from attn, router, experts; or 'step' "
-                            "(python -m interop.train)"),
-    ("peak_tflops", float, 0.0, "the device's peak for MFU (0: known GPUs only)"),
-    ("sample_tokens", int, 64, "tokens to generate from a held-out prompt at the end (0: none)"),
-    ("threads", int, 0, "CPU threads per process (0: torch's default)"),
-    ("no_progress", bool, False, "no progress bar"),
-    ("no_tensorboard", bool, False, "no TensorBoard events even when tensorboard is installed"),
-)
-RUN_DEFAULTS = {name: default for name, _, default, _ in RUN_OPTIONS}
 # What a run is asked to do with its folder, not how it trains: never written to a
 # settings file (reusing one for a new --out must not resume or remove anything), and
 # each has a --no- form to undo a --config that sets it.
 FOLDER_ACTIONS = ("resume", "auto_resume", "overwrite")
 UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded corpus / random weights
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _field_type(field) -> type:
     if field.name == "units":
         return str  # "embed+head,layers.0+layers.1": units separated by commas, members by +
-    return _TYPES[str(field.type)]
+    return TYPES[str(field.type)]
 
 
 MODEL_FIELDS = {f.name: _field_type(f) for f in dataclasses.fields(ModelConfig)}
 PLAN_FIELDS = {f.name: _field_type(f) for f in dataclasses.fields(Plan) if f.name != "model"}
-KNOWN = {**{n: t for n, t, _, _ in RUN_OPTIONS}, **MODEL_FIELDS, **PLAN_FIELDS}
+KNOWN = {**RUN_FIELDS, **MODEL_FIELDS, **PLAN_FIELDS}
 
 
 def presets() -> list[str]:
@@ -136,7 +97,7 @@ def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
                  epilog="Presets (--config NAME; the cpu preset holds the defaults shown above):\n"
                         + "\n".join(preset_summary(p) for p in presets()))
     defaults = _defaults()
-    groups = (("run", {n: t for n, t, _, _ in RUN_OPTIONS}, {n: h for n, _, _, h in RUN_OPTIONS}),
+    groups = (("run", RUN_FIELDS, RUN_HELP),
               ("model (fmoe.ModelConfig fields)", MODEL_FIELDS, field_docs(ModelConfig)),
               ("plan (fmoe.Plan fields)", PLAN_FIELDS, field_docs(Plan)))
     for title, fields, helps in groups:
@@ -162,14 +123,7 @@ def _check_value(name: str, value, where: str):
     if name not in KNOWN:
         close = difflib.get_close_matches(name, list(KNOWN), n=1)
         raise ValueError(f"{where}: unknown key {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    kind = KNOWN[name]
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok:
-        raise ValueError(f"{where}: key {name!r} must be {'a' if kind is not int else 'an'} {kind.__name__}, "
-                         f"got {value!r}")
-    return value
+    return check_type(name, KNOWN[name], value, where)
 
 
 def read_toml(source: str) -> tuple[dict, str]:
@@ -221,6 +175,25 @@ def resolve(argv=None, prog: str = "python -m fmoe.train") -> tuple[dict, set]:
     return settings, explicit
 
 
+def split(settings: dict) -> tuple[RunSettings, dict]:
+    """``resolve``'s settings as the run's own, typed and checked, and the ModelConfig
+    and Plan fields as given (ModelConfig and Plan check those when a run builds them).
+
+    Returns:
+        ``(run, fields)``: a ``RunSettings``, and the other keys with their values.
+
+    Raises:
+        ValueError: naming the flag of a run setting out of range.
+    """
+    run = RunSettings(**{name: settings[name] for name in RUN_FIELDS})
+    return run, {name: value for name, value in settings.items() if name not in RUN_FIELDS}
+
+
+def joined(run: RunSettings, fields: dict) -> dict:
+    """``split`` undone: every setting by name, as ``to_toml`` takes them."""
+    return {**fields, **dataclasses.asdict(run)}
+
+
 def parse_units(text: str):
     """``"embed+head,layers.0+layers.1"`` -> ``(("embed", "head"), ("layers.0", "layers.1"))``; "" -> None."""
     if not text:
@@ -256,7 +229,7 @@ def to_toml(settings: dict, derived: dict | None = None) -> str:
     file runs on another world as well."""
     derived = derived or {}
     lines = []
-    run_keys = [n for n, _, _, _ in RUN_OPTIONS if n not in ("config", "print_config", *FOLDER_ACTIONS)]
+    run_keys = [n for n in RUN_FIELDS if n not in ("config", "print_config", *FOLDER_ACTIONS)]
     for title, names in (("run", run_keys), ("model", list(MODEL_FIELDS)), ("plan", list(PLAN_FIELDS))):
         lines.append(f"# {title}")
         for name in names:

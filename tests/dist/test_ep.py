@@ -2,12 +2,12 @@
 
 import functools
 
-import optree
 import pytest
 import torch
 
 import fmoe
 
+from ..reference import assert_trees_close
 from .harness import run_ranks
 from .workloads import CFG, STRATEGIES, global_batch, ep_configs, round_trip, train
 
@@ -26,11 +26,6 @@ def distributed(dp, ep):
 def single(sharding, **changes):
     plan = fmoe.Plan(model=CFG.replace(**changes), sharding=sharding, microbatches=2)
     return train(plan, global_batch())
-
-
-def assert_trees_close(a, b, **tol):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol)
 
 
 @pytest.mark.parametrize("dp,ep", MESHES, ids=[f"dp{d}xep{e}" for d, e in MESHES])

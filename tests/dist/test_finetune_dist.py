@@ -3,13 +3,13 @@ targets, whatever each rank counts, and packed rows equal separate ones."""
 
 import functools
 
-import optree
 import pytest
 import torch
 
 import fmoe
 
 from ..test_finetune import PLAIN, fine_tuning_batch, packed_and_separate
+from ..reference import assert_trees_close
 from .harness import run_ranks
 from .workloads import finetune_configs
 
@@ -25,11 +25,6 @@ def distributed(dp, ep):
 def single(batch):
     plan = fmoe.Plan(model=PLAIN, microbatches=2)
     return fmoe.step(fmoe.init(plan, seed=0), batch, plan)
-
-
-def assert_trees_close(a, b, **tol):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol)
 
 
 @pytest.mark.parametrize("dp,ep", [(1, 2), (2, 1)], ids=["zero3_ep2", "zero3_dp2"])

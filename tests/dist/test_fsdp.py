@@ -8,6 +8,7 @@ import torch
 
 import fmoe
 
+from ..reference import assert_trees_close
 from .harness import run_ranks
 from .workloads import CFG, STRATEGIES, global_batch, fsdp_configs, resting_memory, train
 
@@ -27,11 +28,6 @@ def distributed(world):
 @functools.lru_cache(maxsize=None)
 def single(sharding, mb):
     return train(fmoe.Plan(model=CFG, sharding=sharding, microbatches=mb), global_batch())
-
-
-def assert_trees_close(a, b, **tol):
-    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol)
 
 
 @pytest.mark.parametrize("world", [2, 4])

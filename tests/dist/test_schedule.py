@@ -6,10 +6,10 @@ loss, gradient and parameter must be bitwise equal to the standard schedule's.
 
 import functools
 
-import optree
 import pytest
 import torch
 
+from ..reference import assert_trees_equal
 from .harness import run_ranks
 from .workloads import CFG, SCHEDULE_CASES, eval_and_step_losses, schedule_configs
 
@@ -24,8 +24,7 @@ def runs(dp, ep, cases=tuple(SCHEDULE_CASES)):
 def assert_bitwise(a, b):
     torch.testing.assert_close(a["losses"], b["losses"], rtol=0, atol=0)
     for key in ("grads", "params"):
-        for x, y in zip(optree.tree_leaves(a[key]), optree.tree_leaves(b[key])):
-            assert torch.equal(x, y), key
+        assert_trees_equal(a[key], b[key])
 
 
 @pytest.mark.parametrize("case", SCHEDULE_CASES)

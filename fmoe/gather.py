@@ -7,10 +7,10 @@ from typing import Iterator
 import optree
 import torch
 
-from ..config import Plan
-from ..params import named_leaves
-from .mesh import mesh_for
-from .spec import full_views, shard_rank, shard_spec, write_shard
+from .config import Plan
+from .params import Domain, named_leaves
+from .resolve import resolve
+from .shard.spec import full_views, write_shard
 
 
 def gather_full(tree, plan: Plan):
@@ -45,21 +45,23 @@ def iter_full(named: dict, plan: Plan) -> Iterator[dict]:
         plan: the Plan.
 
     Yields:
-        ``{path: full tensor}`` for each unit's ``(domain, dtype)`` group, in unit order.
+        ``{path: full tensor}`` for each unit's buffer group, in unit order.
     """
-    spec, mesh = shard_spec(plan), mesh_for(plan)
+    setup = resolve(plan)
+    spec, mesh = setup.spec, setup.mesh
     first = next(iter(named.values()))
     for u in spec.units:
-        for (domain, dtype), layout in u.groups.items():
+        for key, layout in u.groups.items():
+            domain = key.domain
             if spec.sharded(domain):
                 shard = torch.empty(layout.shard_size, dtype=first.dtype, device=first.device)
-                write_shard(named, layout, shard_rank(plan, mesh.world.rank, domain), shard)
+                write_shard(named, layout, spec.shard_rank(mesh.world.rank, domain), shard)
                 out = torch.empty(layout.full_size, dtype=first.dtype, device=first.device)
                 mesh.shard_group(domain, spec.sizes[domain]).all_gather(out, shard).wait()
                 views = full_views(out, layout)
             else:
                 views = {s.path: named[s.path] for s in layout.slots}
-            if domain == "expert" and plan.ep > 1:
+            if domain == Domain.EXPERT and plan.ep > 1:
                 for path, local in views.items():
                     every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))
                     mesh.ep.all_gather(every.view(-1), local.contiguous().view(-1)).wait()

@@ -1,0 +1,265 @@
+"""A layer's nodes as pure functions, and the one place the MoE layer is composed.
+
+A step is split into nodes: ``embed``, then per layer ``attn`` (norm, attention,
+residual, the MoE's norm, router, permute, the exchange plan and the shared expert),
+``dispatch`` (rows to their experts' ranks), ``experts`` (the grouped MLPs) and
+``combine`` (rows back, unpermute and the residual add), then ``head``. ``NODES``
+names each kind once: what it reads and writes, and whether it computes with its
+member's weights (the exchanges hold none). The schedule's executor runs these
+functions one node at a time under its own autograd boundaries (``fmoe.schedule``);
+``layer_forward`` runs the same functions in order under plain autograd, for
+``block`` and ``forward`` (``FMoEModule``, generation, the references' tests).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..backends import ExpertBackend, bound_backend
+from ..config import ModelConfig
+from .attention import Documents, KVSlot, attention_half
+from .dispatch import make_dispatch
+from .embedding import embed
+from .expert_parallel import ExpertParallel, combine, dispatch
+from .experts import DeferredWgrad, dense_mlp, experts_with
+from .fp8 import PLAIN, Gemms
+from .loss import head_loss_sum
+from .moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats, output_probs
+from .router import route
+
+
+class Kind(enum.StrEnum):
+    """A node's kind; ``LAYER`` names a whole layer (what a recompute re-runs)."""
+
+    EMBED = "embed"
+    ATTN = "attn"
+    DISPATCH = "dispatch"
+    EXPERTS = "experts"
+    COMBINE = "combine"
+    HEAD = "head"
+    LAYER = "layer"
+
+
+class NodeSpec(NamedTuple):
+    """One node kind.
+
+    Attributes:
+        kind: the Kind.
+        reads: the values it takes, ``producer.value`` (``stream``: the residual
+            stream ``h`` the previous node left).
+        writes: the values it hands on.
+        weights: whether it computes with its member's weights (an exchange does not,
+            and belongs to no FSDP unit).
+    """
+
+    kind: Kind
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    weights: bool = True
+
+
+NODES = {spec.kind: spec for spec in (
+    NodeSpec(Kind.EMBED, ("batch.tokens",), ("h",)),
+    NodeSpec(Kind.ATTN, ("stream.h",), ("h", "probs_TK", "rows", "row_probs", "shared", "routed")),
+    NodeSpec(Kind.DISPATCH, ("attn.rows", "attn.row_probs", "attn.routed"), ("rows", "row_probs"), weights=False),
+    NodeSpec(Kind.EXPERTS, ("dispatch.rows", "dispatch.row_probs", "attn.routed"), ("y",)),
+    NodeSpec(Kind.COMBINE, ("experts.y", "attn.h", "attn.probs_TK", "attn.shared", "attn.routed"), ("h",),
+             weights=False),
+    NodeSpec(Kind.HEAD, ("stream.h", "batch.targets"), ("ce_sum",)),
+)}
+"""Every node kind in forward order of a step."""
+
+LAYER_KINDS = (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
+
+
+def at_any_site(fn: Callable) -> Callable:
+    """``fn`` as a Kernels entry: called with a site first, which it ignores."""
+    return lambda site, *args: fn(*args)
+
+
+class Kernels(NamedTuple):
+    """The pure functions inside the nodes, each one a scope that
+    ``interop.cuda_graph`` can replace by a CUDA-graphed version of itself.
+
+    Each is called as ``fn(site, *args)``, ``site = (layer, microbatch)``, so a
+    replacement can keep one graph per site; the defaults ignore the site. The weights
+    they get are tensors, or ``Fp8Weight``s for the dense products' weights when a
+    ``fp8='tensorwise'`` plan gathers them in FP8 (only ``TENSORWISE``'s products
+    take those).
+
+    Attributes:
+        attn: ``(site, p_layer, h_BSD, cfg, docs) -> (h_BSD, x_TD)``, as ``attention_half``
+            (``docs``: the microbatch's packed ``Documents``, or None).
+        router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
+        experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, deferred) -> y_RD``,
+            as ``expert_mlp`` with the plan's expert backend bound in.
+        head: ``(site, weights, h_BSD, targets_BS, eps, chunk) -> ce_sum``, as
+            ``head_loss_sum`` (``site = ("head", microbatch)``).
+        dispatch: ``(site, indices_TK, experts, pad_multiple, capacity) -> Dispatch``, as
+            ``make_dispatch`` (index arithmetic only: no weights, no gradient).
+        shared: ``(site, p_shared, x_TD, cfg) -> y_TD``, as ``dense_mlp`` (the shared
+            expert).
+
+    ``bound_kernels`` (eager) and ``fmoe.schedule.kernels_for`` bind a plan's products
+    (``Plan.fp8``: ``fmoe.layers.fp8``) and expert backend in.
+    """
+
+    attn: Callable = at_any_site(attention_half)
+    router: Callable = at_any_site(route)
+    experts: Callable = at_any_site(experts_with("torch"))
+    head: Callable = at_any_site(head_loss_sum)
+    dispatch: Callable = at_any_site(make_dispatch)
+    shared: Callable = at_any_site(dense_mlp)
+
+
+EAGER = Kernels()
+
+
+@functools.cache
+def bound_kernels(gemms: Gemms = PLAIN, backend: str | ExpertBackend = "torch") -> Kernels:
+    """``EAGER`` with ``gemms``' products and the expert ``backend`` (a built-in's name or
+    a registered ExpertBackend) bound in; ``EAGER`` itself for plain products and
+    ``torch``."""
+    kernels = EAGER
+    if gemms != PLAIN:
+        kernels = kernels._replace(attn=at_any_site(functools.partial(attention_half, gemms=gemms)),
+                                   shared=at_any_site(functools.partial(dense_mlp, gemms=gemms)),
+                                   head=at_any_site(_head_loss(gemms)))
+    if gemms != PLAIN or backend != "torch":
+        kernels = kernels._replace(experts=at_any_site(experts_with(backend, gemms)))
+    return kernels
+
+
+@functools.cache
+def logits_loss(matmul):
+    """``cross_entropy_sum`` with ``matmul`` for the logits. One object per product: the
+    compiled head guards on its identity, so every Kernels value shares its graphs."""
+    from .loss import cross_entropy_sum
+
+    return functools.partial(cross_entropy_sum, matmul=matmul)
+
+
+def _head_loss(gemms: Gemms):
+    """``head_loss_sum`` with ``gemms.head`` for the logits' product."""
+    return functools.partial(head_loss_sum, piece=logits_loss(gemms.head))
+
+
+class Attended(NamedTuple):
+    """What ``attn`` hands on: differentiable ``outputs`` (``h``, ``probs_TK``, ``rows``,
+    ``row_probs``, ``shared``; absent ones None), the Routed plan and the layer's MoEStats."""
+
+    outputs: dict
+    routed: Routed
+    stats: MoEStats
+
+
+def embed_node(p: dict, inputs_BS: torch.Tensor) -> torch.Tensor:
+    return embed(p["embed"], inputs_BS)
+
+
+def route_node(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
+               ep: ExpertParallel | None = None, decided: Routed | None = None):
+    """The MoE up to the rows leaving for their experts: router, permute, the exchange
+    plan, and the shared expert. ``decided``: the routing of the forward a recompute
+    re-runs.
+
+    Returns:
+        ``(routed, shared_TD or None, stats)``.
+    """
+    routed = moe_route(p_moe, x_TD, cfg, ep, functools.partial(kernels.router, site),
+                       functools.partial(kernels.dispatch, site), decided)
+    shared = kernels.shared(site, p_moe["shared"], x_TD, cfg) if "shared" in p_moe else None
+    return routed, shared, moe_stats(routed, x_TD.shape[1], x_TD.dtype)
+
+
+def attn_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
+              ep: ExpertParallel | None = None, docs: Documents | None = None,
+              decided: Routed | None = None) -> Attended:
+    """Attention half of a layer (``p``: its subtree), then ``route_node``; ``docs``: the
+    microbatch's packed documents."""
+    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
+    routed, shared, stats = route_node(p["moe"], x_TD, cfg, site, kernels, ep, decided)
+    outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
+               "row_probs": routed.row_probs_R1, "shared": shared}
+    return Attended(outputs, routed, stats)
+
+
+def experts_node(p_moe: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
+                 cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
+                 deferred: DeferredWgrad | None = None) -> torch.Tensor:
+    """The grouped expert MLPs of a layer on the rows this rank computes."""
+    return moe_experts(p_moe, rows_RD, row_probs_R1, routed, cfg, deferred, functools.partial(kernels.experts, site))
+
+
+def combine_node(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tensor | None,
+                 shared_TD: torch.Tensor | None, routed: Routed) -> torch.Tensor:
+    """The layer's output once its rows are back: ``h + unpermute(y) (+ shared)``."""
+    return h_BSD + moe_output(y_RD, routed.dispatch, probs_TK, shared_TD).view_as(h_BSD)
+
+
+def moe_forward(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, kernels: Kernels = EAGER,
+                ep: ExpertParallel | None = None, site: tuple = (0, 0)):
+    """The MoE nodes in order under plain autograd (``route_node``, the exchange, the
+    experts, the exchange back, unpermute + shared), each exchange waited for at once
+    (its backward is the reverse exchange). No residual.
+
+    Returns:
+        ``(y_TD, MoEStats)``.
+    """
+    routed, shared, stats = route_node(p_moe, x_TD, cfg, site, kernels, ep)
+    rows, row_probs, ex, capacity = routed.rows_RD, routed.row_probs_R1, routed.exchange, routed.dispatch.capacity
+    if ex is not None:  # the rows this rank's experts compute, from every rank
+        sending = dispatch(rows, ex, ep, capacity)
+        if row_probs is not None:
+            row_probs = dispatch(row_probs, ex, ep, capacity).wait()
+        rows = sending.wait()
+    y = experts_node(p_moe, rows, row_probs, routed, cfg, site, kernels)
+    if ex is not None:
+        y = combine(y, ex, ep, capacity).wait()
+    return moe_output(y, routed.dispatch, output_probs(routed), shared), stats
+
+
+def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None,
+        gemms: Gemms = PLAIN):
+    """Top-k MoE of already-normalised tokens; no residual (``moe_forward`` with the
+    eager kernels).
+
+    Dropless unless ``cfg.capacity_factor > 0`` (then each expert takes at most
+    ``capacity_rows(T, K, E, factor)`` of this rank's assignments, first come first
+    served in token order, and drops the rest).
+
+    Arguments:
+        p: one layer's ``moe`` subtree; under expert parallelism ``experts`` holds only
+            this rank's ``E / ep`` experts.
+        x_TD: ``[T, D]`` normalised tokens.
+        cfg: the ModelConfig.
+        backend: the experts' backend: ``torch``, ``loop``, or a name given to
+            ``register_expert_backend`` (``te``, once ``interop.te`` is imported).
+        ep: the expert-parallel group, or None when this rank holds every expert.
+        gemms: the products of the routed and shared experts (``fmoe.layers.fp8``).
+
+    Returns:
+        ``(y_TD, stats)``: the layer output in ``x``'s dtype and a MoEStats.
+    """
+    return moe_forward(p, x_TD, cfg, bound_kernels(gemms, bound_backend(backend)), ep)
+
+
+def layer_forward(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kernels: Kernels = EAGER,
+                  ep: ExpertParallel | None = None, docs: Documents | None = None, site: tuple = (0, 0),
+                  kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+    """One layer (``p``: its subtree) under plain autograd: ``kernels.attn``, or with a
+    decoding cache ``kv`` the attention with ``gemms``' products, then ``moe_forward``.
+
+    Returns:
+        ``(h_BSD, MoEStats)``.
+    """
+    if kv is None:
+        h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
+    else:
+        h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, kv, gemms)
+    y_TD, stats = moe_forward(p["moe"], x_TD, cfg, kernels, ep, site)
+    return h_BSD + y_TD.view_as(h_BSD), stats

@@ -1,0 +1,119 @@
+"""``resolve(plan) -> Setup``: everything a step derives from its plan, derived once.
+
+The parameter table, the shard spec, the programs and their double-buffer slots and
+live-unit bound are pure functions of the plan, cached per plan; the kernels (compiled
+or eager, with ``Plan.fp8``'s products and the expert backend bound in) are looked up
+at each call and the mesh (this process's groups) at its first use, since process
+groups and registered backends belong to the process and a mesh may create groups,
+which only happens once every check has passed. Everything below ``fmoe.step`` takes the
+Setup, or the piece of it it needs, never the plan to derive from again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .config import Plan
+from .dist.mesh import Mesh, mesh_for
+from .layers.nodes import Kernels
+from .params import ParamTable
+from .schedule.actions import Action, Backward
+from .schedule.compiled import kernels_for
+from .schedule.program import build_program, double_buffer_slots, max_live_units, node_uses
+from .shard.spec import ShardSpec, shard_spec
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program of a plan and what running it needs.
+
+    Attributes:
+        actions: the actions in order.
+        slots: ``{unit: 0 or 1}`` under ``gather_buffers='double'``, else None.
+        max_live: most units gathered or gathering at once.
+        trains: whether it has backward actions (its reductions are expected).
+    """
+
+    actions: tuple[Action, ...]
+    slots: dict | None
+    max_live: int
+    trains: bool
+
+    def with_actions(self, actions) -> "Program":
+        """The same program with other actions (a test's deliberately wrong one)."""
+        actions = tuple(actions)
+        return dataclasses.replace(self, actions=actions, trains=any(isinstance(a, Backward) for a in actions))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A plan resolved once: what every step under it runs with.
+
+    Attributes:
+        plan: the Plan.
+        spec: the ShardSpec: units, buffer groups, who holds which rows; ``table``:
+            the model's ParamTable.
+        train, eval: the Programs of a training step and of a forward-only one.
+        kernels: the functions inside the nodes (``Plan.compile``, ``Plan.remat``,
+            ``Plan.fp8`` and the expert backend bound in).
+        mesh: this process's groups for the plan (made at first use).
+    """
+
+    plan: Plan
+    spec: ShardSpec
+    train: Program
+    eval: Program
+    kernels: Kernels
+
+    @property
+    def table(self) -> ParamTable:
+        return self.spec.table
+
+    @functools.cached_property
+    def mesh(self) -> Mesh:
+        return mesh_for(self.plan)
+
+    def program(self, train: bool) -> Program:
+        return self.train if train else self.eval
+
+
+def resolve(plan: Plan) -> Setup:
+    """The Setup of ``plan`` on this process (the pure part cached per plan).
+
+    Raises:
+        ValueError: the plan's schedule cannot run in its buffers (double buffering
+            whose slots would collide), before anything runs.
+    """
+    spec, train, evaluate = _programs(plan)
+    return Setup(plan, spec, train, evaluate, kernels_for(plan))
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(plan: Plan) -> tuple[ShardSpec, Program, Program]:
+    spec = shard_spec(plan)
+    programs = []
+    for train in (True, False):
+        uses = node_uses(plan, spec, train)
+        actions = build_program(plan, spec, uses)
+        programs.append(Program(actions, double_buffer_slots(plan, spec, actions),
+                                max_live_units(plan, spec, uses), train))
+    return spec, *programs
+
+
+def check_memory(setup: Setup) -> None:
+    """Raise ValueError if ``Plan.gather_buffers='persistent'`` cannot keep every unit
+    gathered in the device's free memory (checked before any collective)."""
+    plan, spec = setup.plan, setup.spec
+    device = torch.device(plan.device)
+    if plan.gather_buffers != "persistent" or device.type != "cuda":
+        return
+    need = sum(layout.full_size * torch.empty((), dtype=spec.dtype(key)).element_size()
+               for u in spec.units for key, layout in u.groups.items() if spec.sharded(key.domain))
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise ValueError(f"Plan.gather_buffers='persistent' keeps every unit gathered: {need / 2**30:.1f} GiB, "
+                         f"but {device} has {free / 2**30:.1f} GiB free (allowed: 'dynamic' or 'double')")

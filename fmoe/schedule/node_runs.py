@@ -1,0 +1,363 @@
+"""How the executor runs each node kind: ``RULES``, one ``NodeRule`` per Kind of
+``fmoe.layers.nodes.NODES``, its forward and its backward over a microbatch's
+``MicrobatchFlow``.
+
+Each compute node runs the pure function of ``fmoe.layers.nodes`` under plain autograd
+on its own: its inputs are detached leaves and its weights are leaves viewing the
+unit's gathered buffer; its backward is ``torch.autograd.grad`` from its ``Tape``,
+weight gradients go into the unit's buffer and input gradients to the node that
+produced those inputs. The exchange nodes issue an all-to-all and return at once;
+their rows (forward) or gradients (backward) are waited for where first needed.
+``Land`` (a ``combine``'s rows are back) and ``Recompute`` (``Plan.remat='full'``)
+are here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
+from ..layers.experts import DeferredWgrad
+from ..layers.nodes import (NODES, Kernels, Kind, NodeSpec, attn_node, combine_node, embed_node, experts_node)
+from ..layers.router import router_share
+from ..params import ParamTable
+from ..shard import lifecycle as lc
+from .actions import Node
+from .flow import Kept, LayerFlow, MicrobatchFlow, Stream, Tape, detached, leaf, take, take_tape
+
+
+@dataclass
+class Run:
+    """One program run's context: what the node runs read (fixed for the step) and
+    what they add up.
+
+    Attributes:
+        table, kernels, ep: the plan's ParamTable, Kernels and ExpertParallel (None
+            without expert parallelism).
+        cfg, tie, chunk, router_parts, delay_wgrad: the model config, tied embeddings,
+            ``Plan.loss_chunk``, the count the router losses are averaged over
+            (microbatches x ranks), ``Plan.delay_wgrad``.
+        train: autograd is on; ``remat``: ``Plan.remat='full'`` and training.
+        divisor: the global batch's counted targets (an int or a device scalar).
+        mbs: a MicrobatchFlow per microbatch.
+        events: exchanges that landed, for the trace; ``ep_events``: the exchange plans'.
+        ce_sum, objective: this rank's sums so far; ``stats``: ``{mb: [MoEStats per layer]}``.
+    """
+
+    table: ParamTable
+    kernels: Kernels
+    ep: ExpertParallel | None
+    cfg: object
+    tie: bool
+    chunk: int
+    router_parts: int
+    delay_wgrad: bool
+    train: bool
+    remat: bool
+    divisor: object
+    mbs: list[MicrobatchFlow]
+    events: list
+    ep_events: list
+    ce_sum: torch.Tensor
+    objective: torch.Tensor
+    stats: dict
+
+    def send(self, transfer: Transfer, node: Node, mb: int) -> Transfer:
+        """Tag an exchange just issued by ``node`` for the trace."""
+        transfer.node, transfer.mb = str(node), mb
+        return transfer
+
+    def landed(self, value):
+        """A value or gradient, waiting for it if it is in flight."""
+        if isinstance(value, Transfer):
+            first = value.landed is None
+            out = value.wait()
+            if first:
+                self.events.append(value.event())
+            return out
+        return value
+
+    def save(self, tapes: dict, kind: Kind, tape: Tape) -> None:
+        if self.train:
+            tapes[kind] = tape
+
+    def layer_tree(self, weights: dict) -> dict:
+        """One layer's ``{path: tensor}`` as its nested subtree (``{"attn": {"qkv": t}, ...}``)."""
+        out: dict = {}
+        for path, value in weights.items():
+            *outer, name = self.table[path].keys[2:]  # past ("layers", i)
+            d = out
+            for k in outer:
+                d = d.setdefault(k, {})
+            d[name] = value
+        return out
+
+
+class NodeRule(NamedTuple):
+    """A node kind as the executor runs it: its spec, ``forward(run, mb, node, weights)``
+    and ``backward(run, state, node, mb, unit) -> state``."""
+
+    spec: NodeSpec
+    forward: Callable
+    backward: Callable
+
+
+def _take_stream(run: Run, mb: int, node: Node) -> torch.Tensor:
+    """The residual stream ``node`` reads, as a leaf of its own graph."""
+    stream = take(run.mbs[mb], "stream", f"forward {node} (microbatch {mb})")
+    if stream.h is None:
+        raise lc.LifecycleError(f"forward {node} (microbatch {mb}): {stream.producer} has not landed; "
+                                "the program needs a land action before it")
+    return leaf(stream.h, run.train)
+
+
+def _backprop(run: Run, state, unit: str | None, tape: Tape, grads_out: dict):
+    """``tape``'s input gradients; its weight gradients are added into ``unit``'s buffer."""
+    got, weight_grads = tape.backprop({name: run.landed(g) for name, g in grads_out.items()})
+    if weight_grads:
+        state = lc.accumulate_grads(state, unit, weight_grads)
+    return state, got
+
+
+def _take_grad_h(mbf: MicrobatchFlow) -> dict:
+    grad, mbf.grad_h = mbf.grad_h, None
+    return {} if grad is None else {"h": grad}
+
+
+def _embed_forward(run: Run, mb: int, node: Node, weights: dict):
+    mbf = run.mbs[mb]
+    h = embed_node(weights, mbf.batch.inputs)
+    mbf.stream = Stream(node, h)
+    run.save(mbf.tapes, Kind.EMBED, Tape({}, {"h": h}, weights))
+
+
+def _embed_backward(run: Run, state, node: Node, mb: int, unit: str):
+    mbf = run.mbs[mb]
+    tape = take_tape(mbf.tapes, Kind.EMBED, f"backward {node} (microbatch {mb})")
+    state, _ = _backprop(run, state, unit, tape, _take_grad_h(mbf))
+    return state
+
+
+def _attn_forward(run: Run, mb: int, node: Node, weights: dict):
+    mbf = run.mbs[mb]
+    h = _take_stream(run, mb, node)
+    result = attn_node(run.layer_tree(weights), h, run.cfg, (node.layer, mb), run.kernels, run.ep, mbf.docs)
+    stats = result.stats
+    objective = router_share(stats.aux_loss, stats.z_loss, run.cfg, run.router_parts)
+    layer = mbf.layers[node.layer]
+    if run.remat:  # kept: the input and the routing; the rows go on as an output and a recompute makes them again
+        result, objective = detached(result), None if objective is None else objective.detach()
+        layer.kept = Kept(h.detach(), result.routed._replace(rows_RD=None))
+    else:
+        run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, result.outputs, weights, objective, result.routed))
+    layer.attended = dict(result.outputs, routed=result.routed)
+    run.stats.setdefault(mb, []).append(result.stats)
+    if objective is not None:
+        run.objective += objective.detach()
+
+
+def _attn_backward(run: Run, state, node: Node, mb: int, unit: str):
+    mbf = run.mbs[mb]
+    layer = mbf.layers[node.layer]
+    tape = take_tape(layer.tapes, Kind.ATTN, f"backward {node} (microbatch {mb})")
+    state, got = _backprop(run, state, unit, tape, layer.grads.pop(Kind.ATTN, {}))
+    mbf.grad_h = got["h"]
+    return state
+
+
+def _dispatch_forward(run: Run, mb: int, node: Node, weights: dict):
+    """Issue the all-to-all of the rows (and their probabilities) to their experts' ranks."""
+    layer = run.mbs[mb].layers[node.layer]
+    rows, probs, routed = layer.attended["rows"], layer.attended["row_probs"], layer.attended["routed"]
+    if routed.exchange is not None:
+        cap = routed.dispatch.capacity
+        rows = run.send(to_experts(rows, routed.exchange, run.ep, cap), node, mb)
+        probs = None if probs is None else run.send(to_experts(probs, routed.exchange, run.ep, cap), node, mb)
+    layer.sent = {"rows": rows, "row_probs": probs}
+
+
+def _routing(run: Run, mb: int, node: Node):
+    """The routing of ``node``'s layer, from its ``attn`` Tape (kept until the ``attn``
+    backward, the layer's last)."""
+    tape = run.mbs[mb].layers[node.layer].tapes.get(Kind.ATTN)
+    if tape is None:
+        raise lc.LifecycleError(f"backward {node} (microbatch {mb}): its layer's attn has no record; "
+                                "the program runs nodes out of order")
+    return tape.routed
+
+
+def _dispatch_backward(run: Run, state, node: Node, mb: int, unit: None):
+    """Send the rows' gradients back to the ranks they came from (in flight until the
+    attention's backward needs them)."""
+    layer = run.mbs[mb].layers[node.layer]
+    if Kind.DISPATCH not in layer.grads:
+        raise lc.LifecycleError(f"backward {node} (microbatch {mb}): the experts' backward has not run; "
+                                "the program runs nodes out of order")
+    got = layer.grads.pop(Kind.DISPATCH)
+    routed = _routing(run, mb, node)
+    if routed.exchange is not None:
+        cap = routed.dispatch.capacity
+        got = {name: None if g is None else run.send(
+                   from_experts(g, routed.exchange, run.ep, cap, "dispatch_grad"), node, mb)
+               for name, g in got.items()}
+    layer.grads_for(Kind.ATTN).update(got)
+    return state
+
+
+def run_experts(run: Run, mb: int, node: Node, weights: dict, rows, probs, routed) -> torch.Tensor:
+    """The experts' forward under autograd, its Tape kept for the backward."""
+    deferred = DeferredWgrad() if run.train and run.delay_wgrad else None
+    p = run.layer_tree(weights)["moe"]
+    y = experts_node(p, rows, probs, routed, run.cfg, (node.layer, mb), run.kernels, deferred)
+    wgrad = None if deferred is None else (deferred, {id(w): path for path, w in weights.items()})
+    run.save(run.mbs[mb].layers[node.layer].tapes, Kind.EXPERTS,
+             Tape({"rows": rows, "row_probs": probs}, {"y": y}, weights, wgrad=wgrad))
+    return y
+
+
+def _experts_forward(run: Run, mb: int, node: Node, weights: dict):
+    layer = run.mbs[mb].layers[node.layer]
+    sent = take(layer, "sent", f"forward {node} (microbatch {mb})")
+    routed = layer.attended["routed"]
+    rows, probs = leaf(run.landed(sent["rows"]), run.train), leaf(run.landed(sent["row_probs"]), run.train)
+    if run.remat:
+        p = run.layer_tree(weights)["moe"]
+        layer.y = experts_node(p, rows, probs, routed, run.cfg, (node.layer, mb), run.kernels).detach()
+        if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
+            layer.kept.rows, layer.kept.row_probs = rows.detach(), probs
+    else:
+        layer.y = run_experts(run, mb, node, weights, rows, probs, routed)
+
+
+def _experts_backward(run: Run, state, node: Node, mb: int, unit: str):
+    """The rows' gradients to ``dispatch``; held-back weight GEMMs stay recorded
+    (without the graph's tensors) for the ``Wgrad`` action."""
+    layer = run.mbs[mb].layers[node.layer]
+    tape = take_tape(layer.tapes, Kind.EXPERTS, f"backward {node} (microbatch {mb})")
+    state, got = _backprop(run, state, unit, tape, layer.grads.pop(Kind.EXPERTS, {}))
+    layer.grads_for(Kind.DISPATCH).update(got)
+    if tape.wgrad is not None:
+        layer.tapes[Kind.EXPERTS] = Tape({}, {}, {}, wgrad=tape.wgrad)
+        if tape.wgrad[0].pending:
+            state = lc.defer_wgrad(state, unit, mb)
+    return state
+
+
+def wgrad(run: Run, state, node: Node, mb: int, unit: str):
+    """The delayed weight-gradient GEMMs of an ``experts`` node."""
+    what = f"wgrad {node} (microbatch {mb})"
+    lc.require_gathered(state, unit, what)
+    deferred, paths = take_tape(run.mbs[mb].layers[node.layer].tapes, Kind.EXPERTS, what).wgrad
+    state = lc.wgrad_done(state, unit, mb)
+    return lc.accumulate_grads(state, unit, {paths[id(w)]: g for w, g in deferred.run()})
+
+
+def _combine_forward(run: Run, mb: int, node: Node, weights: dict):
+    """Issue the all-to-all bringing the rows back; unpermute and the residual add run
+    at the node's ``Land`` (``land``)."""
+    mbf = run.mbs[mb]
+    layer = mbf.layers[node.layer]
+    y = take(layer, "y", f"forward {node} (microbatch {mb})")
+    attended = take(layer, "attended", f"forward {node} (microbatch {mb})")
+    routed = attended["routed"]
+    if routed.exchange is not None:
+        y = run.send(from_experts(y, routed.exchange, run.ep, routed.dispatch.capacity), node, mb)
+    layer.landing = {"y": y, "attended": attended}
+    mbf.stream = Stream(node, None)
+
+
+def land(run: Run, mb: int, node: Node) -> None:
+    """A combine's landing: wait for its rows, unpermute, add the residual; the layer's
+    output ``h`` is then the stream the next node reads."""
+    mbf = run.mbs[mb]
+    layer = mbf.layers[node.layer]
+    landing = take(layer, "landing", f"land {node} (microbatch {mb})")
+    y, attended = run.landed(landing["y"]), landing["attended"]
+    if run.remat:
+        if attended["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
+            layer.kept.y = y.detach()
+        h = _combine(run, layer, y, attended, record=False).detach()
+    else:
+        h = _combine(run, layer, y, attended)
+    mbf.stream = Stream(node, h)
+
+
+def _combine(run: Run, layer: LayerFlow, y: torch.Tensor, attended: dict, record: bool = True) -> torch.Tensor:
+    inputs = {"y": leaf(y, run.train)}
+    inputs.update({name: leaf(attended[name], run.train) for name in ("h", "probs_TK", "shared")})
+    routed = attended["routed"]
+    probs = inputs["probs_TK"] if routed.row_probs_R1 is None else None
+    h = combine_node(inputs["y"], inputs["h"], probs, inputs["shared"], routed)
+    if record:
+        run.save(layer.tapes, Kind.COMBINE, Tape(inputs, {"h": h}, {}))
+    return h
+
+
+def _combine_backward(run: Run, state, node: Node, mb: int, unit: None):
+    """The rows' gradient to the experts (across ranks under EP), the rest to ``attn``."""
+    mbf = run.mbs[mb]
+    layer = mbf.layers[node.layer]
+    tape = take_tape(layer.tapes, Kind.COMBINE, f"backward {node} (microbatch {mb})")
+    state, got = _backprop(run, state, unit, tape, _take_grad_h(mbf))
+    routed = _routing(run, mb, node)
+    g_y = got.pop("y")
+    if routed.exchange is not None and g_y is not None:
+        g_y = run.send(to_experts(g_y, routed.exchange, run.ep, routed.dispatch.capacity, "combine_grad"), node, mb)
+    layer.grads_for(Kind.EXPERTS)["y"] = g_y
+    layer.grads_for(Kind.ATTN).update(got)
+    return state
+
+
+def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable):
+    """``Plan.remat='full'``: re-run layer ``node``'s attn, experts and combine from what
+    its forward kept, under autograd this time, leaving the Tapes its backward actions
+    read. The routing comes from the forward, and under expert parallelism so do the
+    rows that crossed ranks: nothing is exchanged or read on the host again. Same
+    inputs, same kernels: the same values as the forward, bit for bit.
+    ``weights(node)``: the leaves a node of the layer computes with."""
+    layer = run.mbs[mb].layers[node.layer]
+    kept = take(layer, "kept", f"recompute {node} (microbatch {mb})")
+    routed = kept.routed
+    attn, _, experts, _ = (node.sibling(kind) for kind in (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE))
+    h = leaf(kept.h, True)
+    attn_weights = weights(attn)
+    res = attn_node(run.layer_tree(attn_weights), h, run.cfg, (node.layer, mb), run.kernels, run.ep,
+                    run.mbs[mb].docs, decided=routed)
+    objective = router_share(res.stats.aux_loss, res.stats.z_loss, run.cfg, run.router_parts)
+    run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, res.outputs, attn_weights, objective, routed))
+    crossed = routed.exchange is not None
+    rows, probs = (kept.rows, kept.row_probs) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
+    y = run_experts(run, mb, experts, weights(experts), leaf(rows, True), leaf(probs, True), routed)
+    _combine(run, layer, kept.y if crossed else y.detach(), dict(res.outputs, routed=res.routed))
+
+
+def _head_forward(run: Run, mb: int, node: Node, weights: dict):
+    mbf = run.mbs[mb]
+    h = _take_stream(run, mb, node)
+    ce_sum = run.kernels.head(("head", mb), weights, h, mbf.batch.targets, run.cfg.norm_eps, run.chunk)
+    objective = ce_sum / run.divisor
+    run.save(mbf.tapes, Kind.HEAD, Tape({"h": h}, {}, weights, objective))
+    run.objective += objective.detach()
+    run.ce_sum += ce_sum.detach()
+
+
+def _head_backward(run: Run, state, node: Node, mb: int, unit: str):
+    mbf = run.mbs[mb]
+    tape = take_tape(mbf.tapes, Kind.HEAD, f"backward {node} (microbatch {mb})")
+    state, got = _backprop(run, state, unit, tape, {})
+    mbf.grad_h = got["h"]
+    return state
+
+
+RULES = {rule.spec.kind: rule for rule in (
+    NodeRule(NODES[Kind.EMBED], _embed_forward, _embed_backward),
+    NodeRule(NODES[Kind.ATTN], _attn_forward, _attn_backward),
+    NodeRule(NODES[Kind.DISPATCH], _dispatch_forward, _dispatch_backward),
+    NodeRule(NODES[Kind.EXPERTS], _experts_forward, _experts_backward),
+    NodeRule(NODES[Kind.COMBINE], _combine_forward, _combine_backward),
+    NodeRule(NODES[Kind.HEAD], _head_forward, _head_backward),
+)}
+"""Each node kind's forward and backward, by Kind."""
