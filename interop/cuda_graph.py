@@ -24,6 +24,8 @@ work.
 
 from __future__ import annotations
 
+import functools
+
 import optree
 import torch
 
@@ -250,10 +252,10 @@ class _ScopeGraphs:
                 return self._call("router", site, make, [x, *leaves])
             chosen["router"] = router
         if "experts" in self.scopes:
-            chosen["experts"] = self._experts
+            chosen["experts"] = functools.partial(self._experts, bound_backend(self.plan.expert_backend))
         return kernels_for(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
 
-    def _experts(self, site, p, rows, segs, cfg, probs, deferred):
+    def _experts(self, backend, site, p, rows, segs, cfg, probs, deferred):
         if deferred is not None:
             raise ValueError("a graphed 'experts' scope computes its weight gradients in its backward graph; "
                              "run it under a plan with delay_wgrad=False (the plan it was captured for)")
@@ -261,7 +263,6 @@ class _ScopeGraphs:
         names = list(p)
         seg_fields = [(i, v) for i, v in enumerate(segs) if isinstance(v, torch.Tensor)]
         has_probs = probs is not None
-        backend = bound_backend(self.plan.expert_backend)
 
         def make(cfg):
             def fn(rows, *rest):

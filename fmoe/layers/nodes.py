@@ -27,7 +27,7 @@ from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch
 from .experts import DeferredWgrad, dense_mlp, experts_with
 from .fp8 import PLAIN, Gemms
-from .loss import head_loss_sum
+from .loss import cross_entropy_sum, head_loss_sum
 from .moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats, output_probs
 from .router import route
 
@@ -138,8 +138,6 @@ def bound_kernels(gemms: Gemms = PLAIN, backend: str | ExpertBackend = "torch") 
 def logits_loss(matmul):
     """``cross_entropy_sum`` with ``matmul`` for the logits. One object per product: the
     compiled head guards on its identity, so every Kernels value shares its graphs."""
-    from .loss import cross_entropy_sum
-
     return functools.partial(cross_entropy_sum, matmul=matmul)
 
 

@@ -55,90 +55,88 @@ class Node(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class Gather:
-    """Issue the all-gather of ``unit``'s shards (async)."""
+class _OnUnit:
+    """A lifecycle transition of ``unit``."""
 
     unit: str
+
+
+@dataclass(frozen=True, slots=True)
+class Gather(_OnUnit):
+    """Issue the all-gather of ``unit``'s shards (async)."""
+
     op: ClassVar[str] = "gather"
 
 
 @dataclass(frozen=True, slots=True)
-class Wait:
+class Wait(_OnUnit):
     """Wait for ``unit``'s gather: its weights may be read."""
 
-    unit: str
     op: ClassVar[str] = "wait"
 
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class Release(_OnUnit):
     """Drop ``unit``'s gathered weights."""
 
-    unit: str
     op: ClassVar[str] = "release"
 
 
 @dataclass(frozen=True, slots=True)
-class Reduce:
+class Reduce(_OnUnit):
     """Reduce ``unit``'s gradients of microbatch ``mb`` over the ranks (async);
     ``last``: the step's last microbatch."""
 
-    unit: str
     mb: int
     last: bool
     op: ClassVar[str] = "reduce"
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
-    """Run ``node``'s forward for microbatch ``mb`` (``unit``: its FSDP unit, None for
-    an exchange)."""
+class _OfNode:
+    """A run of ``node`` for microbatch ``mb``; ``unit``: its FSDP unit (None for an
+    exchange)."""
 
     node: Node
     mb: int
     unit: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Forward(_OfNode):
+    """Run ``node``'s forward."""
+
     op: ClassVar[str] = "forward"
 
 
 @dataclass(frozen=True, slots=True)
-class Land:
+class Land(_OfNode):
     """A ``combine``'s rows are back: wait for its exchange, unpermute, add the residual
     (right before the next node of the microbatch reads ``h``)."""
 
-    node: Node
-    mb: int
     unit: None = None
     op: ClassVar[str] = "land"
 
 
 @dataclass(frozen=True, slots=True)
-class Backward:
-    """Run ``node``'s backward for microbatch ``mb``."""
+class Backward(_OfNode):
+    """Run ``node``'s backward."""
 
-    node: Node
-    mb: int
-    unit: str | None
     op: ClassVar[str] = "backward"
 
 
 @dataclass(frozen=True, slots=True)
-class Wgrad:
+class Wgrad(_OfNode):
     """Run an ``experts`` node's delayed weight-gradient GEMMs (``Plan.delay_wgrad``)."""
 
-    node: Node
-    mb: int
-    unit: str
     op: ClassVar[str] = "wgrad"
 
 
 @dataclass(frozen=True, slots=True)
-class Recompute:
+class Recompute(_OfNode):
     """``Plan.remat='full'``: re-run layer ``node`` (``Node("layer", i)``) under autograd
     before its backward."""
 
-    node: Node
-    mb: int
-    unit: str
     op: ClassVar[str] = "recompute"
 
 

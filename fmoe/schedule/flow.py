@@ -18,7 +18,6 @@ import torch
 
 from ..batch import Batch
 from ..layers.attention import Documents
-from ..layers.expert_parallel import Transfer
 from ..layers.experts import DeferredWgrad
 from ..layers.fp8 import Fp8Weight
 from ..layers.moe import Routed
@@ -168,7 +167,3 @@ def detached(tree):
     graph would round differently) and keeps none of it: once its outputs are
     detached, nothing holds the graph and what it saved."""
     return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
-
-
-def is_in_flight(value) -> bool:
-    return isinstance(value, Transfer)

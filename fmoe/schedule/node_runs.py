@@ -321,7 +321,7 @@ def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable
     layer = run.mbs[mb].layers[node.layer]
     kept = take(layer, "kept", f"recompute {node} (microbatch {mb})")
     routed = kept.routed
-    attn, _, experts, _ = (node.sibling(kind) for kind in (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE))
+    attn, experts = node.sibling(Kind.ATTN), node.sibling(Kind.EXPERTS)
     h = leaf(kept.h, True)
     attn_weights = weights(attn)
     res = attn_node(run.layer_tree(attn_weights), h, run.cfg, (node.layer, mb), run.kernels, run.ep,

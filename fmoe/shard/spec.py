@@ -118,9 +118,7 @@ class ShardSpec:
 
     def local_full_shape(self, path: str, shape: tuple) -> tuple:
         """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
-        if self.table[path].domain == Domain.EXPERT:
-            return (shape[0] // self.ep,) + tuple(shape[1:])
-        return tuple(shape)
+        return _local_full_shape(self.table[path].domain, shape, self.ep)
 
     def ep_index(self, world_rank: int) -> int:
         """Which expert slice a rank holds: its column in the ``dp x ep`` mesh."""
@@ -170,6 +168,12 @@ class ShardSpec:
         return {leaf.path: shapes[leaf.path] for leaf in self.table.leaves}
 
 
+def _local_full_shape(domain: Domain, shape: tuple, ep: int) -> tuple:
+    if domain == Domain.EXPERT:
+        return (shape[0] // ep,) + tuple(shape[1:])
+    return tuple(shape)
+
+
 GROUP_DTYPES = {GroupDtype.FLOAT32: torch.float32, GroupDtype.FP8: torch.float8_e4m3fn}  # COMPUTE: the plan's
 
 
@@ -199,7 +203,7 @@ def shard_spec(plan: Plan) -> ShardSpec:
         by_key: dict = {}
         for leaf in table.leaves:
             if leaf.member in members:
-                shape = (leaf.shape[0] // ep,) + leaf.shape[1:] if leaf.domain == Domain.EXPERT else leaf.shape
+                shape = _local_full_shape(leaf.domain, leaf.shape, ep)
                 by_key.setdefault(group_key(leaf, plan.compute_dtype, fp8), []).append((leaf.path, shape))
         groups = {key: make_layout(named, sizes[key.domain]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups))
