@@ -218,6 +218,13 @@ def test_resuming_with_other_threads_says_it_is_not_bit_for_bit(tmp_path, capsys
             in capsys.readouterr().out)
 
 
+def sigint_as_at_a_terminal():
+    # A shell without job control starts background commands with SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler: a test run so (CI, nohup-like
+    # launches) would see the child shrug off the signal it sends.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_prepare_ends_in_one_line_and_writes_nothing(tmp_path):
     bpe_tokenizer(tmp_path / "tokenizer.json", vocab=300)
     with open(tmp_path / "big.jsonl", "w") as f:  # seconds of tokenizing
@@ -225,7 +232,8 @@ def test_ctrl_c_during_prepare_ends_in_one_line_and_writes_nothing(tmp_path):
         f.writelines(line for _ in range(1500))
     proc = subprocess.Popen([sys.executable, "-m", "fmoe.data", "prepare", str(tmp_path / "big.jsonl"), "--out",
                              str(tmp_path / "corpus"), "--tokenizer", str(tmp_path / "tokenizer.json")], cwd=ROOT,
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_at_a_terminal)
     said = ""
     while "tokenize" not in said or not said.endswith("]"):  # the progress bar drawn: prepare is writing
         char = proc.stderr.read(1)
