@@ -71,6 +71,22 @@ def test_packed_rows_equal_separate_rows_on_the_gpu(compile):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
 
 
+def test_compiled_packed_steps_hold_after_the_attention_graph_went_dynamic():
+    # Head sizes and row counts changing through one process's compiled attention make
+    # its dims dynamic; FlexAttention's kernel then still gets its scale as a number,
+    # and 8-feature heads (under Flex's 16) take the masked path.
+    packed, _ = packed_and_separate()
+    for heads in (1, 2, 4):
+        cfg = PLAIN.replace(heads=heads, kv_heads=heads)
+        plan = fmoe.Plan(model=cfg, device="cuda", compile=True)
+        params = optree.tree_map(lambda t: t.cuda(), fmoe.init(fmoe.Plan(model=cfg), seed=3))
+        for rows in (4, 2):
+            batch = on_gpu({k: v[:rows] for k, v in packed.items()})
+            got = fmoe.step(params, batch, plan)
+            want = fmoe.step(params, batch, plan.replace(compile=False))
+            torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+
+
 def test_a_whole_step_graph_reads_each_batchs_mask_segments_and_count():
     from interop.cuda_graph import capture_step
     cfg = MODEL.replace(capacity_factor=2.0)

@@ -11,6 +11,7 @@ blocks a document touches are computed); elsewhere through SDPA with the exact
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -76,6 +77,11 @@ def _document_block_mask(ids_BS: torch.Tensor):
     return create_block_mask(same_document_causal, B, None, S, S, device=ids_BS.device, _compile=True)
 
 
+# FlexAttention's kernels need heads of at least 16 features; smaller ones take the
+# masked SDPA path, the same attention
+_FLEX_MIN_HEAD = 16
+
+
 @functools.cache
 def _compiled_flex():
     # flex_attention runs its fused kernel only compiled (eager, it materialises the scores)
@@ -127,18 +133,19 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
 
 
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0,
-           docs: Documents | None = None) -> torch.Tensor:
+           docs: Documents | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal SDPA of queries at positions ``start..`` over keys at positions ``0..L-1``
     (``docs``: only over the keys of the query's own document).
 
     Each group of ``H / K`` query heads shares one key/value head (grouped-query
-    attention when ``K < H``). Returns ``[B, S, H * d]``.
+    attention when ``K < H``). ``scale``: the scores' factor (None: ``d ** -0.5``).
+    Returns ``[B, S, H * d]``.
     """
     gqa = k_BKLd.shape[1] != q_BHSd.shape[1]
-    extra = {"enable_gqa": True} if gqa else {}
+    extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
     S, L = q_BHSd.shape[2], k_BKLd.shape[2]
-    if docs is not None and docs.block_mask is not None:
-        o = _compiled_flex()(q_BHSd, k_BKLd, v_BKLd, block_mask=docs.block_mask, enable_gqa=gqa)
+    if docs is not None and docs.block_mask is not None and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD:
+        o = _compiled_flex()(q_BHSd, k_BKLd, v_BKLd, block_mask=docs.block_mask, enable_gqa=gqa, scale=scale)
     elif docs is not None:
         ids = docs.ids_BS
         mask = (ids[:, None, :, None] == ids[:, None, None, :]).tril()
@@ -191,7 +198,11 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     q_BHSd, k_BKLd, v_BKLd = project_qkv(p, x_BSD, cfg, start, gemms, positions)
     if kv is not None:  # L: the keys so far
         k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
-    return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start, docs), p["out"])
+    # the scale as a number from the config: a compiled graph that went dynamic in the
+    # head size would otherwise give FlexAttention's kernel a symbolic one, which
+    # inductor cannot lower
+    scale = 1.0 / math.sqrt(cfg.head_dim)  # as SDPA works out its default
+    return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start, docs, scale), p["out"])
 
 
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
