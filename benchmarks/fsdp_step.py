@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 
@@ -146,7 +145,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     cfg = lm_config(args)
-    total_params = sum(math.prod(shape) for shape in fmoe.params.flat_shapes(cfg).values())
+    total_params = fmoe.params.param_count(cfg)
     g = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=g)
     base = dict(model=cfg, dp=world, microbatches=args.microbatches, dtype="bfloat16", device="cuda")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import importlib
 import importlib.util
-import math
 import statistics
 import time
 
@@ -142,7 +141,7 @@ def main():
     print(f"{'E':>4s} {'params':>7s} {'mode':24s} {'step ms':>8s} {'no-opt ms':>9s} {'tokens/s':>9s} {'MFU':>6s} "
           f"{'peak GiB':>9s}")
     for experts, name, step_s, alone_s, tps, mfu, peak in rows:
-        total = sum(math.prod(s) for s in fmoe.params.flat_shapes(model(args, experts)).values())
+        total = fmoe.params.param_count(model(args, experts))
         print(f"{experts:4d} {total / 1e9:6.2f}B {name:24s} {step_s * 1e3:8.1f} {alone_s * 1e3:9.1f} {tps:9.0f} "
               f"{mfu:6.1%} {peak:9.2f}")
     for mode, (by_kind, busy, wall, top) in ({} if args.sweep_experts else profiles).items():

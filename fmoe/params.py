@@ -240,6 +240,11 @@ def flat_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return param_table(cfg).shapes()
 
 
+def param_count(cfg: ModelConfig) -> int:
+    """Elements of every leaf of ``cfg``'s params (all experts, embedding and head)."""
+    return sum(math.prod(leaf.shape) for leaf in param_table(cfg).leaves)
+
+
 def named_leaves(tree) -> dict:
     """``{dotted path: leaf}`` of a pytree, in ``optree`` flatten order."""
     paths, leaves, _ = optree.tree_flatten_with_path(tree)
@@ -301,5 +306,5 @@ def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
 
 
 __all__ = ["FP32_LEAVES", "LINEAR_WEIGHTS", "Domain", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays",
-           "flat_shapes", "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves",
+           "flat_shapes", "param_count", "glu_from_interleaved", "glu_to_interleaved", "initial_leaves", "named_leaves",
            "param_shapes", "param_specs", "param_table", "train_flops_per_token", "trainable"]

@@ -20,7 +20,7 @@ import optree
 import torch
 
 from ..config import ModelConfig
-from ..params import flat_shapes, glu_from_interleaved, glu_to_interleaved, named_leaves, param_table
+from ..params import glu_from_interleaved, glu_to_interleaved, named_leaves, param_table
 
 _EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)(_bias)?$")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)\.(weight|bias)(\d+)$")
@@ -54,8 +54,8 @@ def from_per_expert(flat: dict, cfg: ModelConfig) -> dict:
             grouped.setdefault(name, {})[int(e)] = t if kind == "bias" else t.t()
         else:
             grouped[key] = t
-    leaves = []
-    for path, shape in flat_shapes(cfg).items():
+    table, leaves = param_table(cfg), []
+    for path, shape in table.shapes().items():
         if path not in grouped:
             raise ValueError(f"state dict has no {path!r} (nor its per-expert keys)")
         value = grouped.pop(path)
@@ -69,7 +69,7 @@ def from_per_expert(flat: dict, cfg: ModelConfig) -> dict:
         leaves.append(value.contiguous())
     if grouped:
         raise ValueError(f"state dict has keys the model does not: {sorted(grouped)[:4]}")
-    return param_table(cfg).unflatten(leaves)
+    return table.unflatten(leaves)
 
 
 def convert_glu(full: dict, cfg: ModelConfig, interleave: int) -> tuple[dict, ModelConfig]:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from ..data import corpus_unigram, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
 from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
-from ..params import flat_shapes, train_flops_per_token
+from ..params import param_count, train_flops_per_token
 from ..gather import gather_full
 from ..step import eval_loss, step
 from .checkpointing import Checkpoints, prepare_out
@@ -175,7 +175,7 @@ def _setup(run: Run) -> tuple[_Job, _State]:
 def _introduce(run: Run, baseline: float) -> None:
     """The run's opening lines: the model, the data, the world, the baseline loss."""
     plan, corpus = run.plan, run.corpus
-    n_params = sum(math.prod(shape) for shape in flat_shapes(plan.model).values())
+    n_params = param_count(plan.model)
     run.say(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
             f"tokens from {corpus.source}; {run.world.size} rank(s), dp={plan.dp} ep={plan.ep} "
             f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")
@@ -305,7 +305,7 @@ def _sample(run: Run, params) -> None:
     n = run.settings.sample_tokens
     if not n:
         return
-    size = 4 * sum(math.prod(shape) for shape in flat_shapes(run.plan.model).values())
+    size = 4 * param_count(run.plan.model)
     if size > _SAMPLE_MAX_BYTES:
         run.say(f"sample skipped: the whole model is {size / 2**30:.1f} GiB in fp32; sample from the "
                 "checkpoint with python -m fmoe.generate")

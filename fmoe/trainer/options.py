@@ -18,7 +18,6 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import tomllib
 from pathlib import Path
 
@@ -72,12 +71,12 @@ class _Parser(argparse.ArgumentParser):
 def preset_summary(name: str) -> str:
     """One line of ``--help``: the preset's size (computed from its model, at a 32k
     vocabulary where the preset leaves the vocabulary to the data), shape and device."""
-    from ..params import active_param_count, flat_shapes
+    from ..params import active_param_count, param_count
 
     own = read_toml(name)[0]
     settings = {**_defaults(), **own}
     cfg = model_config(settings, **({} if "vocab" in own or name == "cpu" else {"vocab": 32000}))
-    total = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
+    total = param_count(cfg)
     return (f"  {name}: {total / 1e6:,.1f}M params, {active_param_count(cfg) / 1e6:,.1f}M active at vocab "
             f"{cfg.vocab}; D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}; "
             f"{settings['device']}, {settings['dtype']}")

@@ -5,7 +5,6 @@ plan, each refused with a message naming the setting (or file) when it cannot wo
 from __future__ import annotations
 
 import importlib
-import math
 import os
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -18,7 +17,7 @@ from ..config import ModelConfig, Plan
 from ..data import TokenCorpus, check_corpus, check_packed_seq, check_vocab, embedded_corpus, open_corpus
 from ..generate import kv_cache_bytes
 from ..hf.families import TRAINING_FIELDS
-from ..params import flat_shapes
+from ..params import param_count
 from ..runtime import check_device_and_backend, device_memory, gib
 from . import options, run_lock
 from .launch import World, rank_device, world_from_env
@@ -193,7 +192,7 @@ def check_memory(s: RunSettings, plan: Plan, world: World) -> None:
     bound, so a plan that fits is never refused; an absurd number fails here, in one
     line, instead of in an allocation or the kernel's OOM killer."""
     cfg, have = plan.model, device_memory(plan.device)
-    n_params = sum(math.prod(shape) for shape in flat_shapes(cfg).values())
+    n_params = param_count(cfg)
     state = 16 * n_params / world.size
     rows = s.batch // world.size
     activations = rows * (s.seq + 1) * 8 + rows // plan.microbatches * s.seq * cfg.dim * 4 * cfg.layers
