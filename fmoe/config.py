@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from .backends import expert_backend_names
-from .checks import check_bool, check_choice, check_int, check_positive, fail, is_number
+from .checks import check_bool, check_choice, check_int, check_positive, fail, is_int, is_number
 from .units import check_units
 
 ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
@@ -40,6 +40,21 @@ def choices(field: str) -> tuple | None:
     if field == "expert_backend":
         return expert_backend_names()
     return CHOICES.get(field)
+
+
+def _check_dense_layers(cfg, own: str) -> None:
+    layers = cfg.dense_layers
+    ok = isinstance(layers, tuple) and all(is_int(i, builtin=True) and 0 <= i < cfg.layers for i in layers)
+    if not ok or tuple(sorted(set(layers))) != layers:
+        fail(f"{own}.dense_layers", layers, f"must be distinct layer indices in 0..{cfg.layers - 1}, in order")
+    if len(layers) == cfg.layers:
+        fail(f"{own}.dense_layers", layers, f"must leave at least one of the {cfg.layers} layers MoE")
+    check_int(f"{own}.dense_ffn", cfg.dense_ffn, 0, builtin=True)
+    if bool(layers) != bool(cfg.dense_ffn):
+        fail(f"{own}.dense_ffn", cfg.dense_ffn, "must be > 0 exactly when dense_layers names a layer "
+             f"(dense_layers={list(layers)})")
+    if cfg.glu_interleave and cfg.dense_ffn % cfg.glu_interleave:
+        fail(f"{own}.glu_interleave", cfg.glu_interleave, f"must divide dense_ffn ({cfg.dense_ffn})")
 
 
 def _check_choices(config, own: str) -> None:
@@ -74,7 +89,8 @@ def field_docs(cls) -> dict:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only MoE transformer: every layer is attention + a routed MoE MLP.
+    """A decoder-only MoE transformer: every layer is attention + a routed MoE MLP, or
+    attention + a dense MLP for the layers named in ``dense_layers``.
 
     Arguments:
         vocab, dim, layers, heads: token vocabulary, model width, depth, attention heads
@@ -113,6 +129,11 @@ class ModelConfig:
         tie_embeddings: the head reuses ``embed`` (logits ``= h @ embed.T``; no ``head`` leaf).
         shared_gate: scale the shared expert's output by ``sigmoid(x @ gate)`` per token
             (as Qwen2-MoE); needs ``shared_ffn > 0``.
+        dense_layers: indices of the layers whose MLP is dense (``layers[i].mlp``) instead
+            of a routed MoE (DeepSeek-V3's and GLM-4.5's first layers); at least one layer
+            stays MoE. A list is taken as the sorted tuple.
+        dense_ffn: hidden width of the dense layers' MLP (with ``activation``); > 0 exactly
+            when ``dense_layers`` names a layer.
     """
 
     vocab: int = 256
@@ -145,9 +166,13 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     shared_gate: bool = False
+    dense_layers: tuple = ()
+    dense_ffn: int = 0
 
     def __post_init__(self):
         own = "ModelConfig"
+        if isinstance(self.dense_layers, list):  # as JSON and TOML hold it
+            object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
         for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         check_int(f"{own}.shared_ffn", self.shared_ffn, 0, builtin=True)
@@ -173,6 +198,7 @@ class ModelConfig:
             fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
         if self.kv_heads and self.heads % self.kv_heads:
             fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
+        _check_dense_layers(self, own)
         if self.shared_gate and not self.shared_ffn:
             fail(f"{own}.shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
         if self.glu_interleave:
@@ -184,6 +210,16 @@ class ModelConfig:
                 if width % self.glu_interleave:
                     fail(f"{own}.glu_interleave", self.glu_interleave,
                           f"must divide {name} ({width})")
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is dense (``dense_layers``), not a routed MoE."""
+        return layer in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE layers, in order (what ``MoEStats`` and
+        ``expert_counts`` have a row for)."""
+        return tuple(i for i in range(self.layers) if i not in self.dense_layers)
 
     @property
     def is_glu(self) -> bool:

@@ -44,6 +44,11 @@ def param_specs(cfg: ModelConfig) -> dict:
     """
     D, E, F, V = cfg.dim, cfg.experts, cfg.ffn, cfg.vocab
 
+    def dense_layer():
+        Fd = cfg.dense_ffn
+        mlp = {"norm": ((D,), "ones"), "fc1": ((D, cfg.fc1_width(Fd)), "normal"), "fc2": ((Fd, D), "normal_out")}
+        return {"attn": attention_specs(cfg), "mlp": mlp}
+
     def layer():
         experts = {"fc1": ((E, D, cfg.fc1_width(F)), "normal"), "fc2": ((E, F, D), "normal_out")}
         if cfg.expert_biases:
@@ -64,7 +69,7 @@ def param_specs(cfg: ModelConfig) -> dict:
 
     specs = {
         "embed": ((V, D), "normal"),
-        "layers": [layer() for _ in range(cfg.layers)],
+        "layers": [dense_layer() if cfg.is_dense(i) else layer() for i in range(cfg.layers)],
         "final_norm": ((D,), "ones"),
     }
     if not cfg.tie_embeddings:
@@ -136,8 +141,9 @@ class Leaf(NamedTuple):
         init: ``normal``, ``normal_out`` (residual outputs), ``ones`` or ``zeros``.
         member: the FSDP member holding it: ``embed``, ``layers.<i>`` or ``head``.
         layer: the layer index, or None outside the layers.
-        node: the kind of node computing with it: ``embed``, ``attn`` (a layer's
-            attention half, router and shared expert), ``experts`` or ``head``.
+        node: the kind of node computing with it: ``embed``, ``attn`` (a MoE layer's
+            attention half, router and shared expert), ``experts``, ``dense`` (a dense
+            layer's attention and MLP) or ``head``.
         domain: ``expert`` (the routed experts, split over EP ranks) or ``dense``.
         fp32: kept in fp32 whatever the compute dtype (``FP32_LEAVES``).
         decayed: AdamW's weight decay applies (matrices, not norms or biases:
@@ -167,7 +173,7 @@ class Leaf(NamedTuple):
 
 
 # the dense products' weights, by the subtree that holds them (``Leaf.linear``)
-LINEAR_WEIGHTS = {"attn": ("qkv", "out"), "shared": ("fc1", "fc2")}
+LINEAR_WEIGHTS = {"attn": ("qkv", "out"), "shared": ("fc1", "fc2"), "mlp": ("fc1", "fc2")}
 
 
 class ParamTable(NamedTuple):
@@ -217,13 +223,13 @@ def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
     name, layer = keys[-1], keys[1] if keys[0] == "layers" else None
     experts = keys[2:4] == ("moe", "experts")
     if layer is not None:
-        member, node = f"layers.{layer}", "experts" if experts else "attn"
+        member, node = f"layers.{layer}", "experts" if experts else "dense" if cfg.is_dense(layer) else "attn"
     else:
         member = node = "head" if keys[0] in ("head", "final_norm") else keys[0]
     return Leaf(path=_dotted(keys), keys=keys, shape=tuple(shape), init=init, member=member, layer=layer,
                 node=node, domain=Domain.EXPERT if experts else Domain.DENSE, fp32=name in FP32_LEAVES,
                 decayed=decays(name), trainable=trainable(name),
-                glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared"),
+                glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared", "mlp"),
                 linear=keys == ("head",) or (len(keys) > 1 and name in LINEAR_WEIGHTS.get(keys[-2], ())))
 
 

@@ -30,7 +30,7 @@ class StepOutput(NamedTuple):
             ``loss + aux_loss_coef * aux_loss + z_loss_coef * z_loss``.
         metrics: dict of detached tensors, summed over ranks: ``loss``, ``aux_loss`` and
             ``z_loss`` (summed over layers, averaged over microbatches and ranks),
-            ``objective`` (what was differentiated), ``expert_counts [layers, E]`` (the
+            ``objective`` (what was differentiated), ``expert_counts [MoE layers, E]`` (the
             load on the global batch), ``padded_rows``, ``dropped_tokens``,
             ``a2a_bytes`` (sent by the forward all-to-alls); ``tokens`` (an int, the global count
             of counted targets) and ``trace`` (the step's lifecycle and compute Events).

@@ -192,7 +192,8 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
 
 def _attn_flat(p_layer: dict, plan: Plan):
-    sub = {"attn": p_layer["attn"], "moe": {"norm": p_layer["moe"]["norm"]}}
+    mlp = "moe" if "moe" in p_layer else "mlp"  # a dense layer's MLP norm
+    sub = {"attn": p_layer["attn"], mlp: {"norm": p_layer[mlp]["norm"]}}
     leaves, treedef = optree.tree_flatten(sub)
     gemms = GEMMS[plan.fp8]
     return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg, gemms=gemms))

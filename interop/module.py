@@ -100,11 +100,12 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: fmoe.ModelConfig, seed: int = 0, params: dict | None = None,
                  backend: str = "torch"):
         super().__init__()
+        one_layer = cfg.replace(layers=1, dense_layers=(), dense_ffn=0)  # a MoE layer whatever cfg's layer 0 is
         if params is None:
-            params = fmoe.init(fmoe.Plan(model=cfg.replace(layers=1)), seed)["layers"][0]["moe"]
+            params = fmoe.init(fmoe.Plan(model=one_layer), seed)["layers"][0]["moe"]
         tree = {k: v for k, v in params.items() if k != "norm"}
         prefix = "layers.0.moe."
-        want = {path[len(prefix):]: shape for path, shape in flat_shapes(cfg).items()
+        want = {path[len(prefix):]: shape for path, shape in flat_shapes(one_layer).items()
                 if path.startswith(prefix) and path != prefix + "norm"}
         got = {path: tuple(t.shape) for path, t in named_leaves(tree).items()}
         if got != want:

@@ -180,7 +180,7 @@ def moe(p, x_TD, cfg, capacity=None):
 
 
 def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
-    """Summed next-token cross-entropy and per-layer (aux, z) lists. Target j of a row
+    """Summed next-token cross-entropy and per-MoE-layer (aux, z) lists. Target j of a row
     counts where ``loss_mask[j]`` and, with segments, ``segments[j] == segments[j+1]``."""
     inputs, targets = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     B, S = inputs.shape
@@ -189,6 +189,9 @@ def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
     aux, z = [], []
     for p in params["layers"]:
         h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg, docs)
+        if "mlp" in p:  # a dense layer
+            h = h + act(rms_norm(h, p["mlp"]["norm"], cfg.norm_eps) @ p["mlp"]["fc1"], cfg) @ p["mlp"]["fc2"]
+            continue
         x = rms_norm(h, p["moe"]["norm"], cfg.norm_eps).reshape(B * S, -1)
         y, _, a, zz = moe(p["moe"], x, cfg)
         h = h + y.reshape(B, S, -1)

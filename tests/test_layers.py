@@ -292,9 +292,12 @@ def test_interleaved_weights_give_same_layer_output():
 
 
 @pytest.mark.parametrize("extra", [{}, dict(kv_heads=1, head_size=4, qk_norm="full", qkv_bias=True,
-                                           tie_embeddings=True, shared_gate=True)], ids=["mha", "hf_features"])
+                                           tie_embeddings=True, shared_gate=True),
+                                   dict(layers=3, dense_layers=(0, 2), dense_ffn=12, glu_interleave=2)],
+                         ids=["mha", "hf_features", "dense_layers"])
 def test_model_loss_matches_reference(extra):
-    cfg = fmoe.ModelConfig(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4, **extra)
+    cfg = fmoe.ModelConfig(**{**dict(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4),
+                              **extra})
     params = ref.random_params(cfg)
     tokens = torch.randint(0, 11, (2, 6))
     leaves, treedef = optree.tree_flatten(params)

@@ -42,6 +42,34 @@ def test_1f1b_and_delayed_wgrad_are_bitwise_the_standard_step(sharding, prefetch
                                    delay_wgrad=delay)), ref)
 
 
+# dense layers first and last, as DeepSeek-V3's first: the 1F1B weave pairs a dense
+# forward with a dense backward, a dense with a MoE and a MoE with a dense one
+DENSE_CFG = CFG.replace(layers=5, dense_layers=(0, 1, 4), dense_ffn=12)
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim_grads_params"])
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_dense_layers_under_1f1b_delayed_wgrad_and_remat_are_bitwise_the_standard_step(sharding, remat):
+    base = fmoe.Plan(model=DENSE_CFG, microbatches=3, sharding=sharding)
+    ref = step(base)
+    for delay in (False, True):
+        assert_same_step(step(base.replace(schedule="1f1b_overlap", delay_wgrad=delay, remat=remat)), ref)
+    if remat == "full":
+        assert_same_step(step(base.replace(remat=remat)), ref)
+
+
+def test_a_dense_layer_is_one_node_run_under_the_other_microbatchs_exchange():
+    p = fmoe.Plan(model=DENSE_CFG, microbatches=2, schedule="1f1b_overlap")
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(p)]
+    assert [op for op in ops if op[0] == 0 and "layers.0" in op[2]] == [
+        (0, "forward", "layers.0.dense"), (0, "backward", "layers.0.dense")]
+    b_moe = ops.index((0, "backward", "layers.3.combine"))  # its all-to-all under f's dense layer 1
+    assert ops[b_moe + 1] == (1, "forward", "layers.1.dense")
+    f_moe = ops.index((1, "forward", "layers.3.dispatch"))  # its all-to-all under b's dense layer 1
+    assert ops[f_moe + 1:f_moe + 3] == [(0, "backward", "layers.1.dense"), (1, "forward", "layers.3.experts")]
+    assert ops[ops.index((1, "forward", "layers.4.dense")) - 1] == (1, "land", "layers.3.combine")
+
+
 def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
     ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))]
     start = ops.index((0, "backward", "layers.1.combine"))

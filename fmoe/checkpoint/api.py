@@ -215,7 +215,8 @@ def _saved_config(saved: dict) -> dict:
     """The saved model config with every field; a field added to ModelConfig after the
     checkpoint was written reads as its default, which is what that checkpoint meant."""
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    return {k: saved.get(k, default) for k, default in defaults.items()}
+    fields = {k: saved.get(k, default) for k, default in defaults.items()}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}  # JSON holds tuples as lists
 
 
 def _config_mismatch(saved: dict, cfg: ModelConfig) -> list[str]:

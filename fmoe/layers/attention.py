@@ -207,12 +207,13 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
 
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
                    kv: KVSlot | None = None, gemms: Gemms = PLAIN):
-    """A layer's first half: ``h += attn(norm(h))``, then the MoE's input norm (``docs``,
-    ``kv``, ``gemms``: see ``attention``).
+    """A layer's first half: ``h += attn(norm(h))``, then the input norm of its MoE (or
+    of its dense MLP) (``docs``, ``kv``, ``gemms``: see ``attention``).
 
     Returns:
         ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
     """
     eps = cfg.norm_eps
     h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs)
-    return h_BSD, rms_norm(h_BSD, p["moe"]["norm"], eps).flatten(0, 1)
+    mlp = p["moe"] if "moe" in p else p["mlp"]
+    return h_BSD, rms_norm(h_BSD, mlp["norm"], eps).flatten(0, 1)

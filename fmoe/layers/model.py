@@ -31,15 +31,15 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
 
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None,
           kv: KVSlot | None = None, gemms: Gemms = PLAIN, docs: Documents | None = None):
-    """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))``, the nodes of
-    ``fmoe.layers.nodes`` in order (``layer_forward``); decoding passes its cache as
-    ``kv``, packed rows their ``docs``.
+    """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))`` (a dense layer:
+    its ``mlp``), the nodes of ``fmoe.layers.nodes`` in order (``layer_forward``);
+    decoding passes its cache as ``kv``, packed rows their ``docs``.
 
     ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert);
     ``gemms`` the products its weights enter (``fmoe.layers.fp8``).
 
     Returns:
-        ``(h_BSD, MoEStats)``.
+        ``(h_BSD, MoEStats)`` (a dense layer: None for the stats).
     """
     return layer_forward(p, h_BSD, cfg, bound_kernels(gemms, bound_backend(backend)), ep, docs, kv=kv, gemms=gemms)
 
@@ -57,7 +57,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         segments_BS: ``[B, S]`` a document id per position (packed documents), or None.
 
     Returns:
-        ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per layer.
+        ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per MoE layer.
     """
     kernels = bound_kernels(gemms, bound_backend(backend))
     h = embed_node(params, tokens_BS)
@@ -65,7 +65,8 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
     stats = []
     for i, p in enumerate(params["layers"]):
         h, s = layer_forward(p, h, cfg, kernels, docs=docs, site=(i, 0))
-        stats.append(s)
+        if s is not None:
+            stats.append(s)
     h = rms_norm(h, params["final_norm"], cfg.norm_eps)
     return gemms.head(h, head_weight(params)), stats
 

@@ -1,9 +1,10 @@
 """A layer's nodes as pure functions, and the one place the MoE layer is composed.
 
-A step is split into nodes: ``embed``, then per layer ``attn`` (norm, attention,
+A step is split into nodes: ``embed``, then per MoE layer ``attn`` (norm, attention,
 residual, the MoE's norm, router, permute, the exchange plan and the shared expert),
 ``dispatch`` (rows to their experts' ranks), ``experts`` (the grouped MLPs) and
-``combine`` (rows back, unpermute and the residual add), then ``head``. ``NODES``
+``combine`` (rows back, unpermute and the residual add), or per dense layer one
+``dense`` node (attention and the MLP, each with its norm and residual), then ``head``. ``NODES``
 names each kind once: what it reads and writes, and whether it computes with its
 member's weights (the exchanges hold none). The schedule's executor runs these
 functions one node at a time under its own autograd boundaries (``fmoe.schedule``);
@@ -40,6 +41,7 @@ class Kind(enum.StrEnum):
     DISPATCH = "dispatch"
     EXPERTS = "experts"
     COMBINE = "combine"
+    DENSE = "dense"
     HEAD = "head"
     LAYER = "layer"
 
@@ -69,11 +71,18 @@ NODES = {spec.kind: spec for spec in (
     NodeSpec(Kind.EXPERTS, ("dispatch.rows", "dispatch.row_probs", "attn.routed"), ("y",)),
     NodeSpec(Kind.COMBINE, ("experts.y", "attn.h", "attn.probs_TK", "attn.shared", "attn.routed"), ("h",),
              weights=False),
+    NodeSpec(Kind.DENSE, ("stream.h",), ("h",)),
     NodeSpec(Kind.HEAD, ("stream.h", "batch.targets"), ("ce_sum",)),
 )}
-"""Every node kind in forward order of a step."""
+"""Every node kind in forward order of a step (a layer runs the four MoE kinds or ``dense``)."""
 
-LAYER_KINDS = (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
+MOE_KINDS = (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
+DENSE_KINDS = (Kind.DENSE,)
+
+
+def layer_kinds(cfg: ModelConfig, layer: int) -> tuple[Kind, ...]:
+    """Layer ``layer``'s node kinds in forward order."""
+    return DENSE_KINDS if cfg.is_dense(layer) else MOE_KINDS
 
 
 def at_any_site(fn: Callable) -> Callable:
@@ -101,8 +110,8 @@ class Kernels(NamedTuple):
             ``head_loss_sum`` (``site = ("head", microbatch)``).
         dispatch: ``(site, indices_TK, experts, pad_multiple, capacity) -> Dispatch``, as
             ``make_dispatch`` (index arithmetic only: no weights, no gradient).
-        shared: ``(site, p_shared, x_TD, cfg) -> y_TD``, as ``dense_mlp`` (the shared
-            expert).
+        shared: ``(site, p_mlp, x_TD, cfg) -> y_TD``, as ``dense_mlp`` (the shared
+            expert, and a dense layer's MLP).
 
     ``bound_kernels`` (eager) and ``fmoe.schedule.kernels_for`` bind a plan's products
     (``Plan.fp8``: ``fmoe.layers.fp8``) and expert backend in.
@@ -186,6 +195,12 @@ def attn_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kerne
     return Attended(outputs, routed, stats)
 
 
+def dense_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
+               docs: Documents | None = None) -> torch.Tensor:
+    """A dense layer (``p``: its subtree): ``h += attn(norm(h))``, ``h += mlp(norm(h))``."""
+    return layer_forward(p, h_BSD, cfg, kernels, docs=docs, site=site)[0]
+
+
 def experts_node(p_moe: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
                  cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
                  deferred: DeferredWgrad | None = None) -> torch.Tensor:
@@ -250,14 +265,17 @@ def layer_forward(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kernels: Kerne
                   ep: ExpertParallel | None = None, docs: Documents | None = None, site: tuple = (0, 0),
                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
     """One layer (``p``: its subtree) under plain autograd: ``kernels.attn``, or with a
-    decoding cache ``kv`` the attention with ``gemms``' products, then ``moe_forward``.
+    decoding cache ``kv`` the attention with ``gemms``' products, then ``moe_forward``
+    (a dense layer: its MLP, ``kernels.shared``).
 
     Returns:
-        ``(h_BSD, MoEStats)``.
+        ``(h_BSD, MoEStats)``; a dense layer's stats are None.
     """
     if kv is None:
         h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
     else:
         h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, kv, gemms)
+    if "mlp" in p:
+        return h_BSD + kernels.shared(site, p["mlp"], x_TD, cfg).view_as(h_BSD), None
     y_TD, stats = moe_forward(p["moe"], x_TD, cfg, kernels, ep, site)
     return h_BSD + y_TD.view_as(h_BSD), stats

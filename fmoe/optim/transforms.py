@@ -334,14 +334,20 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> S
     return schedule
 
 
-def _check_expert_counts(params: dict, expert_counts) -> None:
-    """``expert_counts`` must be ``[layers, E]`` numbers for these params' layers."""
+def _moe_layers(params: dict) -> list[dict]:
+    """The MoE layers of a params pytree (dense ones, holding ``mlp``, left out)."""
     layers = params.get("layers") if isinstance(params, dict) else None
     if not isinstance(layers, (list, tuple)) or not all(
-            isinstance(layer, dict) and isinstance(layer.get("moe"), dict) and "expert_bias" in layer["moe"]
-            for layer in layers):
+            isinstance(layer, dict) and (isinstance(layer.get("moe"), dict) and "expert_bias" in layer["moe"]
+                                         or "mlp" in layer) for layer in layers):
         raise ValueError("update_expert_bias params must be a params pytree whose 'layers' each hold "
-                         "'moe' -> 'expert_bias'")
+                         "'moe' -> 'expert_bias' (or, a dense layer, 'mlp')")
+    return [layer for layer in layers if "moe" in layer]
+
+
+def _check_expert_counts(params: dict, expert_counts) -> None:
+    """``expert_counts`` must be ``[MoE layers, E]`` numbers for these params' MoE layers."""
+    layers = _moe_layers(params)
     experts = layers[0]["moe"]["expert_bias"].shape[-1] if layers else 0
     if not isinstance(expert_counts, torch.Tensor):
         raise ValueError(f"update_expert_bias expert_counts must be a tensor [layers={len(layers)}, "
@@ -362,7 +368,8 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
 
     Arguments:
         params: the parameter pytree.
-        expert_counts: ``[layers, E]`` tokens per expert (``out.metrics["expert_counts"]``).
+        expert_counts: ``[MoE layers, E]`` tokens per expert (``out.metrics["expert_counts"]``;
+            a row per MoE layer in order, dense layers have none).
         rate: step size (``ModelConfig.expert_bias_rate``).
         donate: False (default): pure, the new biases are new tensors. True: as
             ``adamw(donate=True)``, the new biases are written into the ``expert_bias``
@@ -383,8 +390,12 @@ def update_expert_bias(params: dict, expert_counts: torch.Tensor, rate: float, d
     _check_expert_counts(params, expert_counts)
     counts = expert_counts.float()
     delta = rate * torch.sign(counts.mean(-1, keepdim=True) - counts)
-    layers = []
-    for layer, d in zip(params["layers"], delta):
+    layers, deltas = [], iter(delta)
+    for layer in params["layers"]:
+        if "moe" not in layer:  # a dense layer
+            layers.append(layer)
+            continue
+        d = next(deltas)
         bias = layer["moe"]["expert_bias"]  # [E], or a row shard [0 or 1, E]
         new = bias + d.to(bias).expand_as(bias)
         if applied is not None:

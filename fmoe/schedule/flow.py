@@ -1,7 +1,8 @@
 """What moves between a program's actions: one typed record per microbatch.
 
 A ``MicrobatchFlow`` holds the microbatch's rows, the residual stream ``h`` between
-nodes (``embed`` and each ``Land`` leave it, the next ``attn`` or ``head`` takes it)
+nodes (``embed``, each ``Land`` and each ``dense`` leave it, the next ``attn``, ``dense`` or
+``head`` takes it)
 and its gradient on the way back, and per layer a ``LayerFlow``: what its nodes hand
 each other forward (``attended`` -> ``sent`` -> ``y`` -> ``landing``), the autograd
 ``Tape`` of each node until its backward, and the gradients of each node's outputs
@@ -61,10 +62,11 @@ class Tape:
 @dataclass
 class Kept:
     """``Plan.remat='full'``: what a layer's forward keeps for its ``Recompute`` (its input
-    and routing; under expert parallelism the rows that crossed ranks, both ways)."""
+    and a MoE layer's routing; under expert parallelism the rows that crossed ranks,
+    both ways)."""
 
     h: torch.Tensor
-    routed: Routed
+    routed: Routed | None
     rows: torch.Tensor | None = None
     row_probs: torch.Tensor | None = None
     y: torch.Tensor | None = None
@@ -114,7 +116,7 @@ class MicrobatchFlow:
         batch: its rows; ``docs``: their packed Documents (worked out once, read by
             every layer), or None.
         stream: the residual stream forward; ``grad_h``: its gradient backward (left by
-            ``head`` and each ``attn``, taken by the ``combine`` or ``embed`` before them).
+            ``head``, each ``attn`` and each ``dense``, taken by the node before them).
         layers: a LayerFlow per layer; ``tapes``: the ``embed`` and ``head`` Tapes.
     """
 

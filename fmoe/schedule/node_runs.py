@@ -21,7 +21,8 @@ import torch
 
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
-from ..layers.nodes import (NODES, Kernels, Kind, NodeSpec, attn_node, combine_node, embed_node, experts_node)
+from ..layers.nodes import (NODES, Kernels, Kind, NodeSpec, attn_node, combine_node, dense_node, embed_node,
+                            experts_node)
 from ..layers.router import router_share
 from ..params import ParamTable
 from ..shard import lifecycle as lc
@@ -311,15 +312,44 @@ def _combine_backward(run: Run, state, node: Node, mb: int, unit: None):
     return state
 
 
+def _dense_forward(run: Run, mb: int, node: Node, weights: dict):
+    mbf = run.mbs[mb]
+    h = _take_stream(run, mb, node)
+    out = dense_node(run.layer_tree(weights), h, run.cfg, (node.layer, mb), run.kernels, mbf.docs)
+    layer = mbf.layers[node.layer]
+    if run.remat:  # kept: the input; the recompute makes the rest again
+        layer.kept, out = Kept(h.detach(), None), out.detach()
+    else:
+        run.save(layer.tapes, Kind.DENSE, Tape({"h": h}, {"h": out}, weights))
+    mbf.stream = Stream(node, out)
+
+
+def _dense_backward(run: Run, state, node: Node, mb: int, unit: str):
+    mbf = run.mbs[mb]
+    tape = take_tape(mbf.layers[node.layer].tapes, Kind.DENSE, f"backward {node} (microbatch {mb})")
+    state, got = _backprop(run, state, unit, tape, _take_grad_h(mbf))
+    mbf.grad_h = got["h"]
+    return state
+
+
+def _recompute_dense(run: Run, node: Node, mb: int, kept: Kept, weights: Callable) -> None:
+    dense = node.sibling(Kind.DENSE)
+    w, h = weights(dense), leaf(kept.h, True)
+    out = dense_node(run.layer_tree(w), h, run.cfg, (node.layer, mb), run.kernels, run.mbs[mb].docs)
+    run.save(run.mbs[mb].layers[node.layer].tapes, Kind.DENSE, Tape({"h": h}, {"h": out}, w))
+
+
 def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable):
-    """``Plan.remat='full'``: re-run layer ``node``'s attn, experts and combine from what
-    its forward kept, under autograd this time, leaving the Tapes its backward actions
+    """``Plan.remat='full'``: re-run layer ``node``'s attn, experts and combine (a dense
+    layer: its ``dense`` node) from what its forward kept, under autograd this time, leaving the Tapes its backward actions
     read. The routing comes from the forward, and under expert parallelism so do the
     rows that crossed ranks: nothing is exchanged or read on the host again. Same
     inputs, same kernels: the same values as the forward, bit for bit.
     ``weights(node)``: the leaves a node of the layer computes with."""
     layer = run.mbs[mb].layers[node.layer]
     kept = take(layer, "kept", f"recompute {node} (microbatch {mb})")
+    if run.cfg.is_dense(node.layer):
+        return _recompute_dense(run, node, mb, kept, weights)
     routed = kept.routed
     attn, experts = node.sibling(Kind.ATTN), node.sibling(Kind.EXPERTS)
     h = leaf(kept.h, True)
@@ -358,6 +388,7 @@ RULES = {rule.spec.kind: rule for rule in (
     NodeRule(NODES[Kind.DISPATCH], _dispatch_forward, _dispatch_backward),
     NodeRule(NODES[Kind.EXPERTS], _experts_forward, _experts_backward),
     NodeRule(NODES[Kind.COMBINE], _combine_forward, _combine_backward),
+    NodeRule(NODES[Kind.DENSE], _dense_forward, _dense_backward),
     NodeRule(NODES[Kind.HEAD], _head_forward, _head_backward),
 )}
 """Each node kind's forward and backward, by Kind."""

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..config import Plan
-from ..layers.nodes import LAYER_KINDS, Kind
+from ..config import ModelConfig, Plan
+from ..layers.nodes import Kind, layer_kinds
 from ..shard.spec import ShardSpec
 from .actions import Action, Backward, Forward, Gather, Land, Recompute, Reduce, Release, Wait, Wgrad, Node
 
 EMBED, HEAD = Node(Kind.EMBED), Node(Kind.HEAD)
 
 
-def layer_nodes(layer: int) -> tuple[Node, ...]:
-    """A layer's nodes in forward order."""
-    return tuple(Node(kind, layer) for kind in LAYER_KINDS)
+def layer_nodes(cfg: ModelConfig, layer: int) -> tuple[Node, ...]:
+    """A layer's nodes in forward order: ``attn``, ``dispatch``, ``experts``,
+    ``combine``, or a dense layer's ``dense``."""
+    return tuple(Node(kind, layer) for kind in layer_kinds(cfg, layer))
 
 
 class Use(NamedTuple):
@@ -34,29 +35,34 @@ class Use(NamedTuple):
         return self.run(self.node, self.mb, self.unit) if self.run is not Land else Land(self.node, self.mb)
 
 
-def _layer_backward(i: int, delay_wgrad: bool, remat: bool) -> list:
-    attn, dispatch, experts, combine = layer_nodes(i)
+def _layer_backward(cfg: ModelConfig, i: int, delay_wgrad: bool, remat: bool) -> list:
     ops = [(Recompute, Node(Kind.LAYER, i))] if remat else []
+    if cfg.is_dense(i):
+        return ops + [(Backward, Node(Kind.DENSE, i))]
+    attn, dispatch, experts, combine = layer_nodes(cfg, i)
     ops += [(Backward, combine), (Backward, experts), (Backward, dispatch)]
     if delay_wgrad:  # under the dispatch's backward all-to-all
         ops.append((Wgrad, experts))
     return ops + [(Backward, attn)]
 
 
-def _forward(layers: int) -> list:
-    return [(Forward, EMBED)] + [(Forward, n) for i in range(layers) for n in layer_nodes(i)] + [(Forward, HEAD)]
+def _forward(cfg: ModelConfig) -> list:
+    layers = [(Forward, n) for i in range(cfg.layers) for n in layer_nodes(cfg, i)]
+    return [(Forward, EMBED)] + layers + [(Forward, HEAD)]
 
 
-def _backward(layers: int, delay_wgrad: bool, remat: bool) -> list:
-    ops = [op for i in reversed(range(layers)) for op in _layer_backward(i, delay_wgrad, remat)]
+def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> list:
+    ops = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(cfg, i, delay_wgrad, remat)]
     return [(Backward, HEAD)] + ops + [(Backward, EMBED)]
 
 
-def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
+def _overlapped_layers(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
     """Forward of one layer (microbatch f) woven into the backward of another (b):
     each all-to-all is issued right before compute of the other microbatch."""
-    f_attn, f_dispatch, f_experts, f_combine = layer_nodes(fwd_layer)
-    b_attn, b_dispatch, b_experts, b_combine = layer_nodes(bwd_layer)
+    if cfg.is_dense(fwd_layer) or cfg.is_dense(bwd_layer):
+        return _overlapped_with_dense(cfg, fwd_layer, bwd_layer, delay_wgrad, remat)
+    f_attn, f_dispatch, f_experts, f_combine = layer_nodes(cfg, fwd_layer)
+    b_attn, b_dispatch, b_experts, b_combine = layer_nodes(cfg, bwd_layer)
     if remat:  # f's attention first, as without remat, so units are held and gathered alike
         ops = [("f", Forward, f_attn),
                ("f", Forward, f_dispatch),                      # runs under ...
@@ -78,13 +84,25 @@ def _overlapped_layers(fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat:
                   ("b", Backward, b_attn)]     # ... attention's backward of b
 
 
+def _overlapped_with_dense(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, delay_wgrad: bool,
+                           remat: bool) -> list:
+    """``_overlapped_layers`` where one layer (or both) is dense: a dense layer has no
+    exchange, so its whole node runs under the other layer's first all-to-all."""
+    forward = [("f", Forward, node) for node in layer_nodes(cfg, fwd_layer)]
+    backward = [("b", run, node) for run, node in _layer_backward(cfg, bwd_layer, delay_wgrad, remat)]
+    if cfg.is_dense(fwd_layer):  # under b's combine backward (after its recompute)
+        split = 2 if remat and not cfg.is_dense(bwd_layer) else 1
+        return backward[:split] + forward + backward[split:]
+    return forward[:2] + backward + forward[2:]  # b's dense layer under f's dispatch
+
+
 def _with_landings(ops: list) -> list:
     """``ops`` with each forward ``combine``'s ``Land`` right before the node that reads
     its output (the next layer's ``attn``, or the ``head``, of that microbatch): what
     the schedule runs between the two overlaps the combine's all-to-all."""
     out, pending = [], {}
     for mb, run, node in ops:
-        if run is Forward and node.kind in (Kind.ATTN, Kind.HEAD) and mb in pending:
+        if run is Forward and node.kind in (Kind.ATTN, Kind.DENSE, Kind.HEAD) and mb in pending:
             out.append((mb, Land, pending.pop(mb)))
         out.append((mb, run, node))
         if run is Forward and node.kind == Kind.COMBINE:
@@ -107,20 +125,21 @@ def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, type, Node]]
 
 
 def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
-    L, M, delay, remat = plan.model.layers, plan.microbatches, plan.delay_wgrad, plan.remat == "full"
+    cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat == "full"
+    L = cfg.layers
     if not train:
-        return [(mb, run, node) for mb in range(M) for run, node in _forward(L)]
+        return [(mb, run, node) for mb in range(M) for run, node in _forward(cfg)]
     if plan.schedule == "standard" or M == 1:
-        return [(mb, run, node) for mb in range(M) for run, node in _forward(L) + _backward(L, delay, remat)]
-    ops = [(0, run, node) for run, node in _forward(L)]
+        return [(mb, run, node) for mb in range(M) for run, node in _forward(cfg) + _backward(cfg, delay, remat)]
+    ops = [(0, run, node) for run, node in _forward(cfg)]
     for f in range(1, M):
         b = f - 1
         ops += [(f, Forward, EMBED), (b, Backward, HEAD)]
         for j in range(L):
             ops += [(f if who == "f" else b, run, node)
-                    for who, run, node in _overlapped_layers(j, L - 1 - j, delay, remat)]
+                    for who, run, node in _overlapped_layers(cfg, j, L - 1 - j, delay, remat)]
         ops += [(f, Forward, HEAD), (b, Backward, EMBED)]
-    return ops + [(M - 1, run, node) for run, node in _backward(L, delay, remat)]
+    return ops + [(M - 1, run, node) for run, node in _backward(cfg, delay, remat)]
 
 
 def node_uses(plan: Plan, spec: ShardSpec, train: bool = True) -> list[Use]:

@@ -1,4 +1,5 @@
-"""The Hugging Face families' attention and embedding features under sharding, EP and 1F1B."""
+"""The Hugging Face families' attention and embedding features, and dense layers, under
+sharding, EP, 1F1B, delayed wgrad and remat."""
 
 import optree
 import pytest
@@ -7,17 +8,26 @@ import torch
 import fmoe
 
 from .harness import run_ranks
-from .workloads import HF_CFG, HF_PLANS, global_batch, hf_feature_plans, hf_sharded_round_trip, train
+from .workloads import FEATURES, feature_plans, global_batch, hf_sharded_round_trip, train
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(2, hf_feature_plans), train(fmoe.Plan(model=HF_CFG, microbatches=2), global_batch())
+    """Per feature, run once for the module: every rank's results and the single process's."""
+    done = {}
+
+    def of(feature):
+        if feature not in done:
+            cfg, _ = FEATURES[feature]
+            done[feature] = run_ranks(2, feature_plans, feature), \
+                train(fmoe.Plan(model=cfg, microbatches=2), global_batch())
+        return done[feature]
+    return of
 
 
-@pytest.mark.parametrize("name", HF_PLANS)
-def test_two_ranks_match_one_process(runs, name):
-    ranks, single = runs
+@pytest.mark.parametrize("feature,name", [(f, name) for f, (_, plans) in FEATURES.items() for name in plans])
+def test_two_ranks_match_one_process(runs, feature, name):
+    ranks, single = runs(feature)
     for res in ranks:
         got = res[name]
         torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-5, atol=1e-6)
@@ -25,7 +35,10 @@ def test_two_ranks_match_one_process(runs, name):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(single["params"])):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
-    assert "head" not in single["params"] and single["grads"]["embed"].abs().sum() > 0
+    if feature == "hf":
+        assert "head" not in single["params"] and single["grads"]["embed"].abs().sum() > 0
+    else:
+        assert single["grads"]["layers"][0]["mlp"]["fc1"].abs().sum() > 0
 
 
 def test_hugging_face_checkpoint_loads_into_shards_and_saves_back(tmp_path):

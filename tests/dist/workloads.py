@@ -356,13 +356,26 @@ HF_PLANS = {
 }
 
 
-def hf_feature_plans(rank, world):
-    """Each of HF_PLANS at ``world`` ranks (``ep=0``: all of them expert-parallel)."""
+# a dense first layer, as DeepSeek-V3's and GLM-4.5's: with three layers the 1F1B weave
+# pairs the dense layer with a MoE one both ways
+DENSE_CFG = CFG.replace(layers=3, dense_layers=(0,), dense_ffn=24)
+DENSE_PLANS = {
+    "zero3_ep_1f1b_delay_remat": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True,
+                                      remat="full", ep=0),
+    "zero2_dp_1f1b": dict(sharding="optim_grads", schedule="1f1b_overlap"),
+}
+FEATURES = {"hf": (HF_CFG, HF_PLANS), "dense": (DENSE_CFG, DENSE_PLANS)}
+
+
+def feature_plans(rank, world, feature):
+    """Each plan of ``FEATURES[feature]`` at ``world`` ranks (``ep=0``: all of them
+    expert-parallel)."""
+    cfg, plans = FEATURES[feature]
     tokens = rank_rows(global_batch(), rank, world)
     out = {}
-    for name, kw in HF_PLANS.items():
+    for name, kw in plans.items():
         ep = world if kw.get("ep") == 0 else 1
-        plan = fmoe.Plan(model=HF_CFG, microbatches=2, **dict(kw, ep=ep, dp=world // ep))
+        plan = fmoe.Plan(model=cfg, microbatches=2, **dict(kw, ep=ep, dp=world // ep))
         out[name] = train(plan, tokens)
     return out
 
