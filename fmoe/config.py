@@ -134,6 +134,17 @@ class ModelConfig:
             stays MoE. A list is taken as the sorted tuple.
         dense_ffn: hidden width of the dense layers' MLP (with ``activation``); > 0 exactly
             when ``dense_layers`` names a layer.
+        expert_groups, topk_groups: group-limited selection (as DeepSeek-V3 / GLM-4.5's
+            ``n_group`` / ``topk_group``): the experts form ``expert_groups`` equal groups,
+            each scored by the sum of its 2 best selection scores, and a token picks its
+            ``topk`` experts inside its ``topk_groups`` best groups only (``experts``
+            divisible by ``expert_groups``, at least 2 experts a group, ``topk`` at most
+            the experts of the kept groups). ``1, 1``: no groups.
+        routed_scaling: factor on the top-k probabilities, after ``norm_topk_prob``'s
+            renormalisation (``routed_scaling_factor``).
+        rope_fraction: share of each q/k head's features that RoPE rotates (the first
+            ``rope_dims = int(head_dim * rope_fraction)``, which must be even; the rest
+            pass unchanged), in ``(0, 1]`` (``partial_rotary_factor``).
     """
 
     vocab: int = 256
@@ -168,6 +179,10 @@ class ModelConfig:
     shared_gate: bool = False
     dense_layers: tuple = ()
     dense_ffn: int = 0
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    rope_fraction: float = 1.0
 
     def __post_init__(self):
         own = "ModelConfig"
@@ -179,11 +194,13 @@ class ModelConfig:
         check_int(f"{own}.glu_interleave", self.glu_interleave, 0, builtin=True)
         check_int(f"{own}.kv_heads", self.kv_heads, 0, builtin=True)
         check_int(f"{own}.head_size", self.head_size, 0, builtin=True)
+        check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
+        check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
         _check_choices(self, own)
         for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases"):
             check_bool(f"{own}.{name}", getattr(self, name))
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
-        for name in ("rope_theta", "norm_eps", "init_std"):
+        for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):
             check_positive(f"{own}.{name}", getattr(self, name))
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
             check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
@@ -196,6 +213,8 @@ class ModelConfig:
         if self.head_dim % 2:
             what = "head_size" if self.head_size else "heads"
             fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
+        self._check_groups()
+        self._check_rope_fraction()
         if self.kv_heads and self.heads % self.kv_heads:
             fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
         _check_dense_layers(self, own)
@@ -221,6 +240,29 @@ class ModelConfig:
         ``expert_counts`` have a row for)."""
         return tuple(i for i in range(self.layers) if i not in self.dense_layers)
 
+    def _check_groups(self) -> None:
+        own, groups = "ModelConfig", self.expert_groups
+        if self.experts % groups:
+            fail(f"{own}.expert_groups", groups, f"must divide experts ({self.experts})")
+        if self.topk_groups > groups:
+            fail(f"{own}.topk_groups", self.topk_groups, f"must be <= expert_groups ({groups})")
+        if groups == 1:
+            return
+        per_group = self.experts // groups
+        if per_group < 2:  # a group's score is the sum of its 2 best experts'
+            fail(f"{own}.expert_groups", groups, f"must leave at least 2 experts a group (experts={self.experts})")
+        if self.topk > self.topk_groups * per_group:
+            fail(f"{own}.topk_groups", self.topk_groups,
+                 f"keeps {self.topk_groups * per_group} experts ({per_group} a group), fewer than topk ({self.topk})")
+
+    def _check_rope_fraction(self) -> None:
+        own = "ModelConfig.rope_fraction"
+        if self.rope_fraction > 1:
+            fail(own, self.rope_fraction, "must be in (0, 1]")
+        if self.rope_dims == 0 or self.rope_dims % 2:
+            fail(own, self.rope_fraction, f"must give an even, nonzero rope_dims = int(head_dim * rope_fraction) "
+                                          f"(head_dim {self.head_dim}: {self.rope_dims})")
+
     @property
     def is_glu(self) -> bool:
         return self.activation in GLU_ACTIVATIONS
@@ -229,6 +271,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Features per attention head: ``head_size``, or ``dim / heads`` when it is 0."""
         return self.head_size or self.dim // self.heads
+
+    @property
+    def rope_dims(self) -> int:
+        """Features of each q/k head that RoPE rotates: ``int(head_dim * rope_fraction)``."""
+        return int(self.head_dim * self.rope_fraction)
 
     @property
     def num_kv_heads(self) -> int:

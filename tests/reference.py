@@ -35,16 +35,18 @@ def rms_norm(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x_SHd, theta, positions=None):
-    """Rotate pairs (i, i + d/2) at position s by s * theta^(-2i/d), one position at a time
-    (``positions``: each row's own position instead of its index)."""
+def rope(x_SHd, theta, positions=None, dims=None):
+    """Rotate pairs (i, i + r/2) at position s by s * theta^(-2i/r), one position at a time
+    (``positions``: each row's own position instead of its index; ``dims``: r, the
+    features rotated, all d by default; the rest are copied)."""
     S, H, d = x_SHd.shape
-    out = torch.empty_like(x_SHd)
-    half = d // 2
+    r = dims or d
+    out = x_SHd.clone()
+    half = r // 2
     for s in range(S):
         pos = s if positions is None else int(positions[s])
         for i in range(half):
-            ang = pos * theta ** (-2.0 * i / d)
+            ang = pos * theta ** (-2.0 * i / r)
             c, sn = math.cos(ang), math.sin(ang)
             a, b = x_SHd[s, :, i], x_SHd[s, :, i + half]
             out[s, :, i] = a * c - b * sn
@@ -81,7 +83,7 @@ def attention(p, x_BSD, cfg, docs_BS=None):
         if cfg.qk_norm == "head":
             q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
         positions = None if docs_BS is None else document_positions(docs_BS[b].tolist())
-        q, k = rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions)
+        q, k = (rope(t, cfg.rope_theta, positions, cfg.rope_dims) for t in (q, k))
         o = torch.empty(S, H, d, dtype=x_BSD.dtype)
         for h in range(H):
             kv = h // (H // KV)
@@ -127,11 +129,20 @@ def route_token(p, x_D, cfg):
     else:
         scores = 1 / (1 + torch.exp(-logits))
     sel = (scores + p["expert_bias"]).tolist()
-    chosen = sorted(range(cfg.experts), key=lambda i: -sel[i])[: cfg.topk]
+    chosen = sorted(allowed_experts(sel, cfg), key=lambda i: -sel[i])[: cfg.topk]
     probs = torch.stack([scores[i] for i in chosen])
     if cfg.norm_topk_prob:
         probs = probs / probs.sum()
-    return chosen, probs, scores
+    return chosen, probs * cfg.routed_scaling, scores
+
+
+def allowed_experts(sel, cfg):
+    """The experts of the ``topk_groups`` groups whose two best selection scores sum highest."""
+    size = cfg.experts // cfg.expert_groups
+    groups = [list(range(g * size, (g + 1) * size)) for g in range(cfg.expert_groups)]
+    score = [sum(sorted((sel[i] for i in group), reverse=True)[:2]) for group in groups]
+    best = sorted(range(cfg.expert_groups), key=lambda g: -score[g])[: cfg.topk_groups]
+    return [i for g in best for i in groups[g]]
 
 
 def moe(p, x_TD, cfg, capacity=None):

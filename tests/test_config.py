@@ -21,6 +21,18 @@ BAD_MODELS = [
     (dict(aux_loss_coef=-1.0), "aux_loss_coef", ">= 0"),
     (dict(glu_limit=0.0), "glu_limit", "> 0"),
     (dict(norm_topk_prob=1), "norm_topk_prob", "True or False"),
+    (dict(expert_groups=3, experts=8), "expert_groups", "divide experts (8)"),
+    (dict(expert_groups=0), "expert_groups", ">= 1"),
+    (dict(expert_groups=8, experts=8), "expert_groups", "at least 2 experts a group"),
+    (dict(topk_groups=2), "topk_groups", "<= expert_groups (1)"),
+    (dict(topk_groups=0), "topk_groups", ">= 1"),
+    (dict(expert_groups=4, topk_groups=1, topk=3, experts=8), "topk_groups", "fewer than topk (3)"),
+    (dict(routed_scaling=0.0), "routed_scaling", "> 0"),
+    (dict(routed_scaling=-1.0), "routed_scaling", "> 0"),
+    (dict(rope_fraction=0.0), "rope_fraction", "> 0"),
+    (dict(rope_fraction=1.5), "rope_fraction", "(0, 1]"),
+    (dict(rope_fraction=0.3, dim=40, heads=4), "rope_fraction", "even, nonzero rope_dims"),
+    (dict(rope_fraction=0.1, dim=32, heads=4), "rope_fraction", "even, nonzero rope_dims"),
 ]
 
 

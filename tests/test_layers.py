@@ -56,6 +56,7 @@ ATTENTION_VARIANTS = {
     "mqa_head_size": dict(heads=4, kv_heads=1, head_size=6),
     "qk_norm_per_head": dict(heads=4, kv_heads=2, qk_norm="head"),
     "qk_norm_full_bias": dict(heads=2, qk_norm="full", qkv_bias=True, head_size=10),
+    "partial_rope": dict(heads=4, kv_heads=2, head_size=12, rope_fraction=0.5),
 }
 
 
@@ -293,8 +294,10 @@ def test_interleaved_weights_give_same_layer_output():
 
 @pytest.mark.parametrize("extra", [{}, dict(kv_heads=1, head_size=4, qk_norm="full", qkv_bias=True,
                                            tie_embeddings=True, shared_gate=True),
-                                   dict(layers=3, dense_layers=(0, 2), dense_ffn=12, glu_interleave=2)],
-                         ids=["mha", "hf_features", "dense_layers"])
+                                   dict(layers=3, dense_layers=(0, 2), dense_ffn=12, glu_interleave=2),
+                                   dict(score_func="sigmoid", expert_groups=2, topk_groups=1, routed_scaling=2.5,
+                                        rope_fraction=0.5)],
+                         ids=["mha", "hf_features", "dense_layers", "glm_routing_partial_rope"])
 def test_model_loss_matches_reference(extra):
     cfg = fmoe.ModelConfig(**{**dict(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4),
                               **extra})

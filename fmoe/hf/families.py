@@ -118,7 +118,10 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     the ModelConfig field that none of them has)."""
     for name, value, ok in (("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
                             ("score_func", cfg.score_func, cfg.score_func == "softmax"),
-                            ("expert_biases", cfg.expert_biases, not cfg.expert_biases)):
+                            ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
+                            ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
+                            ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
+                            ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0)):
         if not ok:
             _fail(where, f"ModelConfig.{name}", value, "the Hugging Face MoE families have no such variant")
     if cfg.shared_ffn and not cfg.shared_gate:

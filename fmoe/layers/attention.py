@@ -28,7 +28,9 @@ from .precision import upcast
 def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int = 0,
                 positions_BS: torch.Tensor | None = None):
     """``cos, sin`` of shape ``[S, head_dim / 2]`` in fp64 for positions ``start..start+S-1``;
-    with ``positions_BS`` (packed documents), ``[B, 1, S, head_dim / 2]`` for those positions."""
+    with ``positions_BS`` (packed documents), ``[B, 1, S, head_dim / 2]`` for those positions.
+    ``head_dim``: the features rotated (``ModelConfig.rope_dims``, fewer than a head's
+    under partial RoPE), which set the frequencies ``theta ** (-2i / head_dim)``."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     if positions_BS is not None:
         angles = positions_BS.to(torch.float64)[:, None, :, None] * inv_freq
@@ -90,10 +92,20 @@ def _compiled_flex():
 
 
 def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    """Rotate feature pairs ``(i, i + d/2)`` by the position's angle (the "rotate-half" form),
-    in fp32 whatever x's dtype (on CUDA with Triton: one fused kernel, the same math)."""
+    """Rotate feature pairs ``(i, i + r/2)`` by the position's angle (the "rotate-half" form),
+    in fp32 whatever x's dtype (on CUDA with Triton: one fused kernel, the same math).
+    ``r = 2h`` (``h``: the tables' width) is ``d`` or, partial RoPE, fewer: the features
+    from ``r`` on pass unchanged."""
+    d, r = x_BHSd.shape[-1], 2 * cos_Sh.shape[-1]
+    if r < d:  # the torch form on the rotated slice: the fused kernel is for whole heads
+        x_BHSr, rest_BHSp = x_BHSd.split([r, d - r], dim=-1)
+        return torch.cat([_rotate_half(x_BHSr, cos_Sh, sin_Sh), rest_BHSp], dim=-1)
     if cos_Sh.dim() == 2 and triton_kernels.rope_fusable(x_BHSd):
         return triton_kernels.rope_BHSd(x_BHSd, cos_Sh, sin_Sh)
+    return _rotate_half(x_BHSd, cos_Sh, sin_Sh)
+
+
+def _rotate_half(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
     x1, x2 = upcast(x_BHSd).chunk(2, dim=-1)
     cos_Sh, sin_Sh = cos_Sh.to(x1.dtype), sin_Sh.to(x1.dtype)
     out = torch.cat([x1 * cos_Sh - x2 * sin_Sh, x2 * cos_Sh + x1 * sin_Sh], dim=-1)
@@ -113,7 +125,8 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
         positions_BS: each token's own position (packed documents), instead of ``start..``.
 
     Returns:
-        ``(q_BHSd, k_BKSd, v_BKSd)``: RoPE applied to q and k; ``K = num_kv_heads``.
+        ``(q_BHSd, k_BKSd, v_BKSd)``: RoPE applied to q and k (to their first
+        ``cfg.rope_dims`` features); ``K = num_kv_heads``.
     """
     qkv_BSN = gemms.linear(x_BSD, p["qkv"])  # N = Q + 2K columns: [q | k | v]
     if "qkv_bias" in p:
@@ -128,7 +141,7 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
         # fuses the norm with the split and transpose (2% faster at the qwen3 shape)
         q_BSHd, k_BSKd = rms_norm(q_BSHd, p["q_norm"], cfg.norm_eps), rms_norm(k_BSKd, p["k_norm"], cfg.norm_eps)
     q_BHSd, k_BKSd, v_BKSd = (rearrange(t, "b s h d -> b h s d") for t in (q_BSHd, k_BSKd, v_BSKd))
-    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], cfg.head_dim, cfg.rope_theta, x_BSD.device, start, positions_BS)
+    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], cfg.rope_dims, cfg.rope_theta, x_BSD.device, start, positions_BS)
     return apply_rope(q_BHSd, cos_Sh, sin_Sh), apply_rope(k_BKSd, cos_Sh, sin_Sh), v_BKSd
 
 

@@ -37,12 +37,39 @@ def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+def limit_to_groups(selection_TE: torch.Tensor, groups: int, kept_groups: int) -> torch.Tensor:
+    """Selection scores with every expert outside each token's ``kept_groups`` best
+    groups set to ``-inf``, so that the top-k cannot pick it (DeepSeek-V3's group-limited
+    routing).
+
+    Arguments:
+        selection_TE: ``[T, E]`` selection scores (``E`` divisible by ``groups``, at least
+            2 experts a group).
+        groups: equal groups of consecutive experts.
+        kept_groups: groups each token keeps.
+
+    Returns:
+        ``[T, E]``: the kept groups' scores unchanged, the others ``-inf``.
+    """
+    T, E = selection_TE.shape
+    selection_TGe = selection_TE.view(T, groups, E // groups)
+    # DeepSeek-V3's rule: the sum of a group's 2 best, so one outlier expert alone does
+    # not carry its group
+    group_scores_TG = selection_TGe.topk(2, dim=-1).values.sum(-1)
+    kept_TG = group_scores_TG.topk(kept_groups, dim=-1).indices
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_TG, True)
+    return selection_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view(T, E)
+
+
 def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     """Route normalised tokens to ``cfg.topk`` experts.
 
     Scores are ``softmax`` or ``sigmoid`` of fp32 logits. The expert bias is added to
     the scores for *selection only*: it never weights an output and gets no gradient
-    (it is updated from counts by ``fmoe.update_expert_bias``).
+    (it is updated from counts by ``fmoe.update_expert_bias``). With ``expert_groups >
+    1`` a token selects only inside its ``topk_groups`` best groups (``limit_to_groups``).
+    The chosen experts' scores, renormalised if ``norm_topk_prob``, times
+    ``routed_scaling``, are the probabilities.
 
     Arguments:
         p: one layer's ``moe`` subtree (``router [D, E]``, ``expert_bias [E]``).
@@ -56,10 +83,14 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     logits_TE = upcast(x_TD) @ upcast(p["router"])
     scores_TE = logits_TE.softmax(-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
     selection_TE = scores_TE.detach() + upcast(p["expert_bias"].detach())
+    if cfg.expert_groups > 1:
+        selection_TE = limit_to_groups(selection_TE, cfg.expert_groups, cfg.topk_groups)
     indices_TK = selection_TE.topk(K, dim=-1, sorted=True).indices
     probs_TK = scores_TE.gather(-1, indices_TK)
     if cfg.norm_topk_prob:
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    if cfg.routed_scaling != 1.0:
+        probs_TK = probs_TK * cfg.routed_scaling
     counts_E = expert_counts(indices_TK, E)
     token_share_E = counts_E.to(scores_TE.dtype) / indices_TK.numel()
     score_share_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores_TE
