@@ -1,5 +1,5 @@
-"""fmoe.hf against transformers: tiny random Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE models
-saved with ``save_pretrained``, loaded into fmoe, and written back."""
+"""fmoe.hf against transformers: tiny random Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and
+GLM-4.5 (glm4_moe) models saved with ``save_pretrained``, loaded into fmoe, and written back."""
 
 import json
 from pathlib import Path
@@ -10,6 +10,8 @@ import torch
 
 import fmoe
 from fmoe.layers import forward
+
+from .reference import assert_trees_equal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +29,12 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
                        tie_word_embeddings=True)),
+    # sigmoid routing over 2 groups of 2 (1 kept) with a selection bias and routed scaling,
+    # a dense first layer, partial RoPE, q/k/v bias, a shared expert
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(n_routed_experts=4, moe_intermediate_size=16, intermediate_size=24, first_k_dense_replace=1,
+                      n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True, head_dim=16,
+                      n_shared_experts=1, norm_topk_prob=True)),
 }
 # fp32 on both sides; the differences are RoPE tables (fmoe: fp64, cast; transformers:
 # fp32), SDPA vs eager softmax and summation order: measured <= 1e-6 on logits of ~2.
@@ -41,6 +49,9 @@ def hf_model(family, seed=0, **overrides):
     with torch.no_grad():  # every weight random: norms away from 1, biases away from 0
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # GLM's selection bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -64,12 +75,16 @@ def test_config_reads_the_family(saved):
     hf = model.config
     assert (cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.num_kv_heads, cfg.experts, cfg.topk) == \
         (64, 32, 2, 4, 2, 4, 2)
-    assert cfg.head_dim == (16 if family == "qwen3_moe" else 8)
+    assert cfg.head_dim == (16 if family in ("qwen3_moe", "glm4_moe") else 8)
     assert cfg.qk_norm == {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
     assert cfg.norm_topk_prob == (True if family == "mixtral" else hf.norm_topk_prob)
-    assert (cfg.shared_ffn, cfg.shared_gate, cfg.qkv_bias, cfg.tie_embeddings) == \
-        ((24, True, True, True) if family == "qwen2_moe" else (0, False, False, False))
+    assert (cfg.shared_ffn, cfg.shared_gate, cfg.qkv_bias, cfg.tie_embeddings) == {
+        "qwen2_moe": (24, True, True, True), "glm4_moe": (16, False, True, False)}.get(family, (0, False, False, False))
     assert cfg.norm_eps == hf.rms_norm_eps and cfg.expert_bias_rate == 0
+    glm = family == "glm4_moe"
+    assert (cfg.score_func, cfg.expert_groups, cfg.topk_groups, cfg.routed_scaling, cfg.rope_fraction) == \
+        (("sigmoid", 2, 1, 2.5, 0.5) if glm else ("softmax", 1, 1, 1.0, 1.0))
+    assert (cfg.dense_layers, cfg.dense_ffn) == (((0,), 24) if glm else ((), 0))
 
 
 def test_logits_and_loss_equal_transformers(saved):
@@ -82,6 +97,73 @@ def test_logits_and_loss_equal_transformers(saved):
         ref_loss = model(tokens, labels=tokens).loss
     torch.testing.assert_close(fmoe_logits(params, tokens[:, :-1], plan.model), ref.logits, **LOGIT_TOL)
     torch.testing.assert_close(fmoe.eval_loss(params, {"tokens": tokens}, plan), ref_loss, **LOGIT_TOL)
+
+
+def test_one_sgd_step_on_fmoes_gradients_gives_transformers_logits_after_the_same_step(saved, tmp_path):
+    """fmoe's gradients are transformers' (the loss as theirs: mean next-token CE, no
+    router loss): the same SGD step taken on each side, fmoe's exported, computes the
+    same logits."""
+    family, model, path = saved
+    plan = fmoe.Plan(model=fmoe.hf.config(path))
+    params = fmoe.hf.load(path, plan)
+    tokens = torch.randint(0, 64, (3, 11), generator=torch.Generator().manual_seed(4))
+    pad = model.config.pad_token_id  # OLMoE's: an nn.Embedding padding_idx, whose row transformers never updates
+    if pad is not None:
+        tokens[tokens == pad] = (pad + 1) % 64
+    lr = 0.5
+    grads = fmoe.step(params, {"tokens": tokens}, plan).grads
+    stepped = optree.tree_map(lambda p, g: p - lr * g, params, grads)
+    fmoe.hf.save(tmp_path / "stepped", stepped, plan)
+    theirs = getattr(transformers, FAMILIES[family][1]).from_pretrained(path).eval()
+    theirs(tokens, labels=tokens).loss.backward()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.grad is not None:
+                p.sub_(lr * p.grad)
+        mine = type(theirs).from_pretrained(tmp_path / "stepped").eval()
+        probe = tokens[:, :-1].flip(0)
+        torch.testing.assert_close(mine(probe).logits, theirs(probe).logits, **LOGIT_TOL)
+
+
+@pytest.mark.parametrize("dense", [dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)],
+                         ids=["mlp_only_layers", "decoder_sparse_step"])
+def test_qwen3_moes_dense_layers_load_compute_and_save_as_released(tmp_path, dense):
+    model = hf_model("qwen3_moe", num_hidden_layers=3, intermediate_size=24, **dense)
+    model.save_pretrained(tmp_path / "hf")
+    cfg = fmoe.hf.config(tmp_path / "hf")
+    assert (cfg.dense_layers, cfg.dense_ffn) == (((1,), 24) if "mlp_only_layers" in dense else ((0, 2), 24))
+    plan = fmoe.Plan(model=cfg)
+    params = fmoe.hf.load(tmp_path / "hf", plan)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(fmoe_logits(params, tokens, cfg), model(tokens).logits, **LOGIT_TOL)
+    fmoe.hf.save(tmp_path / "out", params, plan)
+    back = fmoe.hf.load(tmp_path / "out", fmoe.Plan(model=fmoe.hf.config(tmp_path / "out")))
+    assert_trees_equal(back, params)
+
+
+def test_glm_multi_token_prediction_layers_are_kept_through_a_round_trip_and_said_so(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model("glm4_moe").save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    g = torch.Generator().manual_seed(6)
+    mtp = {f"model.layers.2.{name}": torch.randn(shape, generator=g)  # as released: layer num_hidden_layers
+           for name, shape in (("eh_proj.weight", (32, 64)), ("enorm.weight", (32,)),
+                               ("self_attn.q_proj.weight", (64, 32)), ("mlp.gate.e_score_correction_bias", (4,)))}
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    save_file({**tensors, **mtp}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    plan = fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf"))
+    with pytest.warns(UserWarning, match=r"4 tensors of multi-token-prediction layers .*writes them back unchanged"):
+        params = fmoe.hf.load(tmp_path / "hf", plan)
+    fmoe.hf.save(tmp_path / "kept", params, plan, source=tmp_path / "hf")
+    written = load_file(tmp_path / "kept" / "model.safetensors")
+    assert all(torch.equal(written[k], v) for k, v in mtp.items())
+    assert json.loads((tmp_path / "kept" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    fmoe.hf.save(tmp_path / "plain", params, plan)  # no source: a model without them
+    assert not any(k.startswith("model.layers.2.") for k in load_file(tmp_path / "plain" / "model.safetensors"))
+    assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
 def test_fmoe_to_hf_to_fmoe_round_trips_bitwise(saved, tmp_path):
@@ -143,7 +225,7 @@ def test_released_config_form_with_top_level_rope_theta(saved, tmp_path):
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling="),
     (dict(sliding_window=4096, use_sliding_window=True), "sliding_window=4096 is not supported"),
     (dict(hidden_act="relu"), "hidden_act='relu' is not supported: allowed: 'silu'"),
-    (dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported: every fmoe layer is a MoE layer"),
+    (dict(mlp_only_layers=[0, 1]), "ModelConfig.dense_layers=(0, 1) is invalid: must leave at least one"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(num_attention_heads=3), "ModelConfig.kv_heads=2 is invalid: must divide heads (3)"),
     (dict(vocab_size=None), "no 'vocab_size'"),
@@ -187,7 +269,8 @@ def test_save_refuses_what_the_families_cannot_hold(tmp_path):
     params["layers"][1]["moe"]["expert_bias"] = torch.full((4,), 0.01)
     with pytest.raises(ValueError, match="layers.1.moe.expert_bias is non-zero"):
         fmoe.hf.save(tmp_path / "a", params, plan)
-    for bad, needle in ((dict(score_func="sigmoid"), "ModelConfig.score_func='sigmoid'"),
+    for bad, needle in ((dict(score_func="sigmoid"), "ModelConfig.shared_ffn=0 is not supported: "
+                                                     "score_func='sigmoid' is written as glm4_moe"),
                         (dict(shared_ffn=16), "ModelConfig.shared_gate=False"),
                         (dict(norm_topk_prob=False), "ModelConfig.norm_topk_prob=False"),
                         (dict(activation="relu2"), "ModelConfig.activation='relu2'")):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,8 +24,8 @@ from ..dist.comm import Group
 from ..gather import iter_full
 from ..resolve import resolve
 from ..step import check_params
-from .families import TRAINING_FIELDS, family_of, to_hf_config, to_model_config
-from .weights import SafetensorsDir, file_keys, read_local_leaf, recipes, to_file_tensors
+from .families import TRAINING_FIELDS, WITH_EXPERT_BIAS, family_of, to_hf_config, to_model_config
+from .weights import SafetensorsDir, file_keys, prediction_layer_keys, read_local_leaf, recipes, to_file_tensors
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,7 +63,8 @@ def load(directory, plan: Plan) -> dict:
     Every rank reads only the experts and rows it holds. ``plan.model`` must compute
     what the checkpoint computes (build it from ``fmoe.hf.config(directory)``; the
     training fields — GLU interleave, capacity, padding, loss coefficients, expert-bias
-    rate — may differ). ``expert_bias`` starts at zero.
+    rate — may differ). ``expert_bias`` is the file's ``e_score_correction_bias`` where
+    the family has one (GLM-4.5), zero otherwise.
 
     Arguments:
         directory: a directory with ``config.json`` and safetensors files.
@@ -84,6 +86,12 @@ def load(directory, plan: Plan) -> dict:
     by_path = recipes(cfg, hf["model_type"])
     wanted = {k for r in by_path.values() for k in file_keys(r, cfg.experts)}
     harmless = {k for k in files.file_of if k.endswith("rotary_emb.inv_freq")}
+    predicting = prediction_layer_keys(files.file_of, hf)
+    if predicting:
+        warnings.warn(f"fmoe.hf.load: {directory} holds {len(predicting)} tensors of multi-token-prediction "
+                      f"layers ({predicting[0]}, ...), which fmoe does not compute or train; "
+                      "fmoe.hf.save(..., source=this directory) writes them back unchanged", stacklevel=2)
+        harmless.update(predicting)
     if cfg.tie_embeddings:
         harmless.add("lm_head.weight")  # some tied checkpoints store the copy too
     unread = sorted(set(files.file_of) - wanted - harmless)
@@ -111,9 +119,9 @@ def _check_expert_bias(named: dict, plan: Plan) -> None:
     Group.world().all_reduce(local).wait()
     used = [p for p, total in zip(biases, local.tolist()) if total > 0]
     if used:
-        raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the Hugging Face MoE families fmoe writes "
-                         "(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) select experts without a bias, and DeepSeek-V3's, "
-                         "which has one, needs its MLA attention; train with expert_bias_rate=0 (balancing with "
+        raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the softmax-routed Hugging Face MoE families "
+                         "(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) select experts without a bias (GLM-4.5's, with "
+                         "score_func='sigmoid', has one); train with expert_bias_rate=0 (balancing with "
                          "aux_loss_coef > 0, as the main job's default does) to export")
 
 
@@ -132,6 +140,13 @@ def kept_from_source(mine: dict, cfg: ModelConfig, source) -> dict:
         if key in _ALWAYS_MINE or not unchanged:
             out[key] = value
     return out
+
+
+def _copy_prediction_layers(source: Path, writer) -> None:
+    """The source's multi-token-prediction layers, as released (``prediction_layer_keys``)."""
+    files = SafetensorsDir(source)
+    for key in prediction_layer_keys(files.file_of, _read_config_json(source)):
+        writer.add({key: files.slice(key)[:]})
 
 
 # What the written files are, whatever the source's were.
@@ -154,7 +169,8 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
         dtype: the files' dtype, ``float32 | bfloat16 | float16``.
         max_shard_bytes: start a new safetensors file beyond this many bytes.
         source: the Hugging Face directory the model was loaded from, if any: its
-            ``config.json``'s keys that fmoe did not change are kept (``kept_from_source``).
+            ``config.json``'s keys that fmoe did not change are kept (``kept_from_source``),
+            and its multi-token-prediction layers' tensors are copied unchanged.
 
     Returns:
         The directory's Path.
@@ -173,7 +189,8 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
     if source is not None:
         hf_config = kept_from_source(hf_config, cfg, source)
     named = named_leaves(params)
-    _check_expert_bias(named, plan)
+    if family not in WITH_EXPERT_BIAS:
+        _check_expert_bias(named, plan)
     world = Group.world()
     by_path = recipes(cfg, family)
     with staged_directory(directory, world, plan.device, "fmoe.hf.save") as (tmp, publish):
@@ -192,6 +209,8 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
         def finish():
             if failed:
                 raise failed[0]
+            if source is not None:
+                _copy_prediction_layers(Path(source), writer)
             writer.finish(hf_config)
 
         publish(finish)

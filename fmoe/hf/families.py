@@ -1,7 +1,8 @@
 """The Hugging Face MoE families fmoe reads and writes: config translation.
 
 Each family is a ``model_type`` of ``config.json``: ``mixtral``, ``qwen3_moe``,
-``olmoe`` and ``qwen2_moe``. ``to_model_config`` turns a ``config.json`` dict into a
+``olmoe``, ``qwen2_moe`` and ``glm4_moe`` (GLM-4.5: sigmoid group-limited routing with
+a selection bias, routed scaling, a shared expert, dense first layers, partial RoPE). ``to_model_config`` turns a ``config.json`` dict into a
 ModelConfig, refusing (ValueError naming the key) anything fmoe would compute
 differently; ``to_hf_config`` is its inverse for ``fmoe.hf.save``.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+# the families whose routers hold a selection bias (``e_score_correction_bias``)
+WITH_EXPERT_BIAS = ("glm4_moe",)
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 _HF_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 # Fields of a ModelConfig that say how to train, not what the model computes: a plan
@@ -33,22 +36,34 @@ def _require(hf: dict, where: str, *keys: str):
     raise ValueError(f"{where}: no {' or '.join(map(repr, keys))}")
 
 
-def rope_theta(hf: dict, where: str) -> float:
-    """RoPE's base from either form: top-level ``rope_theta`` (released files) or
-    ``rope_parameters`` (written by transformers >= 5); scaled RoPE is refused."""
+def rope(hf: dict, where: str, family: str) -> tuple[float, float]:
+    """RoPE's base and the fraction of each head it rotates, from either form: top-level
+    ``rope_theta`` / ``partial_rotary_factor`` (released files) or ``rope_parameters``
+    (written by transformers >= 5); scaled RoPE is refused."""
     params = hf.get("rope_parameters") or {}
     if hf.get("rope_scaling"):
         _fail(where, "rope_scaling", hf["rope_scaling"], "fmoe implements unscaled RoPE only")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind != "default":
         _fail(where, "rope_parameters.rope_type", kind, "fmoe implements unscaled ('default') RoPE only")
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        _fail(where, "partial_rotary_factor", params.get("partial_rotary_factor", hf.get("partial_rotary_factor")),
-              "fmoe rotates every feature of a head")
+    default = 0.5 if family == "glm4_moe" else 1.0  # as transformers' Glm4MoeConfig fills it in
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{where}: neither 'rope_theta' nor 'rope_parameters.rope_theta'")
-    return float(theta)
+    return float(theta), float(fraction)
+
+
+def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
+    """The layers whose MLP is dense: GLM's first ``first_k_dense_replace``; Qwen's
+    ``mlp_only_layers`` and those ``decoder_sparse_step`` skips."""
+    layers = hf.get("num_hidden_layers") or 0
+    if family == "glm4_moe":
+        return tuple(range(min(int(hf.get("first_k_dense_replace", 1)), layers)))
+    if family in ("qwen3_moe", "qwen2_moe"):
+        step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+        return tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return ()
 
 
 def _check_unsupported(hf: dict, family: str, where: str) -> None:
@@ -56,14 +71,12 @@ def _check_unsupported(hf: dict, family: str, where: str) -> None:
         _fail(where, "sliding_window", hf["sliding_window"], "fmoe attends to the whole causal prefix; set it to null")
     if hf.get("router_jitter_noise"):
         _fail(where, "router_jitter_noise", hf["router_jitter_noise"], "fmoe routes without noise; set it to 0")
-    if hf.get("attention_bias"):
+    if hf.get("attention_bias") and family != "glm4_moe":  # GLM's bias is on q/k/v only, as fmoe's qkv_bias
         _fail(where, "attention_bias", True, "fmoe's output projection has no bias")
     if hf.get("clip_qkv") is not None:
         _fail(where, "clip_qkv", hf["clip_qkv"], "fmoe does not clamp q/k/v; set it to null")
-    if hf.get("mlp_only_layers"):
-        _fail(where, "mlp_only_layers", hf["mlp_only_layers"], "every fmoe layer is a MoE layer")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        _fail(where, "decoder_sparse_step", hf["decoder_sparse_step"], "every fmoe layer is a MoE layer (use 1)")
+    if family == "glm4_moe" and hf.get("n_shared_experts", 1) < 1:
+        _fail(where, "n_shared_experts", hf["n_shared_experts"], "fmoe's GLM-4.5 layers have a shared expert")
     kinds = set(hf.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
         _fail(where, "layer_types", sorted(kinds), "fmoe layers use full causal attention")
@@ -80,8 +93,9 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         where: how errors name the file.
 
     Returns:
-        A ModelConfig with ``expert_bias_rate=0`` (these families have no expert bias)
-        and the aux-loss coefficient the model trained with (0 unless it output router logits).
+        A ModelConfig with ``expert_bias_rate=0`` (a loaded model's expert bias, if its
+        family has one, stays as released unless the run sets a rate) and the aux-loss
+        coefficient the model trained with (0 unless it output router logits).
     """
     family = hf.get("model_type")
     if family not in FAMILIES:
@@ -91,11 +105,13 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     head_dim = hf.get("head_dim") or dim // heads
     shared = family == "qwen2_moe"
     ffn_key = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
+    theta, fraction = rope(hf, where, family)
+    dense = dense_layers(hf, family)
     fields = dict(
         vocab=_require(hf, where, "vocab_size"), dim=dim, layers=_require(hf, where, "num_hidden_layers"),
         heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
         head_size=0 if head_dim * heads == dim else head_dim,
-        experts=_require(hf, where, "num_local_experts", "num_experts"),
+        experts=_require(hf, where, "num_local_experts", "num_experts", "n_routed_experts"),
         topk=_require(hf, where, "num_experts_per_tok"),
         ffn=_require(hf, where, ffn_key), activation=_ACTIVATIONS[hf.get("hidden_act", "silu")],
         score_func="softmax", norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
@@ -103,27 +119,54 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         qkv_bias=shared and bool(hf.get("qkv_bias", True)),
         shared_ffn=_require(hf, where, "shared_expert_intermediate_size") if shared else 0, shared_gate=shared,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta(hf, where),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_fraction=fraction,
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
-        expert_bias_rate=0.0,
+        expert_bias_rate=0.0, dense_layers=dense, dense_ffn=_require(hf, where, "intermediate_size") if dense else 0,
     )
+    if family == "glm4_moe":
+        fields.update(score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                      qk_norm="head" if hf.get("use_qk_norm") else "none", qkv_bias=bool(hf.get("attention_bias")),
+                      shared_ffn=fields["ffn"] * int(hf.get("n_shared_experts", 1)),
+                      expert_groups=int(hf.get("n_group", 1)), topk_groups=int(hf.get("topk_group", 1)),
+                      routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
     try:
         return ModelConfig(**fields)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
 
 
+def _check_fields(cfg: ModelConfig, where: str, checks, whose: str = "the Hugging Face MoE families have") -> None:
+    for name, value, ok in checks:
+        if not ok:
+            _fail(where, f"ModelConfig.{name}", value, f"{whose} no such variant")
+
+
+def _glm4_moe(cfg: ModelConfig, where: str) -> str:
+    """``glm4_moe`` if it holds ``cfg`` (sigmoid routing is GLM-4.5's)."""
+    first_k = tuple(range(len(cfg.dense_layers)))
+    _check_fields(cfg, where, (
+        ("activation", cfg.activation, cfg.activation == "swiglu"),
+        ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
+        ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn > 0 and cfg.shared_ffn % cfg.ffn == 0),
+        ("shared_gate", cfg.shared_gate, not cfg.shared_gate),
+        ("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
+        ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)),
+        "score_func='sigmoid' is written as glm4_moe (GLM-4.5: a shared expert a multiple of ffn wide, "
+        "first layers dense), which has")
+    return "glm4_moe"
+
+
 def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     """The family whose released layout computes what ``cfg`` computes (ValueError naming
     the ModelConfig field that none of them has)."""
-    for name, value, ok in (("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
-                            ("score_func", cfg.score_func, cfg.score_func == "softmax"),
-                            ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
-                            ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
-                            ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
-                            ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0)):
-        if not ok:
-            _fail(where, f"ModelConfig.{name}", value, "the Hugging Face MoE families have no such variant")
+    if cfg.score_func == "sigmoid":
+        return _glm4_moe(cfg, where)
+    _check_fields(cfg, where, (
+        ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
+        ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
+        ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
+        ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
+        ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0)))
     if cfg.shared_ffn and not cfg.shared_gate:
         _fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
     if cfg.qk_norm == "head":
@@ -141,6 +184,8 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
               "expert, has)")
     if family == "mixtral" and not cfg.norm_topk_prob:
         _fail(where, "ModelConfig.norm_topk_prob", False, "Mixtral always renormalises the top-k probabilities")
+    if cfg.dense_layers and family not in ("qwen3_moe", "qwen2_moe"):
+        _fail(where, "ModelConfig.dense_layers", cfg.dense_layers, f"{family} has no dense layers")
     return family
 
 
@@ -161,13 +206,21 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
     if family == "mixtral":
         hf.update(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, sliding_window=None,
                   router_jitter_noise=0.0)
+    elif family == "glm4_moe":
+        hf.update(n_routed_experts=cfg.experts, n_shared_experts=cfg.shared_ffn // cfg.ffn,
+                  moe_intermediate_size=cfg.ffn, intermediate_size=cfg.dense_ffn or cfg.ffn,
+                  first_k_dense_replace=len(cfg.dense_layers), n_group=cfg.expert_groups,
+                  topk_group=cfg.topk_groups, routed_scaling_factor=cfg.routed_scaling,
+                  norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.qk_norm == "head",
+                  attention_bias=cfg.qkv_bias, num_nextn_predict_layers=0, partial_rotary_factor=cfg.rope_fraction)
+        hf["rope_parameters"]["partial_rotary_factor"] = cfg.rope_fraction
     else:
         hf.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob)
         if family == "olmoe":
             hf.update(intermediate_size=cfg.ffn, clip_qkv=None)
         else:
-            hf.update(moe_intermediate_size=cfg.ffn, intermediate_size=cfg.ffn, decoder_sparse_step=1,
-                      mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+            hf.update(moe_intermediate_size=cfg.ffn, intermediate_size=cfg.dense_ffn or cfg.ffn, decoder_sparse_step=1,
+                      mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None)
     if family == "qwen2_moe":
         hf.update(shared_expert_intermediate_size=cfg.shared_ffn, qkv_bias=cfg.qkv_bias)
     return hf

@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.convert import safetensors_torch
 from ..config import ModelConfig
 from ..params import glu_from_interleaved, glu_to_interleaved
+from .families import WITH_EXPERT_BIAS
 from ..shard.layout import rows_cols
 
 
@@ -35,7 +36,7 @@ class Recipe(NamedTuple):
 
 def recipes(cfg: ModelConfig, family: str) -> dict:
     """``{fmoe path: Recipe}`` for every leaf of ``cfg`` laid out as ``family``
-    (``expert_bias`` has none: these families have no expert bias)."""
+    (``expert_bias`` has none outside the families with a selection bias, ``WITH_EXPERT_BIAS``)."""
     Q, K, F, D = cfg.q_width, cfg.kv_width, cfg.ffn, cfg.dim
     lin = lambda key, width: Part(key + ".weight", width, True)  # noqa: E731
     vec = lambda key, width: Part(key + ".weight", width, False)  # noqa: E731
@@ -56,18 +57,42 @@ def recipes(cfg: ModelConfig, family: str) -> dict:
             per_head = cfg.qk_norm == "head"
             out[f"{L}.attn.q_norm"] = Recipe((vec(f"{at}.q_norm", cfg.head_dim if per_head else Q),))
             out[f"{L}.attn.k_norm"] = Recipe((vec(f"{at}.k_norm", cfg.head_dim if per_head else K),))
+        if cfg.is_dense(i):
+            out.update(_dense_mlp(f"{L}.mlp", f"model.layers.{i}", cfg.dense_ffn, D))
+            continue
         out[f"{L}.moe.norm"] = Recipe((vec(f"model.layers.{i}.post_attention_layernorm", D),))
         out[f"{L}.moe.router"] = Recipe((lin(f"{m}.gate", cfg.experts),))
+        if family in WITH_EXPERT_BIAS:
+            out[f"{L}.moe.expert_bias"] = Recipe((Part(f"{m}.gate.e_score_correction_bias", cfg.experts, False),))
         gate, up, down = (f"{m}.experts.{{e}}.{n}" for n in names)
         out[f"{L}.moe.experts.fc1"] = Recipe((lin(gate, F), lin(up, F)), per_expert=True, glu=True)
         out[f"{L}.moe.experts.fc2"] = Recipe((lin(down, D),), per_expert=True)
         if cfg.shared_ffn:
-            s, Fs = f"{m}.shared_expert", cfg.shared_ffn
+            s, Fs = f"{m}.shared_experts" if family == "glm4_moe" else f"{m}.shared_expert", cfg.shared_ffn
             out[f"{L}.moe.shared.fc1"] = Recipe((lin(f"{s}.gate_proj", Fs), lin(f"{s}.up_proj", Fs)), glu=True)
             out[f"{L}.moe.shared.fc2"] = Recipe((lin(f"{s}.down_proj", D),))
             if cfg.shared_gate:
                 out[f"{L}.moe.shared.gate"] = Recipe((lin(f"{m}.shared_expert_gate", 1),))
     return out
+
+
+def _dense_mlp(path: str, prefix: str, width: int, D: int) -> dict:
+    """A dense layer's ``mlp``: its norm and the released ``gate_proj``, ``up_proj``,
+    ``down_proj`` (the layout every family with dense layers shares)."""
+    lin = lambda key, w: Part(f"{prefix}.mlp.{key}.weight", w, True)  # noqa: E731
+    return {f"{path}.norm": Recipe((Part(f"{prefix}.post_attention_layernorm.weight", D, False),)),
+            f"{path}.fc1": Recipe((lin("gate_proj", width), lin("up_proj", width)), glu=True),
+            f"{path}.fc2": Recipe((lin("down_proj", D),))}
+
+
+def prediction_layer_keys(keys, hf: dict) -> list[str]:
+    """The keys of the multi-token-prediction layers a checkpoint carries past its
+    decoder layers (DeepSeek-V3's and GLM-4.5's ``num_nextn_predict_layers``, stored as
+    ``model.layers.<num_hidden_layers + k>.*``): fmoe neither computes nor trains them."""
+    extra = int(hf.get("num_nextn_predict_layers") or 0)
+    layers = int(hf.get("num_hidden_layers") or 0)
+    ids = {str(i) for i in range(layers, layers + extra)}
+    return sorted(k for k in keys if k.startswith("model.layers.") and k.split(".")[2] in ids)
 
 
 def file_keys(recipe: Recipe, experts: int) -> list[str]:

@@ -1,5 +1,6 @@
-"""The Hugging Face families' attention and embedding features, and dense layers, under
-sharding, EP, 1F1B, delayed wgrad and remat."""
+"""The Hugging Face families' attention and embedding features, and GLM-4.5's (dense
+layers, grouped sigmoid routing, partial RoPE), under sharding, EP, 1F1B, delayed wgrad
+and remat."""
 
 import optree
 import pytest

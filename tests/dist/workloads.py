@@ -356,15 +356,19 @@ HF_PLANS = {
 }
 
 
-# a dense first layer, as DeepSeek-V3's and GLM-4.5's: with three layers the 1F1B weave
-# pairs the dense layer with a MoE one both ways
-DENSE_CFG = CFG.replace(layers=3, dense_layers=(0,), dense_ffn=24)
-DENSE_PLANS = {
+# GLM-4.5's features: a dense first layer (with three layers the 1F1B weave pairs it
+# with a MoE layer both ways), sigmoid routing over groups with routed scaling and a
+# selection bias that moves (a large rate: it changes the choices within three steps),
+# partial RoPE, q/k/v bias
+GLM_CFG = CFG.replace(layers=3, dense_layers=(0,), dense_ffn=24, score_func="sigmoid", expert_groups=2,
+                      topk_groups=1, routed_scaling=2.5, expert_bias_rate=0.05, rope_fraction=0.5, qkv_bias=True,
+                      expert_biases=False, shared_ffn=16)
+GLM_PLANS = {
     "zero3_ep_1f1b_delay_remat": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True,
                                       remat="full", ep=0),
     "zero2_dp_1f1b": dict(sharding="optim_grads", schedule="1f1b_overlap"),
 }
-FEATURES = {"hf": (HF_CFG, HF_PLANS), "dense": (DENSE_CFG, DENSE_PLANS)}
+FEATURES = {"hf": (HF_CFG, HF_PLANS), "glm": (GLM_CFG, GLM_PLANS)}
 
 
 def feature_plans(rank, world, feature):
