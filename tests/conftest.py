@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    # One process compiles the node kernels for dozens of model configs (a run has one),
+    # each a graph of its own: past dynamo's default limit of 8 per function a
+    # fullgraph region fails instead of compiling the next config.
+    torch._dynamo.config.recompile_limit = 64
 
 
 def pytest_collection_modifyitems(config, items):

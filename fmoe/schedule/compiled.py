@@ -20,8 +20,11 @@ The Triton kernels are ``torch.library`` custom ops (``fmoe::rope``, ``fmoe::swi
 ...) with fake shapes and registered backwards, so compiled graphs call them without
 a graph break. Every region is compiled with ``fullgraph=True``: a break is an error,
 not a silent slowdown. Shapes inside ``attn``, ``router`` and ``head`` are fixed by
-the batch; the experts' row count changes with routing, so the activation is compiled
-for a dynamic row count up front (no recompile after the first step).
+the batch; ``attn`` is compiled with static shapes, one graph per batch shape and
+config (symbolic sizes inside it would reach FlexAttention's lowering, and RoPE's
+tables fused into it, which inductor cannot take); the experts' row count changes
+with routing, so the activation is compiled for a dynamic row count up front (no
+recompile after the first step).
 
 Compiled and eager agree up to floating-point reassociation inside fused kernels (see
 ``tests/test_compile.py`` for the tolerances and why).
@@ -45,8 +48,8 @@ from ..layers.router import route
 from .remat import quiet_compiled, selective, selective_experts, selective_kernels
 
 
-def _compile(fn):
-    return torch.compile(fn, fullgraph=True)
+def _compile(fn, dynamic=None):
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)
 
 
 def _compiled_activation():
@@ -110,12 +113,12 @@ def compiled_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN,
 def _compiled_kernels(selective_remat: bool, gemms: Gemms, backend) -> Kernels:
     act = _compiled_activation()
 
-    def keep(fn):  # the policy inside the region to compile
-        return quiet_compiled(_compile(selective(fn))) if selective_remat else _compile(fn)
+    def keep(fn, dynamic=None):  # the policy inside the region to compile
+        return quiet_compiled(_compile(selective(fn), dynamic)) if selective_remat else _compile(fn, dynamic)
 
     experts = at_any_site(experts_with(backend, gemms, act=act))
     registered = isinstance(backend, ExpertBackend)
-    return Kernels(attn=at_any_site(keep(functools.partial(attention_half, gemms=gemms))),
+    return Kernels(attn=at_any_site(keep(functools.partial(attention_half, gemms=gemms), dynamic=False)),
                    router=at_any_site(keep(route)),
                    experts=selective_experts(experts, registered) if selective_remat else experts,
                    head=at_any_site(_compiled_head(gemms)), dispatch=at_any_site(_compiled_dispatch()),
