@@ -72,8 +72,9 @@ def test_attention_variants_match_loop(variant):
                         [x, *(p[n] for n in names)])
 
 
-def test_attention_with_a_cache_continues_the_sequence():
-    cfg = fmoe.ModelConfig(dim=16, heads=4, kv_heads=2, qk_norm="head")
+@pytest.mark.parametrize("extra", [{}, dict(rope_fraction=0.5)], ids=["rope", "partial_rope"])
+def test_attention_with_a_cache_continues_the_sequence(extra):
+    cfg = fmoe.ModelConfig(dim=16, heads=4, kv_heads=2, qk_norm="head", **extra)
     p = ref.random_params(cfg, seed=5)["layers"][0]["attn"]
     x = torch.randn(2, 7, 16, dtype=F64)
     whole = layers.attention(p, x, cfg)

@@ -129,16 +129,12 @@ def test_partial_rope_equals_transformers_apply_rotary_pos_emb(head_size, fracti
     assert torch.equal(q_BHSd[..., cfg.rope_dims:], raw_q[..., cfg.rope_dims:])  # passed through untouched
 
 
-def test_partial_rope_with_packed_documents_and_a_cache_continues_the_sequence():
+def test_partial_rope_restarts_at_each_packed_document():
+    # (a cached decode with partial RoPE: test_layers.py's cache test)
     cfg = fmoe.ModelConfig(dim=16, heads=2, kv_heads=1, rope_fraction=0.5, qk_norm="head")
     p = ref.random_params(cfg, seed=4)["layers"][0]["attn"]
     x_BSD = torch.randn(2, 7, 16, dtype=F64)
     whole = layers.attention(p, x_BSD, cfg)
-    q, k, v = layers.project_qkv(p, x_BSD[:, :4], cfg)
-    first = layers.attend(q, k, v) @ p["out"]
-    q2, k2, v2 = layers.project_qkv(p, x_BSD[:, 4:], cfg, start=4)
-    rest = layers.attend(q2, torch.cat([k, k2], 2), torch.cat([v, v2], 2), start=4) @ p["out"]
-    torch.testing.assert_close(torch.cat([first, rest], 1), whole)
     ids_BS = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]])
     packed = layers.attention(p, x_BSD, cfg, docs=layers.documents(ids_BS))
     torch.testing.assert_close(packed[:, :3], whole[:, :3])
