@@ -166,6 +166,71 @@ def test_glm_multi_token_prediction_layers_are_kept_through_a_round_trip_and_sai
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["num_nextn_predict_layers"] == 0
 
 
+def fp8_blocks(w, block):
+    """``w`` quantised as released FP8 checkpoints are: E4M3 values and a scale per
+    block (partial blocks at the edges)."""
+    from torch.nn.functional import pad
+
+    R, C = w.shape
+    padded = pad(w, (0, -C % block[1], 0, -R % block[0]))
+    blocks = padded.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1]))  # [R/b, b, C/b, b]
+    scales = blocks.abs().amax((1, 3)) / 448.0
+    q = (blocks / scales[:, None, :, None]).flatten(0, 1).flatten(1, 2)[:R, :C]
+    return q.to(torch.float8_e4m3fn), scales
+
+
+def test_a_checkpoint_released_in_fp8_blocks_loads_as_transformers_dequantises_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    block = [16, 8]  # v_proj [24, 32]: two row blocks, the second partial; four column blocks
+    hf_model("qwen3_moe", head_dim=12).save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    fp8 = {}
+    for key, w in tensors.items():
+        if w.dim() == 2 and key.endswith("proj.weight"):  # the Linear weights, as DeepSeek-V3 ships them
+            fp8[key], fp8[key + "_scale_inv"] = fp8_blocks(w, block)
+    save_file({**tensors, **fp8}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, quantization_config=quant)))
+    plan = fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf"))
+    params = fmoe.hf.load(tmp_path / "hf", plan)
+    want = dict(tensors)
+    for key in fp8:
+        if not key.endswith("_scale_inv"):
+            want[key] = _dequantize_fp8_weight(fp8[key], fp8[key + "_scale_inv"], block, torch.float32)
+    attn = params["layers"][1]["attn"]["qkv"]  # [D, q | k | v] of q_proj, k_proj, v_proj transposed
+    assert torch.equal(attn[:, -24:], want["model.layers.1.self_attn.v_proj.weight"].t())
+    assert torch.equal(params["layers"][0]["moe"]["experts"]["fc2"][3],
+                       want["model.layers.0.mlp.experts.3.down_proj.weight"].t())
+    assert not torch.equal(want["model.layers.0.mlp.experts.3.down_proj.weight"],
+                           tensors["model.layers.0.mlp.experts.3.down_proj.weight"])  # FP8 rounding happened
+    fmoe.hf.save(tmp_path / "out", params, plan, source=tmp_path / "hf")  # plain floats, no quantization_config
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert written["model.layers.1.self_attn.v_proj.weight"].dtype == torch.float32
+    assert torch.equal(written["model.layers.1.self_attn.v_proj.weight"], want["model.layers.1.self_attn.v_proj.weight"])
+
+
+def test_an_fp8_weight_without_its_scales_names_both(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    key = "model.layers.0.self_attn.o_proj.weight"
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"'{key}' is stored in FP8 \(F8_E4M3\) without its block scales "
+                                         rf"'{key}_scale_inv'"):
+        fmoe.hf.load(tmp_path / "hf", fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf")))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, quantization_config={
+        "quant_method": "mxfp4"})))
+    with pytest.raises(ValueError, match="quantization_config.quant_method='mxfp4' is not supported"):
+        fmoe.hf.config(tmp_path / "hf")
+
+
 def test_fmoe_to_hf_to_fmoe_round_trips_bitwise(saved, tmp_path):
     family, _, path = saved
     plan = fmoe.Plan(model=fmoe.hf.config(path))

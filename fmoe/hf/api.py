@@ -24,8 +24,9 @@ from ..dist.comm import Group
 from ..gather import iter_full
 from ..resolve import resolve
 from ..step import check_params
-from .families import TRAINING_FIELDS, WITH_EXPERT_BIAS, family_of, to_hf_config, to_model_config
-from .weights import SafetensorsDir, file_keys, prediction_layer_keys, read_local_leaf, recipes, to_file_tensors
+from .families import TRAINING_FIELDS, WITH_EXPERT_BIAS, family_of, fp8_block, to_hf_config, to_model_config
+from .weights import (SCALE_SUFFIX, SafetensorsDir, file_keys, prediction_layer_keys, read_local_leaf, recipes,
+                      to_file_tensors)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,7 +65,9 @@ def load(directory, plan: Plan) -> dict:
     what the checkpoint computes (build it from ``fmoe.hf.config(directory)``; the
     training fields — GLU interleave, capacity, padding, loss coefficients, expert-bias
     rate — may differ). ``expert_bias`` is the file's ``e_score_correction_bias`` where
-    the family has one (GLM-4.5), zero otherwise.
+    the family has one (GLM-4.5), zero otherwise. A checkpoint released in FP8 with
+    block scales (``quantization_config`` ``fp8``, as DeepSeek-V3's and Qwen3's ``-FP8``)
+    loads dequantised into the fp32 masters.
 
     Arguments:
         directory: a directory with ``config.json`` and safetensors files.
@@ -82,10 +85,11 @@ def load(directory, plan: Plan) -> dict:
         raise ValueError(f"fmoe.hf.load: Plan.model differs from {directory / 'config.json'}: " + "; ".join(diff)
                          + " (build the model config with fmoe.hf.config)")
     cfg = plan.model
-    files = SafetensorsDir(directory)
+    files = SafetensorsDir(directory, fp8_block(hf, str(directory / "config.json")))
     by_path = recipes(cfg, hf["model_type"])
     wanted = {k for r in by_path.values() for k in file_keys(r, cfg.experts)}
     harmless = {k for k in files.file_of if k.endswith("rotary_emb.inv_freq")}
+    harmless.update(k + SCALE_SUFFIX for k in wanted if k + SCALE_SUFFIX in files.file_of)  # read with their weights
     predicting = prediction_layer_keys(files.file_of, hf)
     if predicting:
         warnings.warn(f"fmoe.hf.load: {directory} holds {len(predicting)} tensors of multi-token-prediction "
@@ -134,7 +138,7 @@ def kept_from_source(mine: dict, cfg: ModelConfig, source) -> dict:
     source = Path(source)
     raw, source_cfg = _read_config_json(source), config(source)
     as_fmoe_writes_it = to_hf_config(source_cfg, family_of(source_cfg, str(source)), mine["dtype"])
-    out = dict(raw) if raw.get("model_type") == mine["model_type"] else {}
+    out = {k: v for k, v in raw.items() if k not in _NEVER_KEPT} if raw.get("model_type") == mine["model_type"] else {}
     for key, value in mine.items():
         unchanged = key in raw and key in as_fmoe_writes_it and as_fmoe_writes_it[key] == value
         if key in _ALWAYS_MINE or not unchanged:
@@ -149,8 +153,9 @@ def _copy_prediction_layers(source: Path, writer) -> None:
         writer.add({key: files.slice(key)[:]})
 
 
-# What the written files are, whatever the source's were.
+# What the written files are, whatever the source's were: fmoe writes plain floats.
 _ALWAYS_MINE = ("architectures", "model_type", "dtype", "torch_dtype")
+_NEVER_KEPT = ("quantization_config",)
 
 
 def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_bytes: int = 4 << 30,

@@ -54,6 +54,25 @@ def rope(hf: dict, where: str, family: str) -> tuple[float, float]:
     return float(theta), float(fraction)
 
 
+def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
+    """The block of a checkpoint released in FP8 (``quantization_config``: ``quant_method
+    'fp8'``, E4M3, ``weight_block_size``), whose weights load dequantised; None for one
+    in plain floats. Other quantisations are refused by name."""
+    q = hf.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8":
+        _fail(where, "quantization_config.quant_method", method, "fmoe reads 'fp8' (E4M3 with block scales) "
+              "checkpoints, or plain floats")
+    if q.get("fmt", "e4m3") != "e4m3":
+        _fail(where, "quantization_config.fmt", q["fmt"], "allowed: 'e4m3'")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        _fail(where, "quantization_config.weight_block_size", block, "must be [rows, columns] of positive ints")
+    return tuple(block)
+
+
 def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
     """The layers whose MLP is dense: GLM's first ``first_k_dense_replace``; Qwen's
     ``mlp_only_layers`` and those ``decoder_sparse_step`` skips."""
@@ -101,6 +120,7 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     if family not in FAMILIES:
         _fail(where, "model_type", family, "allowed: " + ", ".join(repr(f) for f in FAMILIES))
     _check_unsupported(hf, family, where)
+    fp8_block(hf, where)  # refused here, before any weight is read
     dim, heads = _require(hf, where, "hidden_size"), _require(hf, where, "num_attention_heads")
     head_dim = hf.get("head_dim") or dim // heads
     shared = family == "qwen2_moe"

@@ -101,15 +101,40 @@ def file_keys(recipe: Recipe, experts: int) -> list[str]:
     return [k.format(e=e) for e in range(experts) for k in keys] if recipe.per_expert else keys
 
 
+SCALE_SUFFIX = "_scale_inv"  # ``x.weight`` in FP8 has its scales in ``x.weight_scale_inv``
+
+
+class BlockFp8:
+    """A released FP8 (E4M3) weight read as fp32 values: each ``block`` rows x columns
+    of it times its entry of ``weight_scale_inv`` (DeepSeek-V3's layout, 128 x 128; the
+    last blocks of a side may be partial). Sliced as the file's tensor is."""
+
+    def __init__(self, weight, scales_RC: torch.Tensor, block: tuple[int, int]):
+        self.weight, self.scales_RC, self.block = weight, scales_RC.float(), block
+
+    def get_shape(self):
+        return self.weight.get_shape()
+
+    def __getitem__(self, index):
+        rows, cols = self.get_shape()
+        index = index if isinstance(index, tuple) else (index,)
+        (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index + (slice(None),) * 2, (rows, cols)))
+        values = self.weight[r0:r1, c0:c1].float()
+        scales = self.scales_RC.repeat_interleave(self.block[0], 0)[r0:r1]
+        return values * scales.repeat_interleave(self.block[1], 1)[:, c0:c1]
+
+
 class SafetensorsDir:
     """The tensors of a Hugging Face directory's safetensors files, opened lazily.
 
     Reads ``model.safetensors.index.json`` (sharded) or ``model.safetensors``;
-    a tensor is read (or row-sliced) from its file only when asked for.
+    a tensor is read (or row-sliced) from its file only when asked for. With
+    ``fp8_block`` (a checkpoint released in FP8 with block scales), a weight stored in
+    FP8 reads as its fp32 values (``BlockFp8``).
     """
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None):
+        self.directory, self.fp8_block = directory, fp8_block
         index = directory / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -136,6 +161,22 @@ class SafetensorsDir:
     def slice(self, key: str):
         if key not in self.file_of:
             raise ValueError(f"{self.directory}: the checkpoint has no tensor {key!r}")
+        found = self._raw(key)
+        if not found.get_dtype().startswith("F8"):
+            return found
+        scale_key = key + SCALE_SUFFIX
+        if self.fp8_block is None or scale_key not in self.file_of:
+            raise ValueError(f"{self.directory}: {key!r} is stored in FP8 ({found.get_dtype()}) without its block "
+                             f"scales {scale_key!r} (and a config.json quantization_config 'fp8' with "
+                             "weight_block_size): fmoe cannot read its values")
+        scales, (rows, cols) = self._raw(scale_key)[:], found.get_shape()
+        grid = (-(-rows // self.fp8_block[0]), -(-cols // self.fp8_block[1]))
+        if tuple(scales.shape) != grid:
+            raise ValueError(f"{self.directory}: {scale_key!r} has shape {list(scales.shape)}; {key!r} "
+                             f"[{rows}, {cols}] in blocks of {list(self.fp8_block)} needs {list(grid)}")
+        return BlockFp8(found, scales, self.fp8_block)
+
+    def _raw(self, key: str):
         name = self.file_of[key]
         if name not in self._handles:
             self._handles[name] = self._open(name)
