@@ -16,7 +16,7 @@ from .units import check_units
 
 ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -103,7 +103,9 @@ class ModelConfig:
         glu_limit, glu_offset: quick_geglu clamps gate to ``<= limit`` and up to
             ``[-limit, limit]`` and computes ``gate * sigmoid(1.702 gate) * (up + offset)``
             (``glu_limit = inf``: no clamp; every other float field must be finite).
-        score_func: router scores, ``softmax`` or ``sigmoid`` (computed in fp32).
+        score_func: router scores (computed in fp32): ``softmax`` or ``sigmoid`` of the
+            logits, or ``topk_softmax`` (GPT-OSS): the experts with the top-k logits, weighted
+            by the softmax of those k logits alone (aux and z losses from the full softmax).
         norm_topk_prob: renormalise the top-k probabilities to sum to 1.
         prob_placement: ``output`` scales each expert's output by its probability;
             ``activation`` scales the activation before fc2 (differs only with fc2 bias).
@@ -129,6 +131,8 @@ class ModelConfig:
         tie_embeddings: the head reuses ``embed`` (logits ``= h @ embed.T``; no ``head`` leaf).
         shared_gate: scale the shared expert's output by ``sigmoid(x @ gate)`` per token
             (as Qwen2-MoE); needs ``shared_ffn > 0``.
+        router_bias: a learned bias ``router_bias [E]`` on the router logits (GPT-OSS), which
+            selects and weights (unlike ``expert_bias``, which only selects).
         dense_layers: indices of the layers whose MLP is dense (``layers[i].mlp``) instead
             of a routed MoE (DeepSeek-V3's and GLM-4.5's first layers); at least one layer
             stays MoE. A list is taken as the sorted tuple.
@@ -177,6 +181,7 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     shared_gate: bool = False
+    router_bias: bool = False
     dense_layers: tuple = ()
     dense_ffn: int = 0
     expert_groups: int = 1
@@ -197,7 +202,7 @@ class ModelConfig:
         check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
         check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
         _check_choices(self, own)
-        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases"):
+        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias"):
             check_bool(f"{own}.{name}", getattr(self, name))
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
         for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):

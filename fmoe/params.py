@@ -60,6 +60,8 @@ def param_specs(cfg: ModelConfig) -> dict:
             "expert_bias": ((E,), "zeros"),
             "experts": experts,
         }
+        if cfg.router_bias:
+            moe["router_bias"] = ((E,), "zeros")
         if cfg.shared_ffn:
             Fs = cfg.shared_ffn
             moe["shared"] = {"fc1": ((D, cfg.fc1_width(Fs)), "normal"), "fc2": ((Fs, D), "normal_out")}
@@ -106,7 +108,7 @@ def _dotted(path) -> str:
 
 # Routing is decided in fp32 from fp32 weights whatever the compute dtype; expert
 # biases stay fp32 so their row-summed gradients are accumulated in fp32.
-FP32_LEAVES = ("router", "expert_bias", "fc1_bias", "fc2_bias")
+FP32_LEAVES = ("router", "router_bias", "expert_bias", "fc1_bias", "fc2_bias")
 
 
 def decays(name: str) -> bool:

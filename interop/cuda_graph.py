@@ -200,8 +200,9 @@ def _attn_flat(p_layer: dict, plan: Plan):
 
 
 def _router_flat(p_moe: dict):
-    return [p_moe["router"], p_moe["expert_bias"]], \
-        lambda cfg: (lambda x, router, bias: route({"router": router, "expert_bias": bias}, x, cfg))
+    names = [n for n in ("router", "expert_bias", "router_bias") if n in p_moe]
+    return [p_moe[n] for n in names], \
+        lambda cfg: (lambda x, *leaves: route(dict(zip(names, leaves)), x, cfg))
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:

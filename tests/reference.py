@@ -123,14 +123,20 @@ def act(h, cfg):
 def route_token(p, x_D, cfg):
     """(experts, probs, scores) for one token."""
     logits = x_D @ p["router"]
-    if cfg.score_func == "softmax":
+    if "router_bias" in p:
+        logits = logits + p["router_bias"]
+    if cfg.score_func == "sigmoid":
+        scores = 1 / (1 + torch.exp(-logits))
+    else:
         e = torch.exp(logits - logits.max())
         scores = e / e.sum()
-    else:
-        scores = 1 / (1 + torch.exp(-logits))
-    sel = (scores + p["expert_bias"]).tolist()
+    by_logit = cfg.score_func == "topk_softmax"
+    sel = ((logits if by_logit else scores) + p["expert_bias"]).tolist()
     chosen = sorted(allowed_experts(sel, cfg), key=lambda i: -sel[i])[: cfg.topk]
     probs = torch.stack([scores[i] for i in chosen])
+    if by_logit:  # a softmax over the chosen logits alone
+        top = torch.stack([logits[i] for i in chosen])
+        probs = torch.exp(top - top.max()) / torch.exp(top - top.max()).sum()
     if cfg.norm_topk_prob:
         probs = probs / probs.sum()
     return chosen, probs * cfg.routed_scaling, scores
@@ -185,7 +191,7 @@ def moe(p, x_TD, cfg, capacity=None):
     f = torch.tensor(counts, dtype=x_TD.dtype) / (T * cfg.topk)
     P = torch.stack(score_rows).mean(0)
     aux = cfg.experts * (f * P).sum()
-    logits = x_TD @ p["router"]
+    logits = x_TD @ p["router"] + (p["router_bias"] if "router_bias" in p else 0)
     z = (torch.logsumexp(logits, -1) ** 2).mean()
     return torch.stack(ys), torch.tensor(counts), aux, z
 

@@ -177,10 +177,36 @@ def test_model_loss_with_grouped_routing_and_partial_rope_matches_the_reference(
 
 @pytest.mark.parametrize("change,field", [(dict(expert_groups=2), "expert_groups"),
                                           (dict(routed_scaling=2.0), "routed_scaling"),
-                                          (dict(rope_fraction=0.5), "rope_fraction")])
+                                          (dict(rope_fraction=0.5), "rope_fraction"),
+                                          (dict(score_func="topk_softmax"), "score_func"),
+                                          (dict(router_bias=True), "router_bias")])
 def test_hf_save_refuses_what_the_released_families_cannot_hold(change, field):
     from fmoe.hf.families import family_of
 
     cfg = fmoe.ModelConfig(vocab=64, dim=32, heads=4, experts=4, ffn=16).replace(**change)
     with pytest.raises(ValueError, match=f"ModelConfig.{field}="):
         family_of(cfg)
+
+
+def test_gpt_oss_routing_equals_transformers_router():
+    """``topk_softmax`` with a router bias: the experts of the top-k biased logits,
+    weighted by a softmax over those k logits (transformers' GptOssTopKRouter)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    cfg = fmoe.ModelConfig(dim=16, experts=8, topk=3, score_func="topk_softmax", router_bias=True,
+                           norm_topk_prob=False)
+    p = ref.random_params(cfg, seed=11)["layers"][0]["moe"]
+    p["expert_bias"] = torch.zeros_like(p["expert_bias"])  # GPT-OSS selects without one
+    x_TD = torch.randn(40, 16, dtype=F64)
+    theirs = modeling_gpt_oss.GptOssTopKRouter(modeling_gpt_oss.GptOssConfig(
+        hidden_size=16, num_local_experts=8, num_experts_per_tok=3)).double()
+    with torch.no_grad():
+        theirs.weight.copy_(p["router"].t())
+        theirs.bias.copy_(p["router_bias"])
+        _, want_probs, want_idx = theirs(x_TD)
+    got = layers.route(p, x_TD, cfg)
+    got_idx, got_probs = by_expert(got.indices_TK, got.probs_TK)
+    want_idx, want_probs = by_expert(want_idx, want_probs)
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_probs, want_probs, rtol=1e-12, atol=1e-12)
+

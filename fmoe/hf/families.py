@@ -166,6 +166,7 @@ def _glm4_moe(cfg: ModelConfig, where: str) -> str:
     first_k = tuple(range(len(cfg.dense_layers)))
     _check_fields(cfg, where, (
         ("activation", cfg.activation, cfg.activation == "swiglu"),
+        ("router_bias", cfg.router_bias, not cfg.router_bias),
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn > 0 and cfg.shared_ffn % cfg.ffn == 0),
         ("shared_gate", cfg.shared_gate, not cfg.shared_gate),
@@ -183,6 +184,8 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
         return _glm4_moe(cfg, where)
     _check_fields(cfg, where, (
         ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
+        ("score_func", cfg.score_func, cfg.score_func == "softmax"),
+        ("router_bias", cfg.router_bias, not cfg.router_bias),
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
         ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),

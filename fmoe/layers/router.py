@@ -72,7 +72,8 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     ``routed_scaling``, are the probabilities.
 
     Arguments:
-        p: one layer's ``moe`` subtree (``router [D, E]``, ``expert_bias [E]``).
+        p: one layer's ``moe`` subtree (``router [D, E]``, ``expert_bias [E]``, optional
+            ``router_bias [E]``).
         x_TD: ``[T, D]`` normalised tokens.
         cfg: the ModelConfig.
 
@@ -81,12 +82,17 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     """
     E, K = cfg.experts, cfg.topk
     logits_TE = upcast(x_TD) @ upcast(p["router"])
-    scores_TE = logits_TE.softmax(-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
-    selection_TE = scores_TE.detach() + upcast(p["expert_bias"].detach())
+    if "router_bias" in p:
+        logits_TE = logits_TE + upcast(p["router_bias"])
+    scores_TE = logits_TE.sigmoid() if cfg.score_func == "sigmoid" else logits_TE.softmax(-1)
+    top_logits = cfg.score_func == "topk_softmax"  # chosen by logit, weighted by a softmax over the k
+    selection_TE = (logits_TE if top_logits else scores_TE).detach() + upcast(p["expert_bias"].detach())
     if cfg.expert_groups > 1:
         selection_TE = limit_to_groups(selection_TE, cfg.expert_groups, cfg.topk_groups)
     indices_TK = selection_TE.topk(K, dim=-1, sorted=True).indices
-    probs_TK = scores_TE.gather(-1, indices_TK)
+    probs_TK = (logits_TE if top_logits else scores_TE).gather(-1, indices_TK)
+    if top_logits:
+        probs_TK = probs_TK.softmax(-1)
     if cfg.norm_topk_prob:
         probs_TK = probs_TK / probs_TK.sum(-1, keepdim=True).clamp_min(1e-20)
     if cfg.routed_scaling != 1.0:
