@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .backends import expert_backend_names
 from .checks import check_bool, check_choice, check_int, check_positive, fail, is_int, is_number
@@ -26,12 +27,13 @@ GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
 REMATS = ("none", "selective", "full")
 FP8S = ("none", "rowwise", "tensorwise")
+ROPE_SCALINGS = ("none", "yarn")
 # The fields with a fixed set of values (with expert_backend's names: ``choices``, what the
 # main job's --help lists).
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
            "dtype": DTYPES, "gather_buffers": GATHER_BUFFERS,
-           "remat": REMATS, "fp8": FP8S}
+           "remat": REMATS, "fp8": FP8S, "rope_scaling": ROPE_SCALINGS}
 
 
 def choices(field: str) -> tuple | None:
@@ -85,6 +87,31 @@ def field_docs(cls) -> dict:
             for n in names:
                 docs[n] += " " + stripped
     return {n: t.replace("``", "") for n, t in docs.items()}
+
+
+_YARN_FIELDS = ("rope_factor", "rope_original_max", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+                "yarn_mscale_all_dim", "yarn_attention_factor", "yarn_truncate")
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``m(s) = 0.1 s ln(factor) + 1`` (1 for ``factor <= 1``), transformers'
+    ``get_mscale`` / ``yarn_get_mscale``."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+class Yarn(NamedTuple):
+    """YaRN's settings (``ModelConfig.yarn``): ``factor``, ``original_max``, ``beta_fast``,
+    ``beta_slow``, ``truncate`` as the ModelConfig fields, ``cos_factor`` the factor on
+    cos/sin."""
+
+    factor: float
+    original_max: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    cos_factor: float
 
 
 @dataclass(frozen=True)
@@ -149,6 +176,27 @@ class ModelConfig:
         rope_fraction: share of each q/k head's features that RoPE rotates (the first
             ``rope_dims = int(head_dim * rope_fraction)``, which must be even; the rest
             pass unchanged), in ``(0, 1]`` (``partial_rotary_factor``).
+        rope_scaling: ``none`` or ``yarn`` (YaRN context extension, as DeepSeek-V3 and
+            GPT-OSS, computed as transformers' ``rope_type="yarn"``): the rotated pairs'
+            frequencies blend ``theta ** (-2i / rope_dims)`` (fast pairs, kept) with it
+            divided by ``rope_factor`` (slow pairs, interpolated), and cos/sin are
+            multiplied by an attention factor. The ``rope_factor`` and ``yarn_*`` fields
+            below are read only with ``yarn`` and must keep their defaults under ``none``.
+        rope_factor: YaRN's context extension ``factor``, >= 1.
+        rope_original_max: the context length pretrained before the extension
+            (``original_max_position_embeddings``), > 0 with ``yarn``.
+        yarn_beta_fast, yarn_beta_slow: rotations over ``rope_original_max`` positions
+            above which a pair keeps its frequency (``beta_fast``) and below which it is
+            fully interpolated (``beta_slow``), with a linear ramp between; > 0, fast >= slow.
+        yarn_mscale, yarn_mscale_all_dim: the attention factor is
+            ``m(mscale) / m(mscale_all_dim)`` with ``m(s) = 0.1 s ln(rope_factor) + 1``
+            when both are > 0, else ``m(1)`` (0: unset in transformers' config, as
+            GPT-OSS). ``yarn_mscale_all_dim > 0`` also multiplies the softmax scale by
+            ``m(mscale_all_dim) ** 2`` (DeepSeek-V3's ``attention_scale``).
+        yarn_attention_factor: the factor on cos/sin given explicitly
+            (``attention_factor``); 0 derives it from the mscales as above.
+        yarn_truncate: round the ramp's ends to whole pairs (floor, ceil) as
+            transformers' ``truncate`` (its default, True); False keeps them fractional.
     """
 
     vocab: int = 256
@@ -188,6 +236,15 @@ class ModelConfig:
     topk_groups: int = 1
     routed_scaling: float = 1.0
     rope_fraction: float = 1.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0
+    yarn_truncate: bool = True
 
     def __post_init__(self):
         own = "ModelConfig"
@@ -220,6 +277,7 @@ class ModelConfig:
             fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
         self._check_groups()
         self._check_rope_fraction()
+        self._check_rope_scaling()
         if self.kv_heads and self.heads % self.kv_heads:
             fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
         _check_dense_layers(self, own)
@@ -267,6 +325,61 @@ class ModelConfig:
         if self.rope_dims == 0 or self.rope_dims % 2:
             fail(own, self.rope_fraction, f"must give an even, nonzero rope_dims = int(head_dim * rope_fraction) "
                                           f"(head_dim {self.head_dim}: {self.rope_dims})")
+
+    def _check_rope_scaling(self) -> None:
+        own = "ModelConfig"
+        check_bool(f"{own}.yarn_truncate", self.yarn_truncate)
+        check_int(f"{own}.rope_original_max", self.rope_original_max, 0, builtin=True)
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            check_positive(f"{own}.{name}", getattr(self, name))
+        for name in ("yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
+        check_positive(f"{own}.rope_factor", self.rope_factor)
+        if self.rope_scaling == "none":
+            # a YaRN setting without rope_scaling='yarn' would be silently ignored
+            for field in dataclasses.fields(self):
+                if field.name in _YARN_FIELDS and getattr(self, field.name) != field.default:
+                    fail(f"{own}.{field.name}", getattr(self, field.name),
+                         f"is read only with rope_scaling='yarn' (is 'none'): leave it at {field.default!r}")
+            return
+        if self.rope_factor < 1:
+            fail(f"{own}.rope_factor", self.rope_factor, "must be >= 1 with rope_scaling='yarn'")
+        if self.rope_original_max < 1:
+            fail(f"{own}.rope_original_max", self.rope_original_max,
+                 "must be an int >= 1 with rope_scaling='yarn' (original_max_position_embeddings)")
+        if self.yarn_beta_fast < self.yarn_beta_slow:
+            fail(f"{own}.yarn_beta_fast", self.yarn_beta_fast, f"must be >= yarn_beta_slow ({self.yarn_beta_slow})")
+
+    @property
+    def yarn(self) -> "Yarn | None":
+        """YaRN's settings as one hashable value (None without ``rope_scaling='yarn'``),
+        what the attention's RoPE tables are computed from."""
+        if self.rope_scaling != "yarn":
+            return None
+        return Yarn(self.rope_factor, self.rope_original_max, self.yarn_beta_fast, self.yarn_beta_slow,
+                    self.yarn_truncate, self.yarn_cos_factor)
+
+    @property
+    def yarn_cos_factor(self) -> float:
+        """The factor on YaRN's cos/sin (transformers' ``attention_scaling``):
+        ``yarn_attention_factor``, or derived from ``rope_factor`` and the mscales."""
+        if self.yarn_attention_factor:
+            return self.yarn_attention_factor
+        factor = self.rope_factor
+        if self.yarn_mscale and self.yarn_mscale_all_dim:
+            return float(yarn_get_mscale(factor, self.yarn_mscale)
+                         / yarn_get_mscale(factor, self.yarn_mscale_all_dim))
+        return yarn_get_mscale(factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax's factor on ``q . k``: ``head_dim ** -0.5``, and with YaRN and
+        ``yarn_mscale_all_dim > 0`` times ``m(mscale_all_dim) ** 2`` (DeepSeek-V3's
+        correction, which keeps the scores' temperature under the longer context)."""
+        if self.rope_scaling == "yarn" and self.yarn_mscale_all_dim:
+            m = yarn_get_mscale(self.rope_factor, self.yarn_mscale_all_dim)
+            return self.head_dim ** (-0.5) * m * m  # in DeepseekV3Attention's order of operations
+        return 1.0 / math.sqrt(self.head_dim)  # as SDPA works out its default
 
     @property
     def is_glu(self) -> bool:

@@ -35,23 +35,70 @@ def rms_norm(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x_SHd, theta, positions=None, dims=None):
+def rope(x_SHd, theta, positions=None, dims=None, cfg=None):
     """Rotate pairs (i, i + r/2) at position s by s * theta^(-2i/r), one position at a time
     (``positions``: each row's own position instead of its index; ``dims``: r, the
-    features rotated, all d by default; the rest are copied)."""
+    features rotated, all d by default; the rest are copied; ``cfg`` with
+    ``rope_scaling='yarn'``: YaRN's frequencies and cos/sin factor, ``yarn_frequency``)."""
     S, H, d = x_SHd.shape
     r = dims or d
     out = x_SHd.clone()
     half = r // 2
+    yarn = cfg is not None and cfg.rope_scaling == "yarn"
+    gain = yarn_cos_factor(cfg) if yarn else 1.0
     for s in range(S):
         pos = s if positions is None else int(positions[s])
         for i in range(half):
-            ang = pos * theta ** (-2.0 * i / r)
-            c, sn = math.cos(ang), math.sin(ang)
+            freq = yarn_frequency(i, r, theta, cfg) if yarn else theta ** (-2.0 * i / r)
+            ang = pos * freq
+            c, sn = gain * math.cos(ang), gain * math.sin(ang)
             a, b = x_SHd[s, :, i], x_SHd[s, :, i + half]
             out[s, :, i] = a * c - b * sn
             out[s, :, i + half] = b * c + a * sn
     return out
+
+
+def yarn_m(factor, s):
+    """YaRN's 0.1 s ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * s * math.log(factor) + 1.0
+
+
+def yarn_cos_factor(cfg):
+    """What YaRN multiplies cos and sin by (the paper's sqrt(1/t), DeepSeek's mscale ratio)."""
+    if cfg.yarn_attention_factor:
+        return cfg.yarn_attention_factor
+    if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:
+        return yarn_m(cfg.rope_factor, cfg.yarn_mscale) / yarn_m(cfg.rope_factor, cfg.yarn_mscale_all_dim)
+    return yarn_m(cfg.rope_factor, 1.0)
+
+
+def yarn_frequency(i, r, theta, cfg):
+    """YaRN (arXiv 2309.00071, "NTK-by-parts") for pair i of r rotated features: the pair
+    turns L / wavelength times over the original context L; above beta_fast turns it
+    keeps theta^(-2i/r), below beta_slow it takes that / factor, linear in i between
+    (the ends as pair indices, rounded outwards when truncating)."""
+    L = cfg.rope_original_max
+
+    def pair_at(turns):  # solve L / (2 pi theta^(2i/r)) = turns for i
+        return r / 2 * math.log(L / (2 * math.pi * turns)) / math.log(theta)
+
+    lo, hi = pair_at(cfg.yarn_beta_fast), pair_at(cfg.yarn_beta_slow)
+    if cfg.yarn_truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, r - 1)
+    if hi == lo:
+        hi += 0.001
+    ramp = min(1.0, max(0.0, (i - lo) / (hi - lo)))  # 0: keep, 1: interpolate
+    base = theta ** (-2.0 * i / r)
+    return base * (1 - ramp) + base / cfg.rope_factor * ramp
+
+
+def yarn_softmax_gain(cfg):
+    """DeepSeek-V3's YaRN correction of the 1/sqrt(d) softmax scale: m(mscale_all_dim)^2
+    (1 without one)."""
+    if cfg.rope_scaling == "yarn" and cfg.yarn_mscale_all_dim:
+        return yarn_m(cfg.rope_factor, cfg.yarn_mscale_all_dim) ** 2
+    return 1.0
 
 
 def document_positions(doc_S):
@@ -83,13 +130,13 @@ def attention(p, x_BSD, cfg, docs_BS=None):
         if cfg.qk_norm == "head":
             q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
         positions = None if docs_BS is None else document_positions(docs_BS[b].tolist())
-        q, k = (rope(t, cfg.rope_theta, positions, cfg.rope_dims) for t in (q, k))
+        q, k = (rope(t, cfg.rope_theta, positions, cfg.rope_dims, cfg) for t in (q, k))
         o = torch.empty(S, H, d, dtype=x_BSD.dtype)
         for h in range(H):
             kv = h // (H // KV)
             for s in range(S):
                 first = 0 if positions is None else s - positions[s]
-                logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d)
+                logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d) * yarn_softmax_gain(cfg)
                 w = torch.exp(logits - logits.max())
                 o[s, h] = (w / w.sum()) @ v[first: s + 1, kv]
         outs.append(o.reshape(S, H * d) @ p["out"])

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..config import ModelConfig
+from ..config import ModelConfig, Yarn
 from . import triton_kernels
 from .fp8 import PLAIN, Gemms
 from .norm import rms_norm
@@ -26,18 +26,57 @@ from .precision import upcast
 
 
 def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int = 0,
-                positions_BS: torch.Tensor | None = None):
+                positions_BS: torch.Tensor | None = None, yarn: Yarn | None = None):
     """``cos, sin`` of shape ``[S, head_dim / 2]`` in fp64 for positions ``start..start+S-1``;
     with ``positions_BS`` (packed documents), ``[B, 1, S, head_dim / 2]`` for those positions.
     ``head_dim``: the features rotated (``ModelConfig.rope_dims``, fewer than a head's
-    under partial RoPE), which set the frequencies ``theta ** (-2i / head_dim)``."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    under partial RoPE), which set the frequencies ``theta ** (-2i / head_dim)``.
+    ``yarn`` (``ModelConfig.yarn``): YaRN's frequencies instead, and cos/sin times its
+    ``cos_factor``, as transformers' rotary embedding with ``rope_type="yarn"``."""
+    if yarn is None:
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    else:
+        inv_freq = torch.tensor(yarn_inverse_frequencies(head_dim, theta, yarn), dtype=torch.float64, device=device)
     if positions_BS is not None:
         angles = positions_BS.to(torch.float64)[:, None, :, None] * inv_freq
+    else:
+        positions = torch.arange(start, start + seq, device=device, dtype=torch.float64)
+        angles = positions[:, None] * inv_freq[None, :]
+    if yarn is None:
         return angles.cos(), angles.sin()
-    positions = torch.arange(start, start + seq, device=device, dtype=torch.float64)
-    angles = positions[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    return angles.cos() * yarn.cos_factor, angles.sin() * yarn.cos_factor
+
+
+def yarn_inverse_frequencies(dims: int, theta: float, yarn: Yarn) -> tuple[float, ...]:
+    """YaRN's ``dims / 2`` inverse frequencies (transformers' ``_compute_yarn_parameters``,
+    in fp64): pair ``i`` keeps ``theta ** (-2i / dims)`` (extrapolates) where it turns
+    more than ``beta_fast`` times over ``original_max`` positions, takes it divided by
+    ``factor`` (interpolates) where it turns fewer than ``beta_slow`` times, and blends
+    the two linearly between. Plain Python floats, not cached (``dims / 2`` of them, a
+    few microseconds): a compiled graph takes them as constants, and dynamo would warn
+    of a ``functools.cache`` on the way."""
+    low, high = _yarn_ramp_ends(dims, theta, yarn)
+    if low == high:
+        high += 0.001  # as transformers: an empty ramp would divide by zero
+    out = []
+    for i in range(dims // 2):
+        wavelength = theta ** (2 * i / dims)  # the pair's, divided by 2 pi
+        extrapolated, interpolated = 1.0 / wavelength, 1.0 / (yarn.factor * wavelength)
+        keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1 below the ramp, 0 above
+        out.append(interpolated * (1.0 - keep) + extrapolated * keep)
+    return tuple(out)
+
+
+def _yarn_ramp_ends(dims: int, theta: float, yarn: Yarn) -> tuple[float, float]:
+    """The pair indices where YaRN's ramp from keeping to interpolating starts and ends."""
+    def pair_turning(rotations: float) -> float:
+        # the (fractional) pair index whose wavelength fits `rotations` times in original_max
+        return dims * math.log(yarn.original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(yarn.beta_fast), pair_turning(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dims - 1)
 
 
 class Documents(NamedTuple):
@@ -141,7 +180,8 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
         # fuses the norm with the split and transpose (2% faster at the qwen3 shape)
         q_BSHd, k_BSKd = rms_norm(q_BSHd, p["q_norm"], cfg.norm_eps), rms_norm(k_BSKd, p["k_norm"], cfg.norm_eps)
     q_BHSd, k_BKSd, v_BKSd = (rearrange(t, "b s h d -> b h s d") for t in (q_BSHd, k_BSKd, v_BSKd))
-    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], cfg.rope_dims, cfg.rope_theta, x_BSD.device, start, positions_BS)
+    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], cfg.rope_dims, cfg.rope_theta, x_BSD.device, start, positions_BS,
+                                 cfg.yarn)
     return apply_rope(q_BHSd, cos_Sh, sin_Sh), apply_rope(k_BKSd, cos_Sh, sin_Sh), v_BKSd
 
 
@@ -196,7 +236,7 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         p: one layer's ``attn`` subtree (``qkv [D, Q + 2K]``, ``out [Q, D]``, and
             ``qkv_bias``, ``q_norm``, ``k_norm`` when the config has them).
         x_BSD: ``[B, S, D]`` normalised activations.
-        cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, rope_theta).
+        cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, RoPE and its scaling).
         kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
             values are written into it and the queries attend over all of them.
         gemms: the products of the two projections (``fmoe.layers.fp8``).
@@ -213,8 +253,8 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
     # the scale as a number from the config: a compiled graph that went dynamic in the
     # head size would otherwise give FlexAttention's kernel a symbolic one, which
-    # inductor cannot lower
-    scale = 1.0 / math.sqrt(cfg.head_dim)  # as SDPA works out its default
+    # inductor cannot lower (and YaRN's DeepSeek-V3 correction changes it)
+    scale = cfg.attention_scale
     return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start, docs, scale), p["out"])
 
 
