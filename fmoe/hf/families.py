@@ -171,6 +171,7 @@ def _glm4_moe(cfg: ModelConfig, where: str) -> str:
         ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn > 0 and cfg.shared_ffn % cfg.ffn == 0),
         ("shared_gate", cfg.shared_gate, not cfg.shared_gate),
         ("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
+        ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none"),
         ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)),
         "score_func='sigmoid' is written as glm4_moe (GLM-4.5: a shared expert a multiple of ffn wide, "
         "first layers dense), which has")
@@ -189,7 +190,8 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
         ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
-        ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0)))
+        ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0),
+        ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none")))
     if cfg.shared_ffn and not cfg.shared_gate:
         _fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
     if cfg.qk_norm == "head":
