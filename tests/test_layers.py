@@ -296,8 +296,9 @@ def test_interleaved_weights_give_same_layer_output():
                                            tie_embeddings=True, shared_gate=True),
                                    dict(layers=3, dense_layers=(0, 2), dense_ffn=12, glu_interleave=2),
                                    dict(score_func="sigmoid", expert_groups=2, topk_groups=1, routed_scaling=2.5,
-                                        rope_fraction=0.5)],
-                         ids=["mha", "hf_features", "dense_layers", "glm_routing_partial_rope"])
+                                        rope_fraction=0.5),
+                                   dict(attn_sinks=True, sliding_window=3, window_layers=(0,))],
+                         ids=["mha", "hf_features", "dense_layers", "glm_routing_partial_rope", "sinks_window"])
 def test_model_loss_matches_reference(extra):
     cfg = fmoe.ModelConfig(**{**dict(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4),
                               **extra})
