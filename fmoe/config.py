@@ -44,11 +44,17 @@ def choices(field: str) -> tuple | None:
     return CHOICES.get(field)
 
 
-def _check_dense_layers(cfg, own: str) -> None:
-    layers = cfg.dense_layers
+def _check_layer_indices(cfg, own: str, name: str) -> tuple:
+    """``cfg.<name>``, a tuple of distinct layer indices in order, or a ValueError naming it."""
+    layers = getattr(cfg, name)
     ok = isinstance(layers, tuple) and all(is_int(i, builtin=True) and 0 <= i < cfg.layers for i in layers)
     if not ok or tuple(sorted(set(layers))) != layers:
-        fail(f"{own}.dense_layers", layers, f"must be distinct layer indices in 0..{cfg.layers - 1}, in order")
+        fail(f"{own}.{name}", layers, f"must be distinct layer indices in 0..{cfg.layers - 1}, in order")
+    return layers
+
+
+def _check_dense_layers(cfg, own: str) -> None:
+    layers = _check_layer_indices(cfg, own, "dense_layers")
     if len(layers) == cfg.layers:
         fail(f"{own}.dense_layers", layers, f"must leave at least one of the {cfg.layers} layers MoE")
     check_int(f"{own}.dense_ffn", cfg.dense_ffn, 0, builtin=True)
@@ -57,6 +63,14 @@ def _check_dense_layers(cfg, own: str) -> None:
              f"(dense_layers={list(layers)})")
     if cfg.glu_interleave and cfg.dense_ffn % cfg.glu_interleave:
         fail(f"{own}.glu_interleave", cfg.glu_interleave, f"must divide dense_ffn ({cfg.dense_ffn})")
+
+
+def _check_window(cfg, own: str) -> None:
+    layers = _check_layer_indices(cfg, own, "window_layers")
+    check_int(f"{own}.sliding_window", cfg.sliding_window, 0, builtin=True)
+    if bool(layers) != bool(cfg.sliding_window):
+        fail(f"{own}.sliding_window", cfg.sliding_window, "must be > 0 exactly when window_layers names a layer "
+             f"(window_layers={list(layers)})")
 
 
 def _check_choices(config, own: str) -> None:
@@ -197,6 +211,14 @@ class ModelConfig:
             (``attention_factor``); 0 derives it from the mscales as above.
         yarn_truncate: round the ramp's ends to whole pairs (floor, ceil) as
             transformers' ``truncate`` (its default, True); False keeps them fractional.
+        attn_sinks: attention sinks (as GPT-OSS): a learned logit per head
+            (``layers[i].attn.sinks [heads]``) that joins every query's softmax as one
+            more column with no value, so a query may attend to nothing.
+        sliding_window: the window of the layers in ``window_layers`` (as GPT-OSS's
+            ``sliding_attention`` layers): a query at position i sees the keys j with
+            ``i - sliding_window < j <= i``; > 0 exactly when ``window_layers`` names a layer.
+        window_layers: indices of the layers with the sliding window; the others attend
+            to every earlier position. A list is taken as the sorted tuple.
     """
 
     vocab: int = 256
@@ -245,11 +267,15 @@ class ModelConfig:
     yarn_mscale_all_dim: float = 0.0
     yarn_attention_factor: float = 0.0
     yarn_truncate: bool = True
+    attn_sinks: bool = False
+    sliding_window: int = 0
+    window_layers: tuple = ()
 
     def __post_init__(self):
         own = "ModelConfig"
-        if isinstance(self.dense_layers, list):  # as JSON and TOML hold it
-            object.__setattr__(self, "dense_layers", tuple(sorted(self.dense_layers)))
+        for name in ("dense_layers", "window_layers"):
+            if isinstance(getattr(self, name), list):  # as JSON and TOML hold it
+                object.__setattr__(self, name, tuple(sorted(getattr(self, name))))
         for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         check_int(f"{own}.shared_ffn", self.shared_ffn, 0, builtin=True)
@@ -259,7 +285,8 @@ class ModelConfig:
         check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
         check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
         _check_choices(self, own)
-        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias"):
+        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias",
+                     "attn_sinks"):
             check_bool(f"{own}.{name}", getattr(self, name))
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
         for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):
@@ -281,6 +308,7 @@ class ModelConfig:
         if self.kv_heads and self.heads % self.kv_heads:
             fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
         _check_dense_layers(self, own)
+        _check_window(self, own)
         if self.shared_gate and not self.shared_ffn:
             fail(f"{own}.shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
         if self.glu_interleave:
@@ -296,6 +324,17 @@ class ModelConfig:
     def is_dense(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is dense (``dense_layers``), not a routed MoE."""
         return layer in self.dense_layers
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window: ``sliding_window`` if ``window_layers`` names
+        it, else 0 (it attends to every earlier position)."""
+        return self.sliding_window if layer in self.window_layers else 0
+
+    @property
+    def any_window(self) -> int:
+        """``sliding_window`` if some layer uses it, else 0 (what packed documents'
+        masks are built for)."""
+        return self.sliding_window if self.window_layers else 0
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

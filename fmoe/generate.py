@@ -72,7 +72,7 @@ def forward_cached(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, cach
     dropless = cfg.replace(capacity_factor=0.0, pad_multiple=0)
     h = params["embed"][tokens_BS]
     for i, p in enumerate(params["layers"]):
-        h, _ = block(p, h, dropless, kv=KVSlot(cache.keys[i], cache.values[i], start))
+        h, _ = block(p, h, dropless, kv=KVSlot(cache.keys[i], cache.values[i], start), layer=i)
     logits = rms_norm(h, params["final_norm"], cfg.norm_eps) @ head_weight(params)
     return logits, cache._replace(length=start + S)
 

@@ -3,7 +3,7 @@
 Layout (``y = x @ W`` everywhere, fp32)::
 
     embed [V, D]
-    layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], q_norm, k_norm)
+    layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], q_norm, k_norm, sinks [H])
     layers[i].moe.{norm [D], router [D, E], expert_bias [E]}
     layers[i].moe.experts.{fc1 [E, D, 2F], fc2 [E, F, D]}  (+ fc1_bias [E, 2F], fc2_bias [E, D])
     layers[i].moe.shared.{fc1 [D, 2Fs], fc2 [Fs, D]}       (when shared_ffn > 0)
@@ -90,6 +90,8 @@ def attention_specs(cfg: ModelConfig) -> dict:
         per_head = cfg.qk_norm == "head"
         attn["q_norm"] = ((cfg.head_dim if per_head else Q,), "ones")
         attn["k_norm"] = ((cfg.head_dim if per_head else K,), "ones")
+    if cfg.attn_sinks:  # as transformers' GptOssAttention initialises them
+        attn["sinks"] = ((cfg.heads,), "normal")
     return attn
 
 
@@ -112,9 +114,9 @@ FP32_LEAVES = ("router", "router_bias", "expert_bias", "fc1_bias", "fc2_bias")
 
 
 def decays(name: str) -> bool:
-    """Whether AdamW's weight decay applies to a leaf named ``name``: matrices, not norms
-    or biases (by name, since a row shard of a vector is 2-D)."""
-    return not (name.endswith("norm") or name.endswith("bias"))
+    """Whether AdamW's weight decay applies to a leaf named ``name``: matrices, not norms,
+    biases or attention sinks (by name, since a row shard of a vector is 2-D)."""
+    return not (name.endswith("norm") or name.endswith("bias") or name == "sinks")
 
 
 def trainable(name: str) -> bool:
@@ -148,7 +150,7 @@ class Leaf(NamedTuple):
             layer's attention and MLP) or ``head``.
         domain: ``expert`` (the routed experts, split over EP ranks) or ``dense``.
         fp32: kept in fp32 whatever the compute dtype (``FP32_LEAVES``).
-        decayed: AdamW's weight decay applies (matrices, not norms or biases:
+        decayed: AdamW's weight decay applies (matrices, not norms, biases or sinks:
             ``decays``, the rule the optimizer applies by leaf name to any pytree).
         trainable: changed by gradient steps (not ``expert_bias``, which
             ``update_expert_bias`` balances from routing counts: ``trainable``).

@@ -191,12 +191,13 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
 
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
 
-def _attn_flat(p_layer: dict, plan: Plan):
+def _attn_flat(p_layer: dict, plan: Plan, window: int = 0):
     mlp = "moe" if "moe" in p_layer else "mlp"  # a dense layer's MLP norm
-    sub = {"attn": p_layer["attn"], mlp: {"norm": p_layer[mlp]["norm"]}}
+    sub = {"attn": p_layer["attn"], mlp: {"norm": p_layer[mlp]["norm"]}}  # every attn leaf: sinks too
     leaves, treedef = optree.tree_flatten(sub)
     gemms = GEMMS[plan.fp8]
-    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg, gemms=gemms))
+    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg,
+                                                             window=window, gemms=gemms))
 
 
 def _router_flat(p_moe: dict):
@@ -240,12 +241,12 @@ class _ScopeGraphs:
     def kernels(self) -> Kernels:
         chosen = {}
         if "attn" in self.scopes:
-            def attn(site, p, h, cfg, docs=None):
+            def attn(site, p, h, cfg, docs=None, window=0):
                 if docs is not None:
                     raise ValueError("a graphed 'attn' scope runs plain causal attention: batches with "
                                      "'segments' (packed documents) need the eager or compiled attention, or "
                                      "capture_step (capture without 'attn' in scopes)")
-                leaves, make = _attn_flat(p, self.plan)
+                leaves, make = _attn_flat(p, self.plan, window)  # one graph per site: its layer's window
                 return self._call("attn", site, make, [h, *leaves])
             chosen["attn"] = attn
         if "router" in self.scopes:

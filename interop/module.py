@@ -100,7 +100,8 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: fmoe.ModelConfig, seed: int = 0, params: dict | None = None,
                  backend: str = "torch"):
         super().__init__()
-        one_layer = cfg.replace(layers=1, dense_layers=(), dense_ffn=0)  # a MoE layer whatever cfg's layer 0 is
+        # a MoE layer whatever cfg's layer 0 is; it does not attend, so no window either
+        one_layer = cfg.replace(layers=1, dense_layers=(), dense_ffn=0, sliding_window=0, window_layers=())
         if params is None:
             params = fmoe.init(fmoe.Plan(model=one_layer), seed)["layers"][0]["moe"]
         tree = {k: v for k, v in params.items() if k != "norm"}

@@ -111,10 +111,12 @@ def document_positions(doc_S):
     return out
 
 
-def attention(p, x_BSD, cfg, docs_BS=None):
+def attention(p, x_BSD, cfg, docs_BS=None, window=0):
     """Per sequence, head and position; query head h reads key/value head h // (H / KV).
     ``docs_BS``: a document id per position; a query reads only its document's keys at
-    or before it, and positions restart at each document's first token."""
+    or before it, and positions restart at each document's first token. ``window``:
+    query s reads only keys s - window + 1 .. s (0: all). ``p["sinks"]`` (when there):
+    each head's sink logit, one more softmax term with no value."""
     B, S, D = x_BSD.shape
     H, KV, d = cfg.heads, cfg.kv_heads or cfg.heads, cfg.head_dim
     eps = cfg.norm_eps
@@ -136,11 +138,20 @@ def attention(p, x_BSD, cfg, docs_BS=None):
             kv = h // (H // KV)
             for s in range(S):
                 first = 0 if positions is None else s - positions[s]
+                if window:
+                    first = max(first, s - window + 1)
                 logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d) * yarn_softmax_gain(cfg)
-                w = torch.exp(logits - logits.max())
-                o[s, h] = (w / w.sum()) @ v[first: s + 1, kv]
+                o[s, h] = sink_softmax(logits, p["sinks"][h] if "sinks" in p else None) @ v[first: s + 1, kv]
         outs.append(o.reshape(S, H * d) @ p["out"])
     return torch.stack(outs)
+
+
+def sink_softmax(logits, sink=None):
+    """softmax of ``logits`` with, if ``sink`` is given, one more logit whose weight is dropped."""
+    top = logits.max() if sink is None else torch.maximum(logits.max(), sink)
+    w = torch.exp(logits - top)
+    total = w.sum() if sink is None else w.sum() + torch.exp(sink - top)
+    return w / total
 
 
 def glu_columns(width2, interleave):
@@ -251,8 +262,9 @@ def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
     docs = None if segments_BS1 is None else segments_BS1[:, :-1]
     h = params["embed"][inputs]
     aux, z = [], []
-    for p in params["layers"]:
-        h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg, docs)
+    for i, p in enumerate(params["layers"]):
+        window = cfg.sliding_window if i in cfg.window_layers else 0
+        h = h + attention(p["attn"], rms_norm(h, p["attn"]["norm"], cfg.norm_eps), cfg, docs, window)
         if "mlp" in p:  # a dense layer
             h = h + act(rms_norm(h, p["mlp"]["norm"], cfg.norm_eps) @ p["mlp"]["fc1"], cfg) @ p["mlp"]["fc2"]
             continue

@@ -299,8 +299,10 @@ def test_interleaved_weights_give_same_layer_output():
                                    dict(score_func="sigmoid", expert_groups=2, topk_groups=1, routed_scaling=2.5,
                                         rope_fraction=0.5),
                                    dict(score_func="topk_softmax", router_bias=True, norm_topk_prob=False,
-                                        aux_loss_coef=0.01, z_loss_coef=0.001)],
-                         ids=["mha", "hf_features", "dense_layers", "glm_routing_partial_rope", "gpt_oss_routing"])
+                                        aux_loss_coef=0.01, z_loss_coef=0.001),
+                                   dict(attn_sinks=True, sliding_window=3, window_layers=(0,))],
+                         ids=["mha", "hf_features", "dense_layers", "glm_routing_partial_rope", "gpt_oss_routing",
+                              "sinks_window"])
 def test_model_loss_matches_reference(extra):
     cfg = fmoe.ModelConfig(**{**dict(vocab=11, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8, shared_ffn=4),
                               **extra})

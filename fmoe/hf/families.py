@@ -191,7 +191,9 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
         ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
         ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
         ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0),
-        ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none")))
+        ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none"),
+        ("attn_sinks", cfg.attn_sinks, not cfg.attn_sinks),
+        ("window_layers", cfg.window_layers, not cfg.window_layers)))
     if cfg.shared_ffn and not cfg.shared_gate:
         _fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
     if cfg.qk_norm == "head":

@@ -2,6 +2,9 @@
 
 Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and an
 optional RMSNorm of queries and keys (per head, or over the whole projection).
+GPT-OSS's two features: attention sinks (a learned logit per head that joins each
+query's softmax as one more column with no value) and sliding-window layers (a query
+at position i sees the keys j with ``i - W < j <= i``).
 
 Packed documents (``Documents``): a query sees only the keys of its own document at
 or before it, and positions restart at 0 at each document's first token. On CUDA
@@ -87,35 +90,48 @@ class Documents(NamedTuple):
         positions_BS: ``[B, S]`` each position's index inside its document (RoPE's position).
         block_mask: on CUDA, FlexAttention's BlockMask of "same document, at or before"
             (built once per microbatch, read by every layer); None elsewhere.
+        window_mask: on CUDA with a sliding window, the BlockMask of the windowed
+            layers (``block_mask`` within the window); None elsewhere.
     """
 
     ids_BS: torch.Tensor
     positions_BS: torch.Tensor
     block_mask: object | None = None
+    window_mask: object | None = None
+
+    def mask_for(self, window: int):
+        """The BlockMask of a layer with ``window`` (0: none), or None off CUDA."""
+        return self.window_mask if window else self.block_mask
 
 
-def documents(ids_BS: torch.Tensor) -> Documents:
+def documents(ids_BS: torch.Tensor, window: int = 0) -> Documents:
     """Documents of rows whose positions carry the ids ``ids_BS`` (``[B, S]``, each
-    document one run of equal ids)."""
+    document one run of equal ids); ``window``: the model's sliding window
+    (``ModelConfig.sliding_window`` when a layer uses one, else 0)."""
     B, S = ids_BS.shape
     index = torch.arange(S, device=ids_BS.device).expand(B, S)
     first = torch.ones_like(ids_BS, dtype=torch.bool)
     first[:, 1:] = ids_BS[:, 1:] != ids_BS[:, :-1]
     starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
     block_mask = _document_block_mask(ids_BS) if ids_BS.is_cuda else None
-    return Documents(ids_BS, index - starts, block_mask)
+    window_mask = _document_block_mask(ids_BS, window) if ids_BS.is_cuda and window else None
+    return Documents(ids_BS, index - starts, block_mask, window_mask)
 
 
-def _document_block_mask(ids_BS: torch.Tensor):
+def _document_block_mask(ids_BS: torch.Tensor, window: int = 0):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q, kv):
         return (ids_BS[b, q] == ids_BS[b, kv]) & (kv <= q)
 
+    def same_document_window(b, h, q, kv):
+        return same_document_causal(b, h, q, kv) & (kv > q - window)
+
     B, S = ids_BS.shape
+    mask_mod = same_document_window if window else same_document_causal
     # compiled, the mask is worked out without a [B, S, S] tensor: 7% of the coarse
     # shape's step faster than eager (benchmarks/packed_rows.py)
-    return create_block_mask(same_document_causal, B, None, S, S, device=ids_BS.device, _compile=True)
+    return create_block_mask(mask_mod, B, None, S, S, device=ids_BS.device, _compile=True)
 
 
 # FlexAttention's kernels need heads of at least 16 features; smaller ones take the
@@ -186,30 +202,96 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
 
 
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0,
-           docs: Documents | None = None, scale: float | None = None) -> torch.Tensor:
+           docs: Documents | None = None, scale: float | None = None, window: int = 0,
+           sinks_H: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA of queries at positions ``start..`` over keys at positions ``0..L-1``
     (``docs``: only over the keys of the query's own document).
 
     Each group of ``H / K`` query heads shares one key/value head (grouped-query
     attention when ``K < H``). ``scale``: the scores' factor (None: ``d ** -0.5``).
+    ``window``: a sliding window of that many keys (query i sees keys ``i - W < j <= i``;
+    0: none). ``sinks_H``: ``[H]`` attention sinks, one more softmax column per head
+    with logit ``s_h`` and no value (None: none).
     Returns ``[B, S, H * d]``.
     """
     gqa = k_BKLd.shape[1] != q_BHSd.shape[1]
-    extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
-    S, L = q_BHSd.shape[2], k_BKLd.shape[2]
-    if docs is not None and docs.block_mask is not None and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD:
-        o = _compiled_flex()(q_BHSd, k_BKLd, v_BKLd, block_mask=docs.block_mask, enable_gqa=gqa, scale=scale)
-    elif docs is not None:
+    if docs is not None and docs.mask_for(window) is not None and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD:
+        o_BHSd, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLd, docs.mask_for(window), gqa, scale, sinks_H)
+    else:
+        mask = _mask(q_BHSd.shape[2], k_BKLd.shape[2], start, docs, window, q_BHSd.device)
+        if sinks_H is None:
+            o_BHSd = _sdpa(q_BHSd, k_BKLd, v_BKLd, mask, gqa, scale)
+        else:
+            o_BHSd, lse_BHS = _explicit_attend(q_BHSd, k_BKLd, v_BKLd, mask, scale)
+    if sinks_H is not None:
+        o_BHSd = with_sinks(o_BHSd, lse_BHS, sinks_H)
+    return rearrange(o_BHSd, "b h s d -> b s (h d)")
+
+
+def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, device):
+    """The ``[B or 1, 1, S, L]`` boolean mask of which keys each query sees, or None for
+    plain causal attention (SDPA's ``is_causal``, no mask tensor)."""
+    if docs is not None:
         ids = docs.ids_BS
         mask = (ids[:, None, :, None] == ids[:, None, None, :]).tril()
-        o = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, attn_mask=mask, **extra)
-    elif start == 0 and S == L:
-        o = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
+    elif start == 0 and S == L and not window:
+        return None
     else:  # queries continue a cached sequence: row s sees keys 0..start+s
-        q_pos = torch.arange(start, start + S, device=q_BHSd.device)
-        mask = torch.arange(L, device=q_BHSd.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, attn_mask=mask, **extra)
-    return rearrange(o, "b h s d -> b s (h d)")
+        q_pos = torch.arange(start, start + S, device=device)
+        mask = torch.arange(L, device=device)[None, :] <= q_pos[:, None]
+    if window:  # the same absolute distance inside a document as in the row
+        q_pos = torch.arange(start, start + S, device=device)
+        mask = mask & (torch.arange(L, device=device)[None, :] > q_pos[:, None] - window)
+    return mask
+
+
+def _sdpa(q_BHSd, k_BKLd, v_BKLd, mask, gqa: bool, scale):
+    extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
+    if mask is None:
+        return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
+    return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, attn_mask=mask, **extra)
+
+
+def _explicit_attend(q_BHSd, k_BKLd, v_BKLd, mask, scale):
+    """Masked softmax attention written out, with each query's log-sum-exp (what the
+    sinks need and SDPA does not return): the ``[B, H, S, L]`` scores exist, so this is
+    the path of CPU sizes and of CUDA rows without documents.
+
+    Returns:
+        ``(o_BHSd, lse_BHS)``, the lse in at least fp32.
+    """
+    H, K, S, L = q_BHSd.shape[1], k_BKLd.shape[1], q_BHSd.shape[2], k_BKLd.shape[2]
+    k_BHLd, v_BHLd = (t.repeat_interleave(H // K, dim=1) for t in (k_BKLd, v_BKLd))
+    scale = q_BHSd.shape[-1] ** -0.5 if scale is None else scale
+    scores_BHSL = upcast(q_BHSd @ k_BHLd.transpose(-1, -2)) * scale
+    if mask is None:
+        mask = torch.ones(S, L, dtype=torch.bool, device=q_BHSd.device).tril()
+    scores_BHSL = scores_BHSL.masked_fill(~mask, float("-inf"))
+    lse_BHS = scores_BHSL.logsumexp(-1)
+    probs_BHSL = (scores_BHSL - lse_BHS[..., None]).exp().to(v_BHLd.dtype)
+    return probs_BHSL @ v_BHLd, lse_BHS
+
+
+def _flex_attend(q_BHSd, k_BKLd, v_BKLd, block_mask, gqa: bool, scale, sinks_H):
+    """FlexAttention under ``block_mask`` (compiled: no ``[S, S]`` scores); its lse only
+    when the sinks need it.
+
+    Returns:
+        ``(o_BHSd, lse_BHS or None)``.
+    """
+    flex = _compiled_flex()
+    if sinks_H is None:
+        return flex(q_BHSd, k_BKLd, v_BKLd, block_mask=block_mask, enable_gqa=gqa, scale=scale), None
+    return flex(q_BHSd, k_BKLd, v_BKLd, block_mask=block_mask, enable_gqa=gqa, scale=scale, return_lse=True)
+
+
+def with_sinks(o_BHSd: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+    """Attention without sinks ``o`` (``lse``: each query's log-sum-exp of its scores)
+    turned into attention with them: the sink takes ``exp(s_h) / (exp(lse) + exp(s_h))``
+    of the softmax and adds no value, so every weight, and ``o``, scale by
+    ``sigmoid(lse - s_h)`` (exact, and stable for any lse, also -inf)."""
+    keep_BHS = torch.sigmoid(upcast(lse_BHS) - upcast(sinks_H)[:, None])
+    return (o_BHSd * keep_BHS[..., None]).to(o_BHSd.dtype)
 
 
 class KVSlot(NamedTuple):
@@ -229,12 +311,12 @@ class KVSlot(NamedTuple):
 
 
 def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None,
-              gemms: Gemms = PLAIN, docs: Documents | None = None) -> torch.Tensor:
+              gemms: Gemms = PLAIN, docs: Documents | None = None, window: int = 0) -> torch.Tensor:
     """Causal self-attention of already-normalised ``x``; no residual.
 
     Arguments:
         p: one layer's ``attn`` subtree (``qkv [D, Q + 2K]``, ``out [Q, D]``, and
-            ``qkv_bias``, ``q_norm``, ``k_norm`` when the config has them).
+            ``qkv_bias``, ``q_norm``, ``k_norm``, ``sinks`` when the config has them).
         x_BSD: ``[B, S, D]`` normalised activations.
         cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, RoPE and its scaling).
         kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
@@ -242,6 +324,7 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         gemms: the products of the two projections (``fmoe.layers.fp8``).
         docs: packed documents: attention stays inside each, positions restart at
             each one's first token (not with ``kv``).
+        window: the layer's sliding window (``ModelConfig.layer_window``; 0: none).
 
     Returns:
         ``[B, S, D]``, ``attention(x) @ out``.
@@ -254,19 +337,22 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     # the scale as a number from the config: a compiled graph that went dynamic in the
     # head size would otherwise give FlexAttention's kernel a symbolic one, which
     # inductor cannot lower (and YaRN's DeepSeek-V3 correction changes it)
-    scale = cfg.attention_scale
-    return gemms.linear(attend(q_BHSd, k_BKLd, v_BKLd, start, docs, scale), p["out"])
+    o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"))
+    return gemms.linear(o_BSQ, p["out"])
 
 
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
-                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+                   window: int = 0, kv: KVSlot | None = None, gemms: Gemms = PLAIN):
     """A layer's first half: ``h += attn(norm(h))``, then the input norm of its MoE (or
-    of its dense MLP) (``docs``, ``kv``, ``gemms``: see ``attention``).
+    of its dense MLP) (``docs``, ``window``, ``kv``, ``gemms``: see ``attention``;
+    ``window`` comes before ``kv`` so that the Kernels' ``attn``, called positionally,
+    passes it).
 
     Returns:
         ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
     """
     eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs)
+    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs,
+                              window)
     mlp = p["moe"] if "moe" in p else p["mlp"]
     return h_BSD, rms_norm(h_BSD, mlp["norm"], eps).flatten(0, 1)

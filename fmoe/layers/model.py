@@ -30,18 +30,20 @@ def cast_for_compute(params: dict, dtype: torch.dtype) -> dict:
 
 
 def block(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep=None,
-          kv: KVSlot | None = None, gemms: Gemms = PLAIN, docs: Documents | None = None):
+          kv: KVSlot | None = None, gemms: Gemms = PLAIN, docs: Documents | None = None, layer: int = 0):
     """One pre-norm layer: ``h += attn(norm(h))``, ``h += moe(norm(h))`` (a dense layer:
     its ``mlp``), the nodes of ``fmoe.layers.nodes`` in order (``layer_forward``);
     decoding passes its cache as ``kv``, packed rows their ``docs``.
 
     ``ep`` is the layer's ExpertParallel group (None: this rank holds every expert);
-    ``gemms`` the products its weights enter (``fmoe.layers.fp8``).
+    ``gemms`` the products its weights enter (``fmoe.layers.fp8``); ``layer`` its index
+    (which picks its sliding window, ``cfg.layer_window``).
 
     Returns:
         ``(h_BSD, MoEStats)`` (a dense layer: None for the stats).
     """
-    return layer_forward(p, h_BSD, cfg, bound_kernels(gemms, bound_backend(backend)), ep, docs, kv=kv, gemms=gemms)
+    kernels = bound_kernels(gemms, bound_backend(backend))
+    return layer_forward(p, h_BSD, cfg, kernels, ep, docs, site=(layer, 0), kv=kv, gemms=gemms)
 
 
 def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: str = "torch",
@@ -61,7 +63,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
     """
     kernels = bound_kernels(gemms, bound_backend(backend))
     h = embed_node(params, tokens_BS)
-    docs = None if segments_BS is None else documents(segments_BS)
+    docs = None if segments_BS is None else documents(segments_BS, cfg.any_window)
     stats = []
     for i, p in enumerate(params["layers"]):
         h, s = layer_forward(p, h, cfg, kernels, docs=docs, site=(i, 0))

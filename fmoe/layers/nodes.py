@@ -101,8 +101,9 @@ class Kernels(NamedTuple):
     take those).
 
     Attributes:
-        attn: ``(site, p_layer, h_BSD, cfg, docs) -> (h_BSD, x_TD)``, as ``attention_half``
-            (``docs``: the microbatch's packed ``Documents``, or None).
+        attn: ``(site, p_layer, h_BSD, cfg, docs, window) -> (h_BSD, x_TD)``, as
+            ``attention_half`` (``docs``: the microbatch's packed ``Documents``, or None;
+            ``window``: the layer's sliding window, ``cfg.layer_window(layer)``, 0 for none).
         router: ``(site, p_moe, x_TD, cfg) -> Routing``, as ``route``.
         experts: ``(site, p_experts, rows_RD, segs, cfg, row_probs_R, deferred) -> y_RD``,
             as ``expert_mlp`` with the plan's expert backend bound in.
@@ -188,7 +189,7 @@ def attn_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kerne
               decided: Routed | None = None) -> Attended:
     """Attention half of a layer (``p``: its subtree), then ``route_node``; ``docs``: the
     microbatch's packed documents."""
-    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
+    h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs, cfg.layer_window(site[0]))
     routed, shared, stats = route_node(p["moe"], x_TD, cfg, site, kernels, ep, decided)
     outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
                "row_probs": routed.row_probs_R1, "shared": shared}
@@ -266,15 +267,17 @@ def layer_forward(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kernels: Kerne
                   kv: KVSlot | None = None, gemms: Gemms = PLAIN):
     """One layer (``p``: its subtree) under plain autograd: ``kernels.attn``, or with a
     decoding cache ``kv`` the attention with ``gemms``' products, then ``moe_forward``
-    (a dense layer: its MLP, ``kernels.shared``).
+    (a dense layer: its MLP, ``kernels.shared``). ``site = (layer, microbatch)``: the
+    layer's index also picks its sliding window.
 
     Returns:
         ``(h_BSD, MoEStats)``; a dense layer's stats are None.
     """
+    window = cfg.layer_window(site[0])
     if kv is None:
-        h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs)
+        h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs, window)
     else:
-        h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, kv, gemms)
+        h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, window, kv, gemms)
     if "mlp" in p:
         return h_BSD + kernels.shared(site, p["mlp"], x_TD, cfg).view_as(h_BSD), None
     y_TD, stats = moe_forward(p["moe"], x_TD, cfg, kernels, ep, site)

@@ -118,7 +118,7 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
     ep_events: list = []
     ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, ep_events) if plan.ep > 1 else None
     cfg = plan.model
-    mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents),
+    mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents, cfg.any_window),
                           [LayerFlow() for _ in range(cfg.layers)])
            for b in batch.microbatches(plan.microbatches)]
     zero = torch.zeros((), device=batch.tokens.device)

@@ -31,12 +31,13 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 # each has a --no- form to undo a --config that sets it.
 FOLDER_ACTIONS = ("resume", "auto_resume", "overwrite")
 UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded corpus / random weights
+LAYER_LISTS = ("dense_layers", "window_layers")  # ModelConfig's tuples of layer indices, "0,1" as settings
 
 
 def _field_type(field) -> type:
     if field.name == "units":
         return str  # "embed+head,layers.0+layers.1": units separated by commas, members by +
-    if field.name == "dense_layers":
+    if field.name in LAYER_LISTS:
         return str  # "0,1": layer indices separated by commas
     return TYPES[str(field.type)]
 
@@ -153,7 +154,8 @@ def _defaults() -> dict:
     then the ``cpu`` preset."""
     settings = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
                 **{f.name: f.default for f in dataclasses.fields(Plan) if f.name != "model"}, **RUN_DEFAULTS}
-    settings["units"] = settings["dense_layers"] = ""
+    settings["units"] = ""
+    settings.update(dict.fromkeys(LAYER_LISTS, ""))
     settings.update(read_toml("cpu")[0])
     return settings
 
@@ -202,19 +204,20 @@ def parse_units(text: str):
     return tuple(tuple(m for m in unit.split("+") if m) for unit in text.split(","))
 
 
-def parse_layers(text: str) -> tuple:
-    """``"0,1"`` -> ``(0, 1)``; "" -> ``()``. ValueError naming ``dense_layers`` otherwise."""
+def parse_layers(text: str, name: str = "dense_layers") -> tuple:
+    """``"0,1"`` -> ``(0, 1)``; "" -> ``()``. ValueError naming the setting ``name`` otherwise."""
     try:
         return tuple(int(i) for i in text.split(",")) if text.strip() else ()
     except ValueError:
-        raise ValueError(f"dense_layers={text!r} is invalid: must be layer indices separated by commas, "
+        raise ValueError(f"{name}={text!r} is invalid: must be layer indices separated by commas, "
                          "such as '0,1'") from None
 
 
 def model_config(settings: dict, **overrides) -> ModelConfig:
     fields = {k: settings[k] for k in MODEL_FIELDS}
-    if isinstance(fields["dense_layers"], str):
-        fields["dense_layers"] = parse_layers(fields["dense_layers"])
+    for name in LAYER_LISTS:
+        if isinstance(fields[name], str):
+            fields[name] = parse_layers(fields[name], name)
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -228,7 +231,7 @@ def resolved(settings: dict, plan: Plan) -> dict:
     """The settings with the model and plan a run built: the vocabulary read from the
     data, the model of ``--init-from-hf``, ``dp`` from the world (``settings.toml``)."""
     out = dict(settings, **{name: getattr(plan.model, name) for name in MODEL_FIELDS})
-    out["dense_layers"] = ",".join(map(str, plan.model.dense_layers))
+    out.update({name: ",".join(map(str, getattr(plan.model, name))) for name in LAYER_LISTS})
     out.update({name: getattr(plan, name) for name in PLAN_FIELDS if name not in ("units", "device")})
     return out
 

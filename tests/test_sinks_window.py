@@ -1,0 +1,206 @@
+"""GPT-OSS's attention features: sinks (one learned logit per head, an extra softmax
+column with no value) and sliding-window layers, against transformers' eager GPT-OSS
+attention and the plain reference, through the model, the schedule and decoding."""
+
+import dataclasses
+import importlib
+import types
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe import layers
+from fmoe.batch import IGNORE
+from fmoe.generate import empty_cache, forward_cached
+from fmoe.layers import attend, documents, forward
+from fmoe.trainer.options import model_config, parse_layers, resolved
+
+from . import reference as ref
+from .test_layers import assert_same_fwd_bwd
+from .test_schedule import assert_same_step
+
+F64 = torch.float64
+CFG = fmoe.ModelConfig(vocab=40, dim=32, layers=3, heads=4, kv_heads=2, experts=4, topk=2, ffn=16,
+                       attn_sinks=True, sliding_window=3, window_layers=(0, 2))
+
+
+def qkv(B=2, H=4, K=2, S=9, d=8, seed=None):
+    g = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
+    q = torch.randn(B, H, S, d, generator=g, dtype=F64)
+    k, v = (torch.randn(B, K, S, d, generator=g, dtype=F64) for _ in range(2))
+    return q, k, v, torch.randn(H, generator=g, dtype=F64)
+
+
+def hf_attention(q, k, v, sinks, window=0):
+    """transformers' GPT-OSS eager attention under its causal (or sliding-window) mask."""
+    gpt_oss = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+    S, H, K = q.shape[2], q.shape[1], k.shape[1]
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    seen = (j <= i) & ((j > i - window) if window else True)  # masking_utils' sliding_window_overlay
+    mask = torch.zeros(S, S, dtype=q.dtype).masked_fill(~seen, torch.finfo(q.dtype).min)
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=H // K, training=False)
+    out, _ = gpt_oss.eager_attention_forward(module, q, k, v, mask[None, None], scaling=q.shape[-1] ** -0.5)
+    return out.flatten(2)  # [B, S, H * d]
+
+
+def plain_attention(q, k, v, sinks, window=0, ids=None):
+    """``reference.sink_softmax`` per row, head and query, with the reference's masks."""
+    B, H, S, d = q.shape
+    group = H // k.shape[1]
+    out = torch.empty(B, S, H, d, dtype=q.dtype)
+    for b in range(B):
+        for h in range(H):
+            for s in range(S):
+                seen = [j for j in range(s + 1) if (not window or j > s - window)
+                        and (ids is None or ids[b, j] == ids[b, s])]
+                logits = k[b, h // group, seen] @ q[b, h, s] / d ** 0.5
+                out[b, s, h] = ref.sink_softmax(logits, None if sinks is None else sinks[h]) @ v[b, h // group, seen]
+    return out.flatten(2)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3])
+def test_sinks_match_transformers_gpt_oss_attention(window):
+    q, k, v, sinks = qkv()
+    want = hf_attention(q, k, v, sinks, window)
+    torch.testing.assert_close(attend(q, k, v, window=window, sinks_H=sinks), want)
+    torch.testing.assert_close(plain_attention(q, k, v, sinks, window), want)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 4])
+def test_window_with_packed_documents_matches_the_reference(window, sinks):
+    q, k, v, s_H = qkv(S=12)
+    s_H = s_H if sinks else None
+    ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2]])
+    torch.testing.assert_close(attend(q, k, v, window=window, sinks_H=s_H), plain_attention(q, k, v, s_H, window))
+    torch.testing.assert_close(attend(q, k, v, docs=documents(ids), window=window, sinks_H=s_H),
+                               plain_attention(q, k, v, s_H, window, ids))
+
+
+def test_cached_queries_see_the_same_window_and_sinks():
+    q, k, v, sinks = qkv(S=10)
+    whole = attend(q, k, v, window=3, sinks_H=sinks)
+    rest = attend(q[:, :, 6:], k, v, start=6, window=3, sinks_H=sinks)  # queries 6..9 over all 10 keys
+    torch.testing.assert_close(rest, whole[:, 6:])
+
+
+def test_sink_gradients_match_transformers():
+    q, k, v, sinks = (t.requires_grad_(True) for t in qkv(S=7))
+    g = torch.randn(2, 7, 32, dtype=F64)
+    mine = torch.autograd.grad((attend(q, k, v, window=2, sinks_H=sinks) * g).sum(), (q, k, v, sinks))
+    theirs = torch.autograd.grad((hf_attention(q, k, v, sinks, 2) * g).sum(), (q, k, v, sinks))
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["rows", "packed"])
+def test_model_loss_and_gradients_match_the_reference(segments):
+    params = ref.random_params(CFG)
+    g = torch.Generator().manual_seed(torch.seed())
+    tokens = torch.randint(0, 40, (2, 11), generator=g)
+    seg = (torch.rand(2, 11, generator=g) < 0.2).long().cumsum(1) if segments else None
+    leaves, treedef = optree.tree_flatten(params)
+    targets = tokens[:, 1:]
+    if segments:  # the reference counts a target only inside its input's document
+        targets = targets.masked_fill(seg[:, :-1] != seg[:, 1:], IGNORE)
+
+    def fast(*lv):
+        inputs_seg = None if seg is None else seg[:, :-1]
+        return layers.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, CFG, targets_BS=targets,
+                                  segments_BS=inputs_seg)[0]
+
+    def slow(*lv):
+        return ref.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, CFG, segments_BS1=seg)[0]
+
+    assert_same_fwd_bwd(fast, slow, leaves)
+
+
+def test_cached_decode_equals_the_full_forward():
+    params = ref.random_params(CFG, dtype=torch.float32)
+    tokens = torch.randint(0, 40, (2, 9))
+    full, _ = forward(params, tokens, CFG)
+    cache = empty_cache(CFG, 2, 9, torch.float32, "cpu")
+    first, cache = forward_cached(params, tokens[:, :4], CFG, cache)
+    steps = [first]
+    for s in range(4, 9):  # past the window: the cache keeps the old keys, the mask hides them
+        logits, cache = forward_cached(params, tokens[:, s:s + 1], CFG, cache)
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_1f1b_full_remat_zero3_is_bitwise_the_standard_step():
+    tokens = torch.randint(0, 40, (6, 9))
+    base = fmoe.Plan(model=CFG, microbatches=2, sharding="optim_grads_params")
+    params = fmoe.init(base, seed=0)
+    want = fmoe.step(params, {"tokens": tokens}, base)
+    got = fmoe.step(params, {"tokens": tokens}, base.replace(schedule="1f1b_overlap", remat="full"))
+    assert_same_step(got, want)
+
+
+def test_the_window_and_the_sinks_change_the_loss():
+    params = ref.random_params(CFG, dtype=torch.float32)
+    tokens = torch.randint(0, 40, (2, 9))
+    loss = fmoe.step(params, {"tokens": tokens}, fmoe.Plan(model=CFG)).loss
+    no_window = CFG.replace(sliding_window=0, window_layers=())
+    assert not torch.equal(fmoe.step(params, {"tokens": tokens}, fmoe.Plan(model=no_window)).loss, loss)
+    plain = no_window.replace(attn_sinks=False)
+    without = {**params, "layers": [dict(p, attn={n: w for n, w in p["attn"].items() if n != "sinks"})
+                                    for p in params["layers"]]}
+    assert not torch.equal(fmoe.step(without, {"tokens": tokens}, fmoe.Plan(model=plain)).loss, loss)
+
+
+def test_sinks_are_a_head_vector_without_weight_decay():
+    table = fmoe.params.param_table(CFG)
+    leaf = table["layers.1.attn.sinks"]
+    assert leaf.shape == (4,) and not leaf.decayed and leaf.trainable and not leaf.linear
+    assert "sinks" not in fmoe.params.param_specs(CFG.replace(attn_sinks=False))["layers"][0]["attn"]
+    assert [CFG.layer_window(i) for i in range(3)] == [3, 0, 3]
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(sliding_window=4), "sliding_window"),
+    (dict(window_layers=(1,)), "sliding_window"),
+    (dict(sliding_window=-1, window_layers=(0,)), "sliding_window"),
+    (dict(sliding_window=4, window_layers=(2,)), "window_layers"),
+    (dict(sliding_window=4, window_layers=(1, 0)), "window_layers"),
+    (dict(sliding_window=4, window_layers=(0, 0)), "window_layers"),
+    (dict(sliding_window=True, window_layers=(0,)), "sliding_window"),
+    (dict(attn_sinks=1), "attn_sinks"),
+])
+def test_bad_configs_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+        fmoe.ModelConfig(layers=2, **changes)
+
+
+def test_window_layers_as_a_list_and_as_the_main_jobs_string():
+    assert fmoe.ModelConfig(sliding_window=2, window_layers=[1, 0]).window_layers == (0, 1)
+    assert parse_layers("0,2", "window_layers") == (0, 2)
+    with pytest.raises(ValueError, match="window_layers="):
+        parse_layers("0;2", "window_layers")
+    fields = {f.name: getattr(CFG, f.name) for f in dataclasses.fields(CFG)}
+    assert model_config({**fields, "window_layers": "0,2", "dense_layers": ""}) == CFG
+    out = resolved({}, fmoe.Plan(model=CFG))
+    assert out["window_layers"] == "0,2" and out["sliding_window"] == 3 and out["attn_sinks"] is True
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_compiled_step_matches_the_eager_one(packed):
+    # the compiled attention takes the window as a static argument (no graph break)
+    params = ref.random_params(CFG, dtype=torch.float32)
+    g = torch.Generator().manual_seed(torch.seed())
+    b = {"tokens": torch.randint(0, 40, (4, 13), generator=g)}
+    if packed:
+        b["segments"] = (torch.rand(4, 13, generator=g) < 0.2).long().cumsum(1)
+    plan = fmoe.Plan(model=CFG, microbatches=2)
+    eager = fmoe.step(params, b, plan)
+    compiled = fmoe.step(params, b, plan.replace(compile=True))
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-6, atol=1e-6)
+    ref.assert_trees_close(compiled.grads, eager.grads, rtol=1e-5, atol=1e-6)
+
+
+def test_a_moe_layer_module_of_a_windowed_model_builds_and_runs():
+    from interop import MoELayer
+    layer = MoELayer(CFG, seed=0)  # one MoE layer: the windows of layers it is not are dropped
+    assert layer(torch.randn(2, 3, 32)).shape == (2, 3, 32)
