@@ -181,7 +181,9 @@ def test_model_loss_with_grouped_routing_and_partial_rope_matches_the_reference(
                                           (dict(score_func="topk_softmax"), "score_func"),
                                           (dict(router_bias=True), "router_bias"),
                                           (dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max=64),
-                                           "rope_scaling")])
+                                           "rope_scaling"),
+                                          (dict(attn_sinks=True), "attn_sinks"),
+                                          (dict(sliding_window=4, window_layers=(0,)), "window_layers")])
 def test_hf_save_refuses_what_the_released_families_cannot_hold(change, field):
     from fmoe.hf.families import family_of
 

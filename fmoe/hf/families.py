@@ -172,6 +172,8 @@ def _glm4_moe(cfg: ModelConfig, where: str) -> str:
         ("shared_gate", cfg.shared_gate, not cfg.shared_gate),
         ("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
         ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none"),
+        ("attn_sinks", cfg.attn_sinks, not cfg.attn_sinks),
+        ("window_layers", cfg.window_layers, not cfg.window_layers),
         ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)),
         "score_func='sigmoid' is written as glm4_moe (GLM-4.5: a shared expert a multiple of ffn wide, "
         "first layers dense), which has")
