@@ -65,3 +65,11 @@ def test_a_graphed_glm_step_is_bitwise_the_eager_one():
         out, eager = graphed(params, b), fmoe.step(params, b, plan)
         assert torch.equal(out.loss, eager.loss)
         ref.assert_trees_equal(out.grads, eager.grads)
+
+
+def test_a_yarn_step_on_the_gpu_matches_the_cpu():
+    # whole-head RoPE: the Triton kernel takes YaRN's scaled tables (DeepSeek-V3's softmax
+    # correction too, mscale_all_dim)
+    yarn = GLM.replace(rope_fraction=1.0, rope_scaling="yarn", rope_factor=4.0, rope_original_max=16,
+                       yarn_mscale=1.0, yarn_mscale_all_dim=1.0)
+    assert_cuda_fp32_step_matches_cpu(yarn, seed=13)
