@@ -1,0 +1,67 @@
+"""The values a config field may hold, and the reader of a config class's docstring
+that the main job's ``--help`` shows: shared by ``ModelConfig`` and ``Plan``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .backends import expert_backend_names
+from .checks import check_choice
+
+ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
+GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
+SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+PROB_PLACEMENTS = ("output", "activation")
+PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
+SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SCHEDULES = ("standard", "1f1b_overlap")
+DTYPES = ("float32", "bfloat16")
+GATHER_BUFFERS = ("dynamic", "double", "persistent")
+QK_NORMS = ("none", "head", "full")
+REMATS = ("none", "selective", "full")
+FP8S = ("none", "rowwise", "tensorwise")
+ROPE_SCALINGS = ("none", "yarn")
+# The fields with a fixed set of values (with expert_backend's names: ``choices``, what the
+# main job's --help lists).
+CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
+           "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
+           "dtype": DTYPES, "gather_buffers": GATHER_BUFFERS,
+           "remat": REMATS, "fp8": FP8S, "rope_scaling": ROPE_SCALINGS}
+
+
+def choices(field: str) -> tuple | None:
+    """The values a config field may hold, or None for a field without a fixed set:
+    ``CHOICES``, and for ``expert_backend`` the names known now (``fmoe.backends``)."""
+    if field == "expert_backend":
+        return expert_backend_names()
+    return CHOICES.get(field)
+
+
+def _check_choices(config, own: str) -> None:
+    """Every field of ``config`` with a set of values (``choices``) holds one of them."""
+    for field in dataclasses.fields(config):
+        allowed = choices(field.name)
+        if allowed is not None:
+            check_choice(f"{own}.{field.name}", getattr(config, field.name), allowed)
+
+
+def field_docs(cls) -> dict:
+    """``{field: its text}`` from the ``Arguments:`` section of a config class's
+    docstring (entries ``name, other: text`` with indented continuation lines), so
+    that the command line's help is the docstring, not a second copy."""
+    docs, names = {}, []
+    lines = (cls.__doc__ or "").split("Arguments:", 1)[-1].splitlines()
+    for line in lines[1:]:
+        stripped = line.strip()
+        if not stripped:
+            continue
+        indent = len(line) - len(stripped)
+        head, sep, text = stripped.partition(": ")
+        if sep and indent <= 8 and all(n.isidentifier() for n in head.split(", ")):
+            names = head.split(", ")
+            for n in names:
+                docs[n] = text
+        elif names:
+            for n in names:
+                docs[n] += " " + stripped
+    return {n: t.replace("``", "") for n, t in docs.items()}

@@ -1,0 +1,393 @@
+"""ModelConfig: what a model computes, a frozen dataclass validated when it is built
+(a bad value raises ``ValueError`` naming the field and what is allowed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .checks import check_bool, check_int, check_positive, fail, is_int, is_number
+from .config_fields import GLU_ACTIVATIONS, _check_choices
+
+def _check_layer_indices(cfg, own: str, name: str) -> tuple:
+    """``cfg.<name>``, a tuple of distinct layer indices in order, or a ValueError naming it."""
+    layers = getattr(cfg, name)
+    ok = isinstance(layers, tuple) and all(is_int(i, builtin=True) and 0 <= i < cfg.layers for i in layers)
+    if not ok or tuple(sorted(set(layers))) != layers:
+        fail(f"{own}.{name}", layers, f"must be distinct layer indices in 0..{cfg.layers - 1}, in order")
+    return layers
+
+
+def _check_dense_layers(cfg, own: str) -> None:
+    layers = _check_layer_indices(cfg, own, "dense_layers")
+    if len(layers) == cfg.layers:
+        fail(f"{own}.dense_layers", layers, f"must leave at least one of the {cfg.layers} layers MoE")
+    check_int(f"{own}.dense_ffn", cfg.dense_ffn, 0, builtin=True)
+    if bool(layers) != bool(cfg.dense_ffn):
+        fail(f"{own}.dense_ffn", cfg.dense_ffn, "must be > 0 exactly when dense_layers names a layer "
+             f"(dense_layers={list(layers)})")
+    if cfg.glu_interleave and cfg.dense_ffn % cfg.glu_interleave:
+        fail(f"{own}.glu_interleave", cfg.glu_interleave, f"must divide dense_ffn ({cfg.dense_ffn})")
+
+
+def _check_window(cfg, own: str) -> None:
+    layers = _check_layer_indices(cfg, own, "window_layers")
+    check_int(f"{own}.sliding_window", cfg.sliding_window, 0, builtin=True)
+    if bool(layers) != bool(cfg.sliding_window):
+        fail(f"{own}.sliding_window", cfg.sliding_window, "must be > 0 exactly when window_layers names a layer "
+             f"(window_layers={list(layers)})")
+
+
+_YARN_FIELDS = ("rope_factor", "rope_original_max", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+                "yarn_mscale_all_dim", "yarn_attention_factor", "yarn_truncate")
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``m(s) = 0.1 s ln(factor) + 1`` (1 for ``factor <= 1``), transformers'
+    ``get_mscale`` / ``yarn_get_mscale``."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+class Yarn(NamedTuple):
+    """YaRN's settings (``ModelConfig.yarn``): ``factor``, ``original_max``, ``beta_fast``,
+    ``beta_slow``, ``truncate`` as the ModelConfig fields, ``cos_factor`` the factor on
+    cos/sin."""
+
+    factor: float
+    original_max: int
+    beta_fast: float
+    beta_slow: float
+    truncate: bool
+    cos_factor: float
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only MoE transformer: every layer is attention + a routed MoE MLP, or
+    attention + a dense MLP for the layers named in ``dense_layers``.
+
+    Arguments:
+        vocab, dim, layers, heads: token vocabulary, model width, depth, attention heads
+            (``dim`` divisible by ``heads``; the head size must be even for RoPE).
+        experts, topk, ffn: routed experts, experts per token, expert hidden width F.
+        activation: ``swiglu | geglu | quick_geglu`` (GLU: fc1 is ``[D, 2F]``) or
+            ``relu2`` (squared ReLU, non-GLU: fc1 is ``[D, F]``).
+        glu_interleave: 0 keeps fc1's GLU halves as ``[gate | up]``; n > 0 stores them as
+            blocks of n columns alternating gate, up (``ffn`` divisible by n).
+        glu_limit, glu_offset: quick_geglu clamps gate to ``<= limit`` and up to
+            ``[-limit, limit]`` and computes ``gate * sigmoid(1.702 gate) * (up + offset)``
+            (``glu_limit = inf``: no clamp; every other float field must be finite).
+        score_func: router scores (computed in fp32): ``softmax`` or ``sigmoid`` of the
+            logits, or ``topk_softmax`` (GPT-OSS): the experts with the top-k logits, weighted
+            by the softmax of those k logits alone (aux and z losses from the full softmax).
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        prob_placement: ``output`` scales each expert's output by its probability;
+            ``activation`` scales the activation before fc2 (differs only with fc2 bias).
+        expert_biases: grouped biases ``fc1_bias [E, 2F]`` and ``fc2_bias [E, D]``.
+        shared_ffn: hidden width of an always-on shared expert (0: none).
+        pad_multiple: pad each expert's token segment to a multiple of this many rows
+            (for quantized kernels); 0 turns padding off. Padding never reaches results.
+        capacity_factor: 0 for dropless routing; f > 0 gives every expert a static
+            ``ceil(f * T * K / E)`` rows per rank (T: the rank's tokens of a microbatch),
+            dropping the assignments beyond that in token order (no host sync).
+        aux_loss_coef, z_loss_coef: load-balancing and router z-loss coefficients.
+        expert_bias_rate: step of the aux-loss-free expert-bias update (see
+            ``fmoe.update_expert_bias``).
+        rope_theta, norm_eps, init_std: RoPE base, RMSNorm epsilon, init scale.
+        kv_heads: key/value heads; 0 means ``heads`` (multi-head attention), fewer is
+            grouped-query attention (``heads`` divisible by ``kv_heads``).
+        head_size: features per attention head; 0 means ``dim / heads``. Any other even
+            value decouples the attention width ``heads * head_size`` from ``dim``.
+        qk_norm: RMSNorm on queries and keys before RoPE: ``none``, ``head`` (one
+            ``[head_size]`` weight shared by every head, as Qwen3) or ``full`` (over the
+            whole projection, ``[heads * head_size]`` / ``[kv_heads * head_size]``, as OLMoE).
+        qkv_bias: a bias on the q/k/v projection (as Qwen2).
+        tie_embeddings: the head reuses ``embed`` (logits ``= h @ embed.T``; no ``head`` leaf).
+        shared_gate: scale the shared expert's output by ``sigmoid(x @ gate)`` per token
+            (as Qwen2-MoE); needs ``shared_ffn > 0``.
+        router_bias: a learned bias ``router_bias [E]`` on the router logits (GPT-OSS), which
+            selects and weights (unlike ``expert_bias``, which only selects).
+        dense_layers: indices of the layers whose MLP is dense (``layers[i].mlp``) instead
+            of a routed MoE (DeepSeek-V3's and GLM-4.5's first layers); at least one layer
+            stays MoE. A list is taken as the sorted tuple.
+        dense_ffn: hidden width of the dense layers' MLP (with ``activation``); > 0 exactly
+            when ``dense_layers`` names a layer.
+        expert_groups, topk_groups: group-limited selection (as DeepSeek-V3 / GLM-4.5's
+            ``n_group`` / ``topk_group``): the experts form ``expert_groups`` equal groups,
+            each scored by the sum of its 2 best selection scores, and a token picks its
+            ``topk`` experts inside its ``topk_groups`` best groups only (``experts``
+            divisible by ``expert_groups``, at least 2 experts a group, ``topk`` at most
+            the experts of the kept groups). ``1, 1``: no groups.
+        routed_scaling: factor on the top-k probabilities, after ``norm_topk_prob``'s
+            renormalisation (``routed_scaling_factor``).
+        rope_fraction: share of each q/k head's features that RoPE rotates (the first
+            ``rope_dims = int(head_dim * rope_fraction)``, which must be even; the rest
+            pass unchanged), in ``(0, 1]`` (``partial_rotary_factor``).
+        rope_scaling: ``none`` or ``yarn`` (YaRN context extension, as DeepSeek-V3 and
+            GPT-OSS, computed as transformers' ``rope_type="yarn"``): the rotated pairs'
+            frequencies blend ``theta ** (-2i / rope_dims)`` (fast pairs, kept) with it
+            divided by ``rope_factor`` (slow pairs, interpolated), and cos/sin are
+            multiplied by an attention factor. The ``rope_factor`` and ``yarn_*`` fields
+            below are read only with ``yarn`` and must keep their defaults under ``none``.
+        rope_factor: YaRN's context extension ``factor``, >= 1.
+        rope_original_max: the context length pretrained before the extension
+            (``original_max_position_embeddings``), > 0 with ``yarn``.
+        yarn_beta_fast, yarn_beta_slow: rotations over ``rope_original_max`` positions
+            above which a pair keeps its frequency (``beta_fast``) and below which it is
+            fully interpolated (``beta_slow``), with a linear ramp between; > 0, fast >= slow.
+        yarn_mscale, yarn_mscale_all_dim: the attention factor is
+            ``m(mscale) / m(mscale_all_dim)`` with ``m(s) = 0.1 s ln(rope_factor) + 1``
+            when both are > 0, else ``m(1)`` (0: unset in transformers' config, as
+            GPT-OSS). ``yarn_mscale_all_dim > 0`` also multiplies the softmax scale by
+            ``m(mscale_all_dim) ** 2`` (DeepSeek-V3's ``attention_scale``).
+        yarn_attention_factor: the factor on cos/sin given explicitly
+            (``attention_factor``); 0 derives it from the mscales as above.
+        yarn_truncate: round the ramp's ends to whole pairs (floor, ceil) as
+            transformers' ``truncate`` (its default, True); False keeps them fractional.
+        attn_sinks: attention sinks (as GPT-OSS): a learned logit per head
+            (``layers[i].attn.sinks [heads]``) that joins every query's softmax as one
+            more column with no value, so a query may attend to nothing.
+        sliding_window: the window of the layers in ``window_layers`` (as GPT-OSS's
+            ``sliding_attention`` layers): a query at position i sees the keys j with
+            ``i - sliding_window < j <= i``; > 0 exactly when ``window_layers`` names a layer.
+        window_layers: indices of the layers with the sliding window; the others attend
+            to every earlier position. A list is taken as the sorted tuple.
+    """
+
+    vocab: int = 256
+    dim: int = 256
+    layers: int = 2
+    heads: int = 4
+    experts: int = 8
+    topk: int = 2
+    ffn: int = 512
+    activation: str = "swiglu"
+    glu_interleave: int = 0
+    glu_limit: float = 7.0
+    glu_offset: float = 1.0
+    score_func: str = "softmax"
+    norm_topk_prob: bool = True
+    prob_placement: str = "output"
+    expert_biases: bool = False
+    shared_ffn: int = 0
+    pad_multiple: int = 0
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    expert_bias_rate: float = 1e-3
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    kv_heads: int = 0
+    head_size: int = 0
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    shared_gate: bool = False
+    router_bias: bool = False
+    dense_layers: tuple = ()
+    dense_ffn: int = 0
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 1.0
+    rope_fraction: float = 1.0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_max: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0
+    yarn_truncate: bool = True
+    attn_sinks: bool = False
+    sliding_window: int = 0
+    window_layers: tuple = ()
+
+    def __post_init__(self):
+        own = "ModelConfig"
+        for name in ("dense_layers", "window_layers"):
+            if isinstance(getattr(self, name), list):  # as JSON and TOML hold it
+                object.__setattr__(self, name, tuple(sorted(getattr(self, name))))
+        for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
+            check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
+        check_int(f"{own}.shared_ffn", self.shared_ffn, 0, builtin=True)
+        check_int(f"{own}.glu_interleave", self.glu_interleave, 0, builtin=True)
+        check_int(f"{own}.kv_heads", self.kv_heads, 0, builtin=True)
+        check_int(f"{own}.head_size", self.head_size, 0, builtin=True)
+        check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
+        check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
+        _check_choices(self, own)
+        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias",
+                     "attn_sinks"):
+            check_bool(f"{own}.{name}", getattr(self, name))
+        check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
+        for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):
+            check_positive(f"{own}.{name}", getattr(self, name))
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
+            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
+        if not is_number(self.glu_offset, builtin=True) or not math.isfinite(self.glu_offset):
+            fail(f"{own}.glu_offset", self.glu_offset, "must be a finite number")
+        if self.topk > self.experts:
+            fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
+        if self.head_size == 0 and self.dim % self.heads:
+            fail(f"{own}.dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
+        if self.head_dim % 2:
+            what = "head_size" if self.head_size else "heads"
+            fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
+        self._check_groups()
+        self._check_rope_fraction()
+        self._check_rope_scaling()
+        if self.kv_heads and self.heads % self.kv_heads:
+            fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
+        _check_dense_layers(self, own)
+        _check_window(self, own)
+        if self.shared_gate and not self.shared_ffn:
+            fail(f"{own}.shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
+        if self.glu_interleave:
+            if not self.is_glu:
+                fail(f"{own}.glu_interleave", self.glu_interleave,
+                      f"must be 0 for the non-GLU activation {self.activation!r}")
+            for name in ("ffn", "shared_ffn"):
+                width = getattr(self, name)
+                if width % self.glu_interleave:
+                    fail(f"{own}.glu_interleave", self.glu_interleave,
+                          f"must divide {name} ({width})")
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is dense (``dense_layers``), not a routed MoE."""
+        return layer in self.dense_layers
+
+    def layer_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window: ``sliding_window`` if ``window_layers`` names
+        it, else 0 (it attends to every earlier position)."""
+        return self.sliding_window if layer in self.window_layers else 0
+
+    @property
+    def any_window(self) -> int:
+        """``sliding_window`` if some layer uses it, else 0 (what packed documents'
+        masks are built for)."""
+        return self.sliding_window if self.window_layers else 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE layers, in order (what ``MoEStats`` and
+        ``expert_counts`` have a row for)."""
+        return tuple(i for i in range(self.layers) if i not in self.dense_layers)
+
+    def _check_groups(self) -> None:
+        own, groups = "ModelConfig", self.expert_groups
+        if self.experts % groups:
+            fail(f"{own}.expert_groups", groups, f"must divide experts ({self.experts})")
+        if self.topk_groups > groups:
+            fail(f"{own}.topk_groups", self.topk_groups, f"must be <= expert_groups ({groups})")
+        if groups == 1:
+            return
+        per_group = self.experts // groups
+        if per_group < 2:  # a group's score is the sum of its 2 best experts'
+            fail(f"{own}.expert_groups", groups, f"must leave at least 2 experts a group (experts={self.experts})")
+        if self.topk > self.topk_groups * per_group:
+            fail(f"{own}.topk_groups", self.topk_groups,
+                 f"keeps {self.topk_groups * per_group} experts ({per_group} a group), fewer than topk ({self.topk})")
+
+    def _check_rope_fraction(self) -> None:
+        own = "ModelConfig.rope_fraction"
+        if self.rope_fraction > 1:
+            fail(own, self.rope_fraction, "must be in (0, 1]")
+        if self.rope_dims == 0 or self.rope_dims % 2:
+            fail(own, self.rope_fraction, f"must give an even, nonzero rope_dims = int(head_dim * rope_fraction) "
+                                          f"(head_dim {self.head_dim}: {self.rope_dims})")
+
+    def _check_rope_scaling(self) -> None:
+        own = "ModelConfig"
+        check_bool(f"{own}.yarn_truncate", self.yarn_truncate)
+        check_int(f"{own}.rope_original_max", self.rope_original_max, 0, builtin=True)
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            check_positive(f"{own}.{name}", getattr(self, name))
+        for name in ("yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
+            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
+        check_positive(f"{own}.rope_factor", self.rope_factor)
+        if self.rope_scaling == "none":
+            # a YaRN setting without rope_scaling='yarn' would be silently ignored
+            for field in dataclasses.fields(self):
+                if field.name in _YARN_FIELDS and getattr(self, field.name) != field.default:
+                    fail(f"{own}.{field.name}", getattr(self, field.name),
+                         f"is read only with rope_scaling='yarn' (is 'none'): leave it at {field.default!r}")
+            return
+        if self.rope_factor < 1:
+            fail(f"{own}.rope_factor", self.rope_factor, "must be >= 1 with rope_scaling='yarn'")
+        if self.rope_original_max < 1:
+            fail(f"{own}.rope_original_max", self.rope_original_max,
+                 "must be an int >= 1 with rope_scaling='yarn' (original_max_position_embeddings)")
+        if self.yarn_beta_fast < self.yarn_beta_slow:
+            fail(f"{own}.yarn_beta_fast", self.yarn_beta_fast, f"must be >= yarn_beta_slow ({self.yarn_beta_slow})")
+
+    @property
+    def yarn(self) -> "Yarn | None":
+        """YaRN's settings as one hashable value (None without ``rope_scaling='yarn'``),
+        what the attention's RoPE tables are computed from."""
+        if self.rope_scaling != "yarn":
+            return None
+        return Yarn(self.rope_factor, self.rope_original_max, self.yarn_beta_fast, self.yarn_beta_slow,
+                    self.yarn_truncate, self.yarn_cos_factor)
+
+    @property
+    def yarn_cos_factor(self) -> float:
+        """The factor on YaRN's cos/sin (transformers' ``attention_scaling``):
+        ``yarn_attention_factor``, or derived from ``rope_factor`` and the mscales."""
+        if self.yarn_attention_factor:
+            return self.yarn_attention_factor
+        factor = self.rope_factor
+        if self.yarn_mscale and self.yarn_mscale_all_dim:
+            return float(yarn_get_mscale(factor, self.yarn_mscale)
+                         / yarn_get_mscale(factor, self.yarn_mscale_all_dim))
+        return yarn_get_mscale(factor)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax's factor on ``q . k``: ``head_dim ** -0.5``, and with YaRN and
+        ``yarn_mscale_all_dim > 0`` times ``m(mscale_all_dim) ** 2`` (DeepSeek-V3's
+        correction, which keeps the scores' temperature under the longer context)."""
+        if self.rope_scaling == "yarn" and self.yarn_mscale_all_dim:
+            m = yarn_get_mscale(self.rope_factor, self.yarn_mscale_all_dim)
+            return self.head_dim ** (-0.5) * m * m  # in DeepseekV3Attention's order of operations
+        return 1.0 / math.sqrt(self.head_dim)  # as SDPA works out its default
+
+    @property
+    def is_glu(self) -> bool:
+        return self.activation in GLU_ACTIVATIONS
+
+    @property
+    def head_dim(self) -> int:
+        """Features per attention head: ``head_size``, or ``dim / heads`` when it is 0."""
+        return self.head_size or self.dim // self.heads
+
+    @property
+    def rope_dims(self) -> int:
+        """Features of each q/k head that RoPE rotates: ``int(head_dim * rope_fraction)``."""
+        return int(self.head_dim * self.rope_fraction)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Columns of the query projection: ``heads * head_dim``."""
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of the key (and of the value) projection: ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    def fc1_width(self, hidden: int) -> int:
+        """Columns of an fc1 whose activation yields ``hidden`` features."""
+        return 2 * hidden if self.is_glu else hidden
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
