@@ -200,6 +200,11 @@ def test_a_checkpoint_released_in_fp8_blocks_loads_as_transformers_dequantises_i
     for key in fp8:
         if not key.endswith("_scale_inv"):
             want[key] = _dequantize_fp8_weight(fp8[key], fp8[key + "_scale_inv"], block, torch.float32)
+    from fmoe.hf.weights import SafetensorsDir
+
+    down = SafetensorsDir(tmp_path / "hf", tuple(block)).slice("model.layers.0.mlp.experts.3.down_proj.weight")
+    whole = down[:]  # what a rank reads of its rows and columns (the blocks cut anywhere) is the whole's
+    assert torch.equal(down[5:20, 3:14], whole[5:20, 3:14]) and torch.equal(down[:, 9:16], whole[:, 9:16])
     attn = params["layers"][1]["attn"]["qkv"]  # [D, q | k | v] of q_proj, k_proj, v_proj transposed
     assert torch.equal(attn[:, -24:], want["model.layers.1.self_attn.v_proj.weight"].t())
     assert torch.equal(params["layers"][0]["moe"]["experts"]["fc2"][3],

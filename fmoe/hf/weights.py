@@ -119,9 +119,9 @@ class BlockFp8:
         rows, cols = self.get_shape()
         index = index if isinstance(index, tuple) else (index,)
         (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index + (slice(None),) * 2, (rows, cols)))
-        values = self.weight[r0:r1, c0:c1].float()
-        scales = self.scales_RC.repeat_interleave(self.block[0], 0)[r0:r1]
-        return values * scales.repeat_interleave(self.block[1], 1)[:, c0:c1]
+        block_r = torch.arange(r0, r1) // self.block[0]  # each row's and column's block: only
+        block_c = torch.arange(c0, c1) // self.block[1]  # the slice's scales, not the whole grid's
+        return self.weight[r0:r1, c0:c1].float() * self.scales_RC[block_r][:, block_c]
 
 
 class SafetensorsDir:
