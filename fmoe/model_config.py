@@ -106,6 +106,7 @@ class ModelConfig:
             ``[head_size]`` weight shared by every head, as Qwen3) or ``full`` (over the
             whole projection, ``[heads * head_size]`` / ``[kv_heads * head_size]``, as OLMoE).
         qkv_bias: a bias on the q/k/v projection (as Qwen2).
+        out_bias: a bias ``attn.out_bias [dim]`` on attention's output projection (as GPT-OSS).
         tie_embeddings: the head reuses ``embed`` (logits ``= h @ embed.T``; no ``head`` leaf).
         shared_gate: scale the shared expert's output by ``sigmoid(x @ gate)`` per token
             (as Qwen2-MoE); needs ``shared_ffn > 0``.
@@ -186,6 +187,7 @@ class ModelConfig:
     head_size: int = 0
     qk_norm: str = "none"
     qkv_bias: bool = False
+    out_bias: bool = False
     tie_embeddings: bool = False
     shared_gate: bool = False
     router_bias: bool = False
@@ -222,7 +224,7 @@ class ModelConfig:
         check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
         check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
         _check_choices(self, own)
-        for name in ("qkv_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias",
+        for name in ("qkv_bias", "out_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias",
                      "attn_sinks"):
             check_bool(f"{own}.{name}", getattr(self, name))
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp

@@ -3,7 +3,7 @@
 Layout (``y = x @ W`` everywhere, fp32)::
 
     embed [V, D]
-    layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], q_norm, k_norm, sinks [H])
+    layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], out_bias [D], q_norm, k_norm, sinks [H])
     layers[i].moe.{norm [D], router [D, E], expert_bias [E]}
     layers[i].moe.experts.{fc1 [E, D, 2F], fc2 [E, F, D]}  (+ fc1_bias [E, 2F], fc2_bias [E, D])
     layers[i].moe.shared.{fc1 [D, 2Fs], fc2 [Fs, D]}       (when shared_ffn > 0)
@@ -86,6 +86,8 @@ def attention_specs(cfg: ModelConfig) -> dict:
             "out": ((Q, cfg.dim), "normal_out")}
     if cfg.qkv_bias:
         attn["qkv_bias"] = ((Q + 2 * K,), "zeros")
+    if cfg.out_bias:
+        attn["out_bias"] = ((cfg.dim,), "zeros")
     if cfg.qk_norm != "none":
         per_head = cfg.qk_norm == "head"
         attn["q_norm"] = ((cfg.head_dim if per_head else Q,), "ones")

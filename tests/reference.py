@@ -142,7 +142,7 @@ def attention(p, x_BSD, cfg, docs_BS=None, window=0):
                     first = max(first, s - window + 1)
                 logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d) * yarn_softmax_gain(cfg)
                 o[s, h] = sink_softmax(logits, p["sinks"][h] if "sinks" in p else None) @ v[first: s + 1, kv]
-        outs.append(o.reshape(S, H * d) @ p["out"])
+        outs.append(o.reshape(S, H * d) @ p["out"] + (p["out_bias"] if "out_bias" in p else 0))
     return torch.stack(outs)
 
 

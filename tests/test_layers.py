@@ -55,7 +55,7 @@ ATTENTION_VARIANTS = {
     "gqa": dict(heads=4, kv_heads=2),
     "mqa_head_size": dict(heads=4, kv_heads=1, head_size=6),
     "qk_norm_per_head": dict(heads=4, kv_heads=2, qk_norm="head"),
-    "qk_norm_full_bias": dict(heads=2, qk_norm="full", qkv_bias=True, head_size=10),
+    "qk_norm_full_bias": dict(heads=2, qk_norm="full", qkv_bias=True, out_bias=True, head_size=10),
     "partial_rope": dict(heads=4, kv_heads=2, head_size=12, rope_fraction=0.5),
 }
 

@@ -316,7 +316,7 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
 
     Arguments:
         p: one layer's ``attn`` subtree (``qkv [D, Q + 2K]``, ``out [Q, D]``, and
-            ``qkv_bias``, ``q_norm``, ``k_norm``, ``sinks`` when the config has them).
+            ``qkv_bias``, ``out_bias``, ``q_norm``, ``k_norm``, ``sinks`` when the config has them).
         x_BSD: ``[B, S, D]`` normalised activations.
         cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, RoPE and its scaling).
         kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
@@ -338,7 +338,8 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     # head size would otherwise give FlexAttention's kernel a symbolic one, which
     # inductor cannot lower (and YaRN's DeepSeek-V3 correction changes it)
     o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"))
-    return gemms.linear(o_BSQ, p["out"])
+    out_BSD = gemms.linear(o_BSQ, p["out"])
+    return out_BSD + p["out_bias"] if "out_bias" in p else out_BSD
 
 
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
