@@ -260,7 +260,7 @@ class ModelConfig:
             fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
         if self.head_size == 0 and self.dim % self.heads:
             fail(f"{own}.dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.kv_lora_rank:  # MLA rotates its rope_head_dim part only
             what = "head_size" if self.head_size else "heads"
             fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
         self._check_groups()
