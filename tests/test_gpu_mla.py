@@ -74,3 +74,15 @@ def test_an_fp8_mla_step_stays_near_the_bf16_one():
     torch.testing.assert_close(fp8.loss, bf16.loss, rtol=3e-2, atol=3e-2)
     a, c = (g["layers"][1]["attn"]["kv_up"].flatten().float() for g in (fp8.grads, bf16.grads))
     assert torch.nn.functional.cosine_similarity(a, c, dim=0) > 0.9
+
+
+def test_graphed_mla_scopes_are_bitwise_eager():
+    # the attention scope (MLA's five projections and its norms) and the router and
+    # experts scopes captured, five optimizer steps, ZeRO-3, 1F1B
+    from .dist.workloads import global_batch, graphed_losses
+
+    plan = fmoe.Plan(model=MLA, sharding="optim_grads_params", schedule="1f1b_overlap", microbatches=2,
+                     gather_buffers="persistent", device="cuda", dtype="bfloat16")
+    res = graphed_losses(plan, global_batch().cuda(), modes=("eager", "attn", "attn+router+experts"))
+    for mode, losses in res.items():
+        assert torch.isfinite(losses).all() and torch.equal(losses, res["eager"]), mode
