@@ -256,6 +256,9 @@ class SafetensorsDir:
             raise ValueError(f"{self.directory}: {key!r} is stored in FP8 ({found.get_dtype()}) without its block "
                              f"scales {scale_key!r} (and a config.json quantization_config 'fp8' with "
                              "weight_block_size): fmoe cannot read its values")
+        if len(found.get_shape()) != 2:  # block scales are a grid over a matrix (a Linear's weight)
+            raise ValueError(f"{self.directory}: {key!r} is stored in FP8 with shape {found.get_shape()}; fmoe reads "
+                             "FP8 block scales of 2-D weights only")
         scales, (rows, cols) = self._raw(scale_key)[:], found.get_shape()
         grid = (-(-rows // self.fp8_block[0]), -(-cols // self.fp8_block[1]))
         if tuple(scales.shape) != grid:
