@@ -178,7 +178,8 @@ def test_model_loss_with_grouped_routing_and_partial_rope_matches_the_reference(
 @pytest.mark.parametrize("change,field", [(dict(expert_groups=2), "expert_groups"),
                                           (dict(routed_scaling=2.0), "routed_scaling"),
                                           (dict(rope_fraction=0.5), "rope_fraction"),
-                                          (dict(score_func="topk_softmax"), "score_func"),
+                                          # written as gpt_oss, whose experts are the clamped SwiGLU
+                                          (dict(score_func="topk_softmax"), "activation"),
                                           (dict(router_bias=True), "router_bias"),
                                           (dict(rope_scaling="yarn", rope_factor=4.0, rope_original_max=64),
                                            "rope_scaling"),

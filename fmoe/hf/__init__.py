@@ -1,4 +1,5 @@
-"""Hugging Face MoE checkpoints (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): config, load, save.
+"""Hugging Face MoE checkpoints (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5, GPT-OSS):
+config, load, save.
 
     cfg = fmoe.hf.config(hf_dir)            # a ModelConfig
     params = fmoe.hf.load(hf_dir, plan)     # this rank's part under plan

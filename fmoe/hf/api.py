@@ -1,7 +1,8 @@
 """``fmoe.hf.config`` / ``load`` / ``save``: Hugging Face MoE checkpoints, streamed.
 
 A Hugging Face directory holds ``config.json`` and safetensors files in the released
-per-expert layout (``...experts.{e}.w1.weight``, ``[out, in]``). ``load`` reads only
+layout (per expert, ``...experts.{e}.w1.weight`` ``[out, in]``, or GPT-OSS's experts
+stacked, ``...experts.gate_up_proj [E, in, out]``). ``load`` reads only
 the rows and experts this rank holds under the plan; ``save`` gathers one unit at a
 time and rank 0 writes it, so neither needs the whole model in one place.
 """
@@ -24,9 +25,10 @@ from ..dist.comm import Group
 from ..gather import iter_full
 from ..resolve import resolve
 from ..step import check_params
-from .families import TRAINING_FIELDS, WITH_EXPERT_BIAS, family_of, fp8_block, to_hf_config, to_model_config
-from .weights import (SCALE_SUFFIX, SafetensorsDir, file_keys, prediction_layer_keys, read_local_leaf, recipes,
-                      to_file_tensors)
+from .families import (WITH_EXPERT_BIAS, family_of, fp8_block, mxfp4, to_hf_config, to_model_config,
+                       training_fields)
+from .weights import (MXFP4_SUFFIXES, SCALE_SUFFIX, SafetensorsDir, file_keys, prediction_layer_keys,
+                      read_local_leaf, recipes, to_file_tensors)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,13 +46,22 @@ def _read_config_json(directory: Path) -> dict:
 def config(directory) -> ModelConfig:
     """The ModelConfig of a Hugging Face checkpoint directory (a family of
     ``fmoe.hf.families.FAMILIES``); ValueError naming the ``config.json`` key fmoe cannot
-    represent."""
+    represent.
+
+    Arguments:
+        directory: a directory with ``config.json``.
+
+    Returns:
+        The ModelConfig.
+    """
     directory = Path(directory)
     return to_model_config(_read_config_json(directory), str(directory / "config.json"))
 
 
 def _architecture_diff(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
-    ignore = set(TRAINING_FIELDS) | {"kv_heads", "head_size", "glu_limit", "glu_offset"}
+    ignore = set(training_fields(theirs)) | {"kv_heads", "head_size"}
+    if theirs.activation != "quick_geglu":
+        ignore |= {"glu_limit", "glu_offset"}  # read by quick_geglu alone
     a, b = dataclasses.asdict(mine), dataclasses.asdict(theirs)
     diff = [f"{k}={a[k]!r} (the checkpoint's: {b[k]!r})" for k in a if k not in ignore and a[k] != b[k]]
     for name in ("num_kv_heads", "head_dim"):
@@ -68,7 +79,7 @@ def load(directory, plan: Plan) -> dict:
     rate — may differ). ``expert_bias`` is the file's ``e_score_correction_bias`` where
     the family has one (GLM-4.5, DeepSeek-V3), zero otherwise. A checkpoint released in FP8 with
     block scales (``quantization_config`` ``fp8``, as DeepSeek-V3's and Qwen3's ``-FP8``)
-    loads dequantised into the fp32 masters.
+    or with GPT-OSS's experts in MXFP4 (``mxfp4``) loads dequantised into the fp32 masters.
 
     Arguments:
         directory: a directory with ``config.json`` and safetensors files.
@@ -86,11 +97,12 @@ def load(directory, plan: Plan) -> dict:
         raise ValueError(f"fmoe.hf.load: Plan.model differs from {directory / 'config.json'}: " + "; ".join(diff)
                          + " (build the model config with fmoe.hf.config)")
     cfg = plan.model
-    files = SafetensorsDir(directory, fp8_block(hf, str(directory / "config.json")))
+    files = SafetensorsDir(directory, fp8_block(hf, str(directory / "config.json")), mxfp4=mxfp4(hf))
     by_path = recipes(cfg, hf["model_type"])
     wanted = {k for r in by_path.values() for k in file_keys(r, cfg.experts)}
     harmless = {k for k in files.file_of if k.endswith("rotary_emb.inv_freq")}
     harmless.update(k + SCALE_SUFFIX for k in wanted if k + SCALE_SUFFIX in files.file_of)  # read with their weights
+    harmless.update(k + s for k in wanted for s in MXFP4_SUFFIXES if k not in files.file_of)  # read as ``k``
     predicting = prediction_layer_keys(files.file_of, hf)
     if predicting:
         warnings.warn(f"fmoe.hf.load: {directory} holds {len(predicting)} tensors of multi-token-prediction "
@@ -125,8 +137,8 @@ def _check_expert_bias(named: dict, plan: Plan) -> None:
     used = [p for p, total in zip(biases, local.tolist()) if total > 0]
     if used:
         raise ValueError(f"fmoe.hf.save: {used[0]} is non-zero, but the softmax-routed Hugging Face MoE families "
-                         "(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE) select experts without a bias (GLM-4.5's, with "
-                         "score_func='sigmoid', has one); train with expert_bias_rate=0 (balancing with "
+                         "(Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GPT-OSS) select experts without a bias "
+                         "(GLM-4.5's, with score_func='sigmoid', has one); train with expert_bias_rate=0 (balancing with "
                          "aux_loss_coef > 0, as the main job's default does) to export")
 
 
@@ -154,9 +166,10 @@ def _copy_prediction_layers(source: Path, writer) -> None:
         writer.add({key: files.slice(key)[:]})
 
 
-# What the written files are, whatever the source's were: fmoe writes plain floats.
+# What the written files are, whatever the source's were: fmoe writes plain floats, and
+# its RoPE as ``rope_parameters`` (a kept released ``rope_scaling`` would override them).
 _ALWAYS_MINE = ("architectures", "model_type", "dtype", "torch_dtype")
-_NEVER_KEPT = ("quantization_config",)
+_NEVER_KEPT = ("quantization_config", "rope_scaling")
 
 
 def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_bytes: int = 4 << 30,
@@ -164,8 +177,10 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
     """Write ``params`` as a Hugging Face checkpoint that ``from_pretrained`` reads.
 
     A collective: every rank passes its params; units are gathered one at a time and
-    rank 0 writes them. The family follows the config (``qk_norm`` head: Qwen3-MoE,
-    full: OLMoE, a gated shared expert: Qwen2-MoE, otherwise Mixtral). Atomic: files go
+    rank 0 writes them. The family follows the config (``score_func`` sigmoid: GLM-4.5,
+    topk_softmax: GPT-OSS; else ``qk_norm`` head: Qwen3-MoE, full: OLMoE, a gated shared
+    expert: Qwen2-MoE, otherwise Mixtral). Weights are written unquantised (no
+    ``quantization_config``), whatever the source's were. Atomic: files go
     to a temporary sibling renamed into place.
 
     Arguments:

@@ -2,27 +2,31 @@
 
 Each family is a ``model_type`` of ``config.json``: ``mixtral``, ``qwen3_moe``,
 ``olmoe``, ``qwen2_moe``, ``glm4_moe`` (GLM-4.5: sigmoid group-limited routing with
-a selection bias, routed scaling, a shared expert, dense first layers, partial RoPE) and
-``deepseek_v3`` (the same MoE under multi-head latent attention with YaRN RoPE).
-``to_model_config`` turns a ``config.json`` dict into a
-ModelConfig, refusing (ValueError naming the key) anything fmoe would compute
-differently; ``to_hf_config`` is its inverse for ``fmoe.hf.save``.
+a selection bias, routed scaling, a shared expert, dense first layers, partial RoPE),
+``deepseek_v3`` (the same MoE under multi-head latent attention with YaRN RoPE) and
+``gpt_oss`` (GPT-OSS: softmax over the top-k router logits with a router bias, expert
+and attention biases, the clamped SwiGLU, attention sinks, sliding-window layers,
+YaRN). ``to_model_config`` turns a ``config.json`` dict into a ModelConfig, refusing
+(ValueError naming the key) anything fmoe would compute differently; ``to_hf_config``
+is its inverse for ``fmoe.hf.save``.
 """
 
 from __future__ import annotations
 
+from ..checks import is_int, is_number
 from ..config import ModelConfig
+from ..layers.experts import QUICK_GELU_ALPHA
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # the families with DeepSeek-V3's MoE: sigmoid group-limited routing, a selection bias
 # (``e_score_correction_bias``), routed scaling, shared experts, dense first layers
 DEEPSEEK_MOE = ("glm4_moe", "deepseek_v3")
 # the families whose routers hold a selection bias
 WITH_EXPERT_BIAS = DEEPSEEK_MOE
-# the families that may scale RoPE with YaRN
+# the families (besides gpt_oss, read on its own) that may scale RoPE with YaRN
 WITH_YARN = ("deepseek_v3",)
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 _HF_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
@@ -30,6 +34,15 @@ _HF_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 # may set them freely over a Hugging Face checkpoint.
 TRAINING_FIELDS = ("glu_interleave", "pad_multiple", "capacity_factor", "aux_loss_coef", "z_loss_coef",
                    "expert_bias_rate", "init_std", "prob_placement")
+
+
+def training_fields(cfg: ModelConfig) -> tuple[str, ...]:
+    """The ``TRAINING_FIELDS`` a plan may change over a checkpoint whose model is ``cfg``:
+    all of them, but ``prob_placement`` where the experts have an fc2 bias (GPT-OSS),
+    since where the probability scales that bias changes what the model computes."""
+    if cfg.expert_biases:
+        return tuple(f for f in TRAINING_FIELDS if f != "prob_placement")
+    return TRAINING_FIELDS
 
 
 def _fail(where: str, key: str, value, why: str):
@@ -64,21 +77,30 @@ def rope(hf: dict, where: str, family: str) -> dict:
         raise ValueError(f"{where}: neither 'rope_theta' nor 'rope_parameters.rope_theta'")
     fields = dict(rope_theta=float(theta),
                   rope_fraction=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))))
-    return fields if kind == "default" else {**fields, **_yarn(params, hf, where)}
+    return fields if kind == "default" else {**fields, **_yarn(params, hf, where, key.split(".")[0])}
 
 
-def _yarn(params: dict, hf: dict, where: str) -> dict:
-    """YaRN's ModelConfig fields, as transformers' ``_compute_yarn_parameters`` reads its
-    keys (a missing ``factor`` is ``max_position_embeddings / original_max``; an mscale
-    missing or 0 is unset, fmoe's 0)."""
-    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
-    if not original:
-        _fail(where, "rope_parameters.original_max_position_embeddings", original, "YaRN needs the pretrained "
-              "context length")
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
+def _yarn(params: dict, hf: dict, where: str, key: str, default_max: int | None = None) -> dict:
+    """YaRN's ModelConfig fields from ``params`` (the config's ``key``: ``rope_scaling`` or
+    ``rope_parameters``), as transformers reads them: a top-level
+    ``original_max_position_embeddings`` wins over the one in ``params``, then
+    ``max_position_embeddings`` (``default_max``: the family config's default for it); a
+    missing ``factor`` is ``max_position_embeddings / original``; a null beta is its
+    default; an mscale or attention factor missing or 0 is unset (fmoe's 0)."""
+    longest = hf.get("max_position_embeddings", default_max)
+    original = hf.get("original_max_position_embeddings", params.get("original_max_position_embeddings", longest))
+    if not (is_number(original) and original == int(original) and original > 0):
+        _fail(where, f"{key}.original_max_position_embeddings", original, "YaRN needs the pretrained context "
+              "length, an int > 0")
+    factor = params.get("factor")
+    if factor is None and is_number(longest):  # as transformers derives it
+        factor = longest / original
+    if not is_number(factor):
+        _fail(where, f"{key}.factor", factor, "must be a number >= 1")
     return dict(rope_scaling="yarn", rope_factor=float(factor), rope_original_max=int(original),
-                yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
-                yarn_mscale=float(params.get("mscale") or 0.0), yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                yarn_beta_fast=float(params.get("beta_fast") or 32.0), yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                yarn_mscale=float(params.get("mscale") or 0.0),
+                yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
                 yarn_attention_factor=float(params.get("attention_factor") or 0.0),
                 yarn_truncate=bool(params.get("truncate", True)))
 
@@ -91,15 +113,24 @@ def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
     if not q:
         return None
     method = q.get("quant_method")
+    if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
+        return None  # GPT-OSS's experts as released (``mxfp4``); its other weights are plain floats
     if method != "fp8":
         _fail(where, "quantization_config.quant_method", method, "fmoe reads 'fp8' (E4M3 with block scales) "
-              "checkpoints, or plain floats")
+              "checkpoints, GPT-OSS's 'mxfp4' experts, or plain floats")
     if q.get("fmt", "e4m3") != "e4m3":
         _fail(where, "quantization_config.fmt", q["fmt"], "allowed: 'e4m3'")
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         _fail(where, "quantization_config.weight_block_size", block, "must be [rows, columns] of positive ints")
     return tuple(block)
+
+
+def mxfp4(hf: dict) -> bool:
+    """Whether the checkpoint's experts are released in MXFP4 (``quantization_config``
+    ``quant_method 'mxfp4'``, GPT-OSS's), stored as ``*_blocks`` and ``*_scales`` that
+    load dequantised (``fp8_block`` refuses MXFP4 in the other families)."""
+    return (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
@@ -168,8 +199,11 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     family = hf.get("model_type")
     if family not in FAMILIES:
         _fail(where, "model_type", family, "allowed: " + ", ".join(repr(f) for f in FAMILIES))
+    if family == "gpt_oss":
+        fp8_block(hf, where)  # refused here, before any weight is read
+        return _model_config(_gpt_oss_fields(hf, where), where)
     _check_unsupported(hf, family, where)
-    fp8_block(hf, where)  # refused here, before any weight is read
+    fp8_block(hf, where)
     dim, heads = _require(hf, where, "hidden_size"), _require(hf, where, "num_attention_heads")
     head_dim = hf.get("head_dim") or dim // heads
     shared = family == "qwen2_moe"
@@ -200,6 +234,10 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         fields.update(qk_norm="head" if hf.get("use_qk_norm") else "none", qkv_bias=bool(hf.get("attention_bias")))
     elif family == "deepseek_v3":
         fields.update(_latent_attention(hf, where))
+    return _model_config(fields, where)
+
+
+def _model_config(fields: dict, where: str) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ValueError as err:
@@ -212,6 +250,86 @@ def _latent_attention(hf: dict, where: str) -> dict:
     return dict(kv_heads=0, head_size=nope + rot, kv_lora_rank=_require(hf, where, "kv_lora_rank"),
                 q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=rot,
                 v_head_size=_require(hf, where, "v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)))
+
+
+# GPT-OSS's layer kinds (``layer_types``): whether the layer has the sliding window.
+_GPT_OSS_LAYER_KINDS = {"full_attention": False, "sliding_attention": True}
+# What GptOssConfig fills in for a config.json without RoPE settings.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_GPT_OSS_THETA = 150000.0  # GptOssConfig.default_theta
+
+
+def _gpt_oss_windows(hf: dict, where: str, layers: int) -> tuple[int, tuple]:
+    """``sliding_window`` and the layers it applies to (``window_layers``) from
+    ``layer_types`` (absent: transformers' default, the even layers slide)."""
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        _fail(where, "layer_types", kinds, f"must name one kind per layer (num_hidden_layers={layers})")
+    for i, kind in enumerate(kinds):
+        if kind not in _GPT_OSS_LAYER_KINDS:
+            _fail(where, f"layer_types[{i}]", kind, "allowed: " + ", ".join(map(repr, _GPT_OSS_LAYER_KINDS)))
+    sliding = tuple(i for i, kind in enumerate(kinds) if _GPT_OSS_LAYER_KINDS[kind])
+    if not sliding:
+        return 0, ()  # no layer reads the window
+    window = hf.get("sliding_window")
+    if not (is_int(window) and window > 0):
+        _fail(where, "sliding_window", window, f"layers {list(sliding)} are 'sliding_attention': it must be an int > 0")
+    return window, sliding
+
+
+def _gpt_oss_rope(hf: dict, where: str) -> dict:
+    """The ModelConfig RoPE fields of GPT-OSS, from the released top-level ``rope_scaling``
+    (with ``rope_theta``) or transformers >= 5's ``rope_parameters``, read as
+    transformers reads them (``rope_scaling`` first; absent keys as GptOssConfig and
+    ``_compute_yarn_parameters`` fill them in)."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or _GPT_OSS_ROPE
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        _fail(where, key, params, "fmoe applies one RoPE to every layer (a dict of rope_type, rope_theta, ...)")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", _GPT_OSS_THETA)))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if fraction != 1.0:
+        _fail(where, "partial_rotary_factor", fraction, "GPT-OSS rotates whole heads")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "yarn":
+        _fail(where, f"{key}.rope_type", kind, "GPT-OSS's RoPE in fmoe is 'yarn' or unscaled ('default')")
+    if params.get("mscale_all_dim"):
+        # GptOssAttention keeps the softmax scale at head_dim ** -0.5; fmoe's yarn_mscale_all_dim
+        # also rescales it (DeepSeek-V3's correction), so the two would differ
+        _fail(where, f"{key}.mscale_all_dim", params["mscale_all_dim"], "GPT-OSS's attention does not rescale "
+              "its softmax by it; set it to null")
+    return dict(rope_theta=theta, **_yarn(params, hf, where, key, default_max=131072))  # GptOssConfig's context
+
+
+def _gpt_oss_fields(hf: dict, where: str) -> dict:
+    """ModelConfig fields of a ``gpt_oss`` config.json (``hidden_act`` is ignored, as
+    GptOssExperts ignores it: its activation is the clamped SwiGLU of ``swiglu_limit``)."""
+    alpha = hf.get("swiglu_alpha", QUICK_GELU_ALPHA)
+    if alpha != QUICK_GELU_ALPHA:
+        _fail(where, "swiglu_alpha", alpha, f"fmoe's quick_geglu gates with sigmoid({QUICK_GELU_ALPHA} * gate)")
+    limit = hf.get("swiglu_limit", 7.0)
+    if not is_number(limit):
+        _fail(where, "swiglu_limit", limit, "GPT-OSS's experts clamp: it must be a number")
+    dim, heads, layers = (_require(hf, where, k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+    head_dim = hf.get("head_dim", 64) or dim // heads  # GptOssConfig's default is 64, not dim / heads
+    window, sliding = _gpt_oss_windows(hf, where, layers)
+    bias = bool(hf.get("attention_bias", True))  # one switch for q/k/v and o_proj
+    return dict(
+        vocab=_require(hf, where, "vocab_size"), dim=dim, layers=layers, heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads, head_size=0 if head_dim * heads == dim else head_dim,
+        experts=_require(hf, where, "num_local_experts", "num_experts"),
+        topk=_require(hf, where, "num_experts_per_tok"),
+        ffn=_require(hf, where, "intermediate_size"), activation="quick_geglu", glu_limit=float(limit), glu_offset=1.0,
+        score_func="topk_softmax", norm_topk_prob=False, router_bias=True, expert_biases=True,
+        qkv_bias=bias, out_bias=bias, attn_sinks=True, sliding_window=window, window_layers=sliding,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
+        expert_bias_rate=0.0, **_gpt_oss_rope(hf, where))
 
 
 def _check_fields(cfg: ModelConfig, where: str, checks, whose: str = "the Hugging Face MoE families have") -> None:
@@ -245,11 +363,37 @@ def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
     return family
 
 
+def _gpt_oss(cfg: ModelConfig, where: str) -> str:
+    """``gpt_oss`` if it holds ``cfg`` (softmax over the top-k logits is GPT-OSS's)."""
+    _check_fields(cfg, where, (
+        ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
+        ("activation", cfg.activation, cfg.activation == "quick_geglu"),
+        ("glu_offset", cfg.glu_offset, cfg.glu_offset == 1.0),
+        ("router_bias", cfg.router_bias, cfg.router_bias),
+        ("expert_biases", cfg.expert_biases, cfg.expert_biases),
+        ("prob_placement", cfg.prob_placement, cfg.prob_placement == "output"),  # scales the fc2 bias too
+        ("attn_sinks", cfg.attn_sinks, cfg.attn_sinks),
+        ("out_bias", cfg.out_bias, cfg.out_bias == cfg.qkv_bias),  # one attention_bias for q/k/v and o_proj
+        ("qk_norm", cfg.qk_norm, cfg.qk_norm == "none"),
+        ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn == 0),
+        ("dense_layers", cfg.dense_layers, not cfg.dense_layers),
+        ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
+        ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
+        ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0),
+        ("yarn_mscale_all_dim", cfg.yarn_mscale_all_dim, cfg.yarn_mscale_all_dim == 0)),
+        "score_func='topk_softmax' is written as gpt_oss (GPT-OSS: the clamped SwiGLU with expert biases, "
+        "a router bias, attention sinks, one bias switch for q/k/v and o_proj), which has")
+    # norm_topk_prob may be either: the softmax over the k logits already sums to 1
+    return "gpt_oss"
+
+
 def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     """The family whose released layout computes what ``cfg`` computes (ValueError naming
     the ModelConfig field that none of them has)."""
     if cfg.score_func == "sigmoid":
         return _sigmoid_family(cfg, where)
+    if cfg.score_func == "topk_softmax":
+        return _gpt_oss(cfg, where)
     _check_fields(cfg, where, (
         ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
         ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
@@ -285,6 +429,11 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     return family
 
 
+def _longest_context(cfg: ModelConfig) -> int:
+    """``max_position_embeddings``: YaRN's extended context (GPT-OSS: 32 x 4096), else 32k."""
+    return int(cfg.rope_factor * cfg.rope_original_max) if cfg.rope_scaling == "yarn" else 32768
+
+
 def _hf_rope(cfg: ModelConfig) -> dict:
     """``rope_parameters`` as transformers >= 5 writes them (YaRN's unset mscales left out)."""
     params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -299,20 +448,31 @@ def _hf_rope(cfg: ModelConfig) -> dict:
 
 
 def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
-    """``config.json`` for ``cfg`` written as ``family``, as ``from_pretrained`` reads it."""
+    """``config.json`` for ``cfg`` written as ``family``, as ``from_pretrained`` reads it.
+
+    Arguments:
+        cfg: the ModelConfig (``family_of(cfg)`` holds it).
+        family: a name of ``FAMILIES``.
+        dtype: the weights' dtype, ``float32 | bfloat16 | float16``.
+
+    Returns:
+        The ``config.json`` dict.
+    """
     hf = {
         "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab,
         "hidden_size": cfg.dim, "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": _HF_ACTIVATIONS[cfg.activation], "num_experts_per_tok": cfg.topk,
+        "hidden_act": _HF_ACTIVATIONS.get(cfg.activation, "silu"), "num_experts_per_tok": cfg.topk,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": _hf_rope(cfg),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
         "output_router_logits": cfg.aux_loss_coef > 0, "router_aux_loss_coef": cfg.aux_loss_coef,
-        "max_position_embeddings": 32768, "initializer_range": cfg.init_std, "use_cache": True,
+        "max_position_embeddings": _longest_context(cfg), "initializer_range": cfg.init_std, "use_cache": True,
         "dtype": dtype, "torch_dtype": dtype,
     }
-    if family == "mixtral":
+    if family == "gpt_oss":
+        hf.update(_gpt_oss_hf_config(cfg))
+    elif family == "mixtral":
         hf.update(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, sliding_window=None,
                   router_jitter_noise=0.0)
     elif family in DEEPSEEK_MOE:
@@ -339,3 +499,12 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
     if family == "qwen2_moe":
         hf.update(shared_expert_intermediate_size=cfg.shared_ffn, qkv_bias=cfg.qkv_bias)
     return hf
+
+
+def _gpt_oss_hf_config(cfg: ModelConfig) -> dict:
+    """``gpt_oss``'s own keys (``hidden_act`` stays ``silu``, GptOssConfig's name for
+    what its experts ignore)."""
+    kinds = ["sliding_attention" if i in cfg.window_layers else "full_attention" for i in range(cfg.layers)]
+    return dict(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, swiglu_limit=cfg.glu_limit,
+                swiglu_alpha=QUICK_GELU_ALPHA, attention_bias=cfg.qkv_bias, layer_types=kinds,
+                sliding_window=cfg.sliding_window or None)

@@ -16,7 +16,7 @@ from ..backends import BUILT_IN, declared_backends, expert_backend_names, regist
 from ..config import ModelConfig, Plan
 from ..data import TokenCorpus, check_corpus, check_packed_seq, check_vocab, embedded_corpus, open_corpus
 from ..generate import kv_cache_bytes
-from ..hf.families import TRAINING_FIELDS
+from ..hf.families import training_fields
 from ..params import param_count
 from ..runtime import check_device_and_backend, device_memory, gib
 from . import options, run_lock
@@ -147,14 +147,15 @@ def _model_config(s: RunSettings, fields: dict, explicit: set, corpus: TokenCorp
         vocab = fields["vocab"] if "vocab" in explicit else corpus.vocab
         return options.model_config(fields, vocab=vocab)
     mine = options.model_config(fields)
-    clash = [k for k in options.MODEL_FIELDS if k in explicit and k not in TRAINING_FIELDS
+    free = training_fields(base)
+    clash = [k for k in options.MODEL_FIELDS if k in explicit and k not in free
              and getattr(mine, k) != getattr(base, k)]
     if clash:
         k = clash[0]
         raise ValueError(f"--{k.replace('_', '-')}={getattr(mine, k)!r} contradicts --init-from-hf "
                          f"{s.init_from_hf} ({k}={getattr(base, k)!r}); only training fields may differ: "
-                         + ", ".join(TRAINING_FIELDS))
-    return base.replace(**{k: fields[k] for k in TRAINING_FIELDS if k in explicit})
+                         + ", ".join(free))
+    return base.replace(**{k: fields[k] for k in free if k in explicit})
 
 
 def _corpus_and_model(s: RunSettings, fields: dict, explicit: set) -> tuple[RunSettings, TokenCorpus, ModelConfig]:
