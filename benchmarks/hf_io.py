@@ -7,7 +7,7 @@ For each family, a two-layer slice of its released layout at a real width (hidde
 the family's tensor names, transposes, shared experts and dense first layer; 16 experts
 of 768 to keep it a few hundred MB) is written once as ``save_pretrained`` writes it, in
 bf16 (``deepseek_v3_fp8``: its Linear weights in FP8 E4M3 with 128 x 128 block scales,
-as DeepSeek-V3 is released). Then, the cases interleaved, best of ``--repeat``:
+as DeepSeek-V3 is released; ``gpt_oss_mxfp4``: its experts in MXFP4, as GPT-OSS is). Then, the cases interleaved, best of ``--repeat``:
 
   (a) the files alone: ``safetensors.torch.load_file`` of every file, ``save_file`` of
       every tensor back (no conversion: the floor any loader pays);
@@ -46,7 +46,10 @@ FAMILIES = {
                                              intermediate_size=4096, first_k_dense_replace=1, n_group=4, topk_group=2,
                                              n_shared_experts=1, kv_lora_rank=512, q_lora_rank=1024,
                                              qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)),
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=4, head_dim=64, num_local_experts=16, intermediate_size=768,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=128)),
 }
+VARIANTS = {"deepseek_v3_fp8": "deepseek_v3", "gpt_oss_mxfp4": "gpt_oss"}
 FP8_BLOCK = (128, 128)
 
 
@@ -54,17 +57,19 @@ def write_checkpoint(family: str, path: Path) -> None:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    config_cls, extra = FAMILIES[family.removesuffix("_fp8")]
+    config_cls, extra = FAMILIES[VARIANTS.get(family, family)]
     cfg = getattr(transformers, config_cls)(**{**WIDE, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)  # the released key names, whatever transformers holds in memory
-    if family.endswith("_fp8"):
-        save_file(quantise_fp8(load_file(path / "model.safetensors")), path / "model.safetensors",
+    if family in VARIANTS:
+        fp8 = family.endswith("_fp8")
+        tensors = load_file(path / "model.safetensors")
+        save_file(quantise_fp8(tensors) if fp8 else quantise_mxfp4(tensors), path / "model.safetensors",
                   metadata={"format": "pt"})
         config = json.loads((path / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": list(FP8_BLOCK)}
+                                         "weight_block_size": list(FP8_BLOCK)} if fp8 else {"quant_method": "mxfp4"}
         (path / "config.json").write_text(json.dumps(config))
 
 
@@ -80,6 +85,24 @@ def quantise_fp8(state: dict) -> dict:
             scales = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448.0
             q = (blocks / scales[:, None, :, None]).flatten(0, 1).flatten(1, 2)[:R, :C]
             out[key], out[key + "_scale_inv"] = q.to(torch.float8_e4m3fn), scales
+        else:
+            out[key] = w
+    return out
+
+
+def quantise_mxfp4(state: dict) -> dict:
+    """GPT-OSS's expert weights as released: ``[E, in, out]`` stored as ``*_blocks``
+    ``[E, out, in / 32, 16]`` (two FP4 codes a byte) and ``*_scales`` ``[E, out, in / 32]``
+    (E8M0); the codes are random, which costs a reader the same as real ones."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for key, w in state.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows, cols = w.shape
+            out[key + "_blocks"] = torch.randint(0, 256, (experts, cols, rows // 32, 16), generator=g,
+                                                 dtype=torch.uint8)
+            out[key + "_scales"] = torch.randint(120, 130, (experts, cols, rows // 32), generator=g,
+                                                 dtype=torch.uint8)
         else:
             out[key] = w
     return out
@@ -105,8 +128,7 @@ def through_fmoe(src: Path, out: Path) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", nargs="+", default=[*FAMILIES, "deepseek_v3_fp8"],
-                    choices=[*FAMILIES, "deepseek_v3_fp8"])
+    ap.add_argument("--families", nargs="+", default=[*FAMILIES, *VARIANTS], choices=[*FAMILIES, *VARIANTS])
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
