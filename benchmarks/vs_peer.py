@@ -59,6 +59,7 @@ compiled peer's against the eager peer's; exits 1 on a mismatch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -85,20 +86,39 @@ PRESETS = Path(fmoe.__file__).parent / "trainer" / "presets"
 MODEL_FLAGS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_size", "qk_norm", "experts", "topk", "ffn")
 
 
-def qwen3_moe_medium() -> dict:
-    """The preset's model fields (the ModelConfig ones), vocab 32000, no aux loss."""
-    preset = tomllib.loads((PRESETS / "qwen3-moe-medium.toml").read_text())
+def preset_model(preset: str) -> dict:
+    """A shipped preset's model fields (the ModelConfig ones; its layer lists, "0,2" in
+    TOML, as tuples), vocab 32000, no aux loss."""
+    fields = tomllib.loads((PRESETS / f"{preset}.toml").read_text())
     names = {f.name for f in dataclasses.fields(fmoe.ModelConfig)}
-    return {**{k: v for k, v in preset.items() if k in names}, "vocab": 32000, "aux_loss_coef": 0.0}
+    model = {k: v for k, v in fields.items() if k in names}
+    for name in ("dense_layers", "window_layers"):
+        if isinstance(model.get(name), str):
+            model[name] = tuple(int(i) for i in model[name].split(",") if i.strip())
+    return {**model, "vocab": 32000, "aux_loss_coef": 0.0}
+
+
+def qwen3_moe_medium() -> dict:
+    return preset_model("qwen3-moe-medium")
 
 
 COARSE = dict(vocab=32000, dim=2048, layers=8, heads=16, experts=16, topk=4, ffn=1408)
+PRESET_SHAPES = ("qwen3-moe-medium", "glm4.5-medium", "gpt-oss-medium", "deepseek-v3-medium")
 SHAPES = {"coarse": lambda: COARSE, "fine": lambda: {**COARSE, "experts": 64, "topk": 8, "ffn": 704},
-          "qwen3-moe-medium": qwen3_moe_medium}
-# The CPU toys: small widths, the shape's routing and attention kept.
+          **{name: functools.partial(preset_model, name) for name in PRESET_SHAPES}}
+# The CPU toys: small widths, the shape's routing and attention kept (GLM: a dense first
+# layer, a shared expert, partial RoPE; GPT-OSS: one windowed and one full layer, a window
+# shorter than the toy's rows; DeepSeek-V3: MLA with both low-rank projections, groups).
 TOY = dict(vocab=512, dim=64, layers=2, heads=4, ffn=64)
 CPU_SHAPES = {"coarse": dict(experts=8, topk=4), "fine": dict(experts=16, topk=8, ffn=32),
-              "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32)}
+              "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32),
+              "glm4.5-medium": dict(layers=3, experts=16, topk=4, ffn=32, shared_ffn=32, dense_ffn=128,
+                                    kv_heads=2, head_size=32),
+              "gpt-oss-medium": dict(experts=8, topk=4, ffn=32, kv_heads=2, head_size=16, sliding_window=16, glu_limit=0.3,
+                                     window_layers=(0,)),
+              "deepseek-v3-medium": dict(layers=3, experts=16, topk=4, ffn=32, shared_ffn=32, dense_ffn=128,
+                                         expert_groups=4, topk_groups=2, head_size=24, rope_head_dim=8,
+                                         v_head_size=16, q_lora_rank=32, kv_lora_rank=32)}
 GPU_RUN = dict(microbatches=1, warmup=3, steps=10)
 CPU_RUN = dict(batch=2, seq=64, microbatches=1, warmup=1, steps=3)
 
@@ -425,27 +445,61 @@ def weak_scaling(path: str):
 # --- --check: the peer reads fmoe's weights and gives fmoe's loss ---------------------------
 
 def peer_pairs(model: peer.PeerLM, tree: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(name, peer parameter, the same tensor of fmoe's tree in the peer's layout)``:
-    ``nn.Linear`` weights are fmoe's ``y = x @ W`` matrices transposed; fmoe's
-    ``expert_bias`` (zero, selection only) has no counterpart."""
+    """``(name, peer tensor, the same tensor of fmoe's tree in the peer's layout)``:
+    ``nn.Linear`` weights are fmoe's ``y = x @ W`` matrices transposed; biases, norms,
+    sinks and the experts' ``[E, ...]`` tensors as they are. fmoe's ``expert_bias`` pairs
+    with the peer's buffer of that name where the peer has one (sigmoid routing; it
+    takes no gradient on either side); elsewhere it is zero and selects nothing."""
     pairs = [("embed", model.embed.weight, tree["embed"]), ("final_norm", model.final_norm.weight, tree["final_norm"]),
              ("head", model.head.weight, tree["head"].T)]
+
+    def linear(name, module, w, b=None):  # an nn.Linear: its weight (and bias)
+        out = [(name, module.weight, w.T)]
+        return out + [(f"{name}_bias", module.bias, b)] if b is not None else out
+
     for i, (block, layer) in enumerate(zip(model.blocks, tree["layers"])):
-        attn, moe = layer["attn"], layer["moe"]
-        pairs += [(f"{i}.attn.norm", block.attn_norm.weight, attn["norm"]),
-                  (f"{i}.attn.qkv", block.attn.qkv.weight, attn["qkv"].T),
-                  (f"{i}.attn.out", block.attn.out.weight, attn["out"].T),
-                  (f"{i}.moe.norm", block.moe_norm.weight, moe["norm"]),
-                  (f"{i}.moe.router", block.moe.router.weight, moe["router"].T),
-                  (f"{i}.moe.fc1", block.moe.w1, moe["experts"]["fc1"]),
-                  (f"{i}.moe.fc2", block.moe.w2, moe["experts"]["fc2"])]
-        if "q_norm" in attn:
-            pairs += [(f"{i}.attn.q_norm", block.attn.q_norm.weight, attn["q_norm"]),
-                      (f"{i}.attn.k_norm", block.attn.k_norm.weight, attn["k_norm"])]
+        attn = layer["attn"]
+        pairs.append((f"{i}.attn.norm", block.attn_norm.weight, attn["norm"]))
+        if "qkv" in attn:
+            pairs += linear(f"{i}.attn.qkv", block.attn.qkv, attn["qkv"], attn.get("qkv_bias"))
+            pairs += linear(f"{i}.attn.out", block.attn.out, attn["out"], attn.get("out_bias"))
+            for name in ("q_norm", "k_norm"):
+                if name in attn:
+                    pairs.append((f"{i}.attn.{name}", getattr(block.attn, name).weight, attn[name]))
+            if "sinks" in attn:
+                pairs.append((f"{i}.attn.sinks", block.attn.sinks, attn["sinks"]))
+        else:  # multi-head latent attention
+            for name in ("q", "q_down", "q_up", "kv_down", "kv_up", "out"):
+                if name in attn:
+                    pairs += linear(f"{i}.attn.{name}", getattr(block.attn, name), attn[name])
+            for name in ("q_down_norm", "kv_down_norm"):
+                if name in attn:
+                    pairs.append((f"{i}.attn.{name}", getattr(block.attn, name).weight, attn[name]))
+        if "mlp" in layer:  # a dense layer
+            mlp = layer["mlp"]
+            pairs += [(f"{i}.mlp.norm", block.mlp_norm.weight, mlp["norm"]),
+                      *linear(f"{i}.mlp.fc1", block.mlp.fc1, mlp["fc1"]),
+                      *linear(f"{i}.mlp.fc2", block.mlp.fc2, mlp["fc2"])]
+            continue
+        moe, experts = layer["moe"], layer["moe"]["experts"]
+        pairs += [(f"{i}.moe.norm", block.moe_norm.weight, moe["norm"]),
+                  *linear(f"{i}.moe.router", block.moe.router, moe["router"], moe.get("router_bias")),
+                  (f"{i}.moe.fc1", block.moe.w1, experts["fc1"]),
+                  (f"{i}.moe.fc2", block.moe.w2, experts["fc2"])]
+        if "fc1_bias" in experts:
+            pairs += [(f"{i}.moe.fc1_bias", block.moe.b1, experts["fc1_bias"]),
+                      (f"{i}.moe.fc2_bias", block.moe.b2, experts["fc2_bias"])]
+        if block.moe.expert_bias is not None:
+            pairs.append((f"{i}.moe.expert_bias", block.moe.expert_bias, moe["expert_bias"]))
+        if "shared" in moe:
+            pairs += [*linear(f"{i}.moe.shared.fc1", block.moe.shared.fc1, moe["shared"]["fc1"]),
+                      *linear(f"{i}.moe.shared.fc2", block.moe.shared.fc2, moe["shared"]["fc2"])]
     return pairs
 
 
 def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
+    """The peer's loss and gradients (by ``peer_pairs`` name; trained tensors only) with
+    fmoe's ``params`` copied in."""
     model = peer.build(cfg, "cpu")
     with torch.no_grad():
         for _, p, w in peer_pairs(model, params):
@@ -454,7 +508,7 @@ def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
     logits, _ = model(tokens[:, :-1])
     loss = model.loss_fn(logits, tokens[:, 1:])
     loss.backward()
-    return float(loss.detach()), {name: p.grad for name, p, _ in peer_pairs(model, params)}
+    return float(loss.detach()), {name: p.grad for name, p, _ in peer_pairs(model, params) if p.requires_grad}
 
 
 def check(args) -> bool:
@@ -465,14 +519,16 @@ def check(args) -> bool:
         cfg = shape_config(name, args, toy=True)
         plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
         params = fmoe.init(plan, seed=0)
-        with torch.no_grad():  # norms away from their init of ones, so a misplaced norm shows
+        # norms away from their init of ones, biases (the selection-only expert bias too)
+        # from their zeros, so a misplaced one shows
+        with torch.no_grad():
             g = torch.Generator().manual_seed(1)
-            for _, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
-                if w.ndim == 1:
+            for leaf, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
+                if w.ndim == 1 or leaf.endswith("bias"):
                     w.add_(0.2 * torch.randn(w.shape, generator=g))
         tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
         out = fmoe.step(params, {"tokens": tokens}, plan)
-        fmoe_grads = {n: g for n, _, g in peer_pairs(peer.build(cfg, "cpu"), out.grads)}
+        fmoe_grads = {n: g for n, p, g in peer_pairs(peer.build(cfg, "cpu"), out.grads) if p.requires_grad}
         eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
         t0 = time.perf_counter()
         comp_loss, comp_grads = peer_loss_and_grads(cfg, params, tokens, compile=True)
