@@ -151,7 +151,17 @@ class Plan:
             fail(own, self.fp8, f"runs the routed experts through torch's FP8 grouped GEMM: set "
                                 f"Plan.expert_backend='torch' (is {self.expert_backend!r}) or fp8='none'")
         cfg = self.model  # the K and N of every FP8 product
-        widths = {"dim": cfg.dim, "ffn": cfg.ffn, "q_width": cfg.q_width, "kv_width": cfg.kv_width}
+        widths = {"dim": cfg.dim, "ffn": cfg.ffn, "q_width": cfg.q_width}
+        if cfg.latent:
+            widths.update(kv_lora_rank=cfg.kv_lora_rank, attn_out_width=cfg.attn_out_width,
+                          kv_down_width=cfg.kv_lora_rank + cfg.rope_head_dim,
+                          kv_up_width=cfg.heads * (cfg.head_dim - cfg.rope_head_dim + cfg.v_head_dim))
+            if cfg.q_lora_rank:
+                widths["q_lora_rank"] = cfg.q_lora_rank
+        else:
+            widths["kv_width"] = cfg.kv_width
+        if cfg.dense_layers:
+            widths["dense_ffn"] = cfg.dense_ffn
         if cfg.shared_ffn:
             widths["shared_ffn"] = cfg.shared_ffn
         if self.fp8 == "tensorwise":  # its head's product is FP8 too

@@ -33,8 +33,10 @@ from .runtime import device_memory, gib
 
 
 class KVCache(NamedTuple):
-    """Keys and values of the positions seen so far: per layer ``[B, K, max_len, d]``
-    buffers (written in place as positions are added) and how many are filled."""
+    """Keys and values of the positions seen so far: per layer ``[B, K, max_len, d]`` key
+    and ``[B, K, max_len, dv]`` value buffers (written in place as positions are added)
+    and how many are filled. Under multi-head latent attention every head's key and
+    value are cached (``K = heads``), not the latent."""
 
     keys: list
     values: list
@@ -43,13 +45,15 @@ class KVCache(NamedTuple):
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
     """Bytes of the keys and values of ``max_len`` positions of ``batch`` rows."""
-    return 2 * cfg.layers * batch * cfg.num_kv_heads * max_len * cfg.head_dim * dtype.itemsize
+    per_position = cfg.num_kv_heads * (cfg.head_dim + cfg.v_head_dim)
+    return cfg.layers * batch * per_position * max_len * dtype.itemsize
 
 
 def empty_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2 * cfg.layers)]
-    return KVCache(buffers[:cfg.layers], buffers[cfg.layers:], 0)
+    def buffers(width: int) -> list:
+        return [torch.empty(batch, cfg.num_kv_heads, max_len, width, dtype=dtype, device=device)
+                for _ in range(cfg.layers)]
+    return KVCache(buffers(cfg.head_dim), buffers(cfg.v_head_dim), 0)
 
 
 @torch.no_grad()

@@ -157,6 +157,23 @@ class ModelConfig:
             ``i - sliding_window < j <= i``; > 0 exactly when ``window_layers`` names a layer.
         window_layers: indices of the layers with the sliding window; the others attend
             to every earlier position. A list is taken as the sorted tuple.
+        kv_lora_rank: > 0 turns attention into multi-head latent attention (MLA, as
+            DeepSeek-V3): keys and values come up from a ``kv_lora_rank``-wide latent
+            (``attn.kv_down``, its RMSNorm ``kv_down_norm``, ``attn.kv_up``), every head
+            has its own key and value (``kv_heads`` must be 0), and each q/k head of
+            ``head_size`` features is ``[head_size - rope_head_dim`` without RoPE ``|
+            rope_head_dim`` with it``]``, the keys' rotated part one for all heads. 0: the
+            ``qkv`` projection.
+        q_lora_rank: MLA's queries through a ``q_lora_rank``-wide low-rank projection
+            (``attn.q_down``, its RMSNorm ``q_down_norm``, ``attn.q_up``); 0: one
+            projection ``attn.q``. Only with ``kv_lora_rank > 0``.
+        rope_head_dim: MLA's rotated features per q/k head (``qk_rope_head_dim``), even,
+            fewer than ``head_size``; > 0 exactly with ``kv_lora_rank > 0``
+            (``rope_fraction`` stays 1).
+        v_head_size: MLA's value features per head (``v_head_dim``); 0 means
+            ``head_size``. Attention's output is ``heads * v_head_size`` wide.
+        rope_interleave: the rotated features pair as ``(2i, 2i + 1)`` (DeepSeek-V3's
+            released layout, transformers' ``rope_interleave``) rather than ``(i, i + r/2)``.
     """
 
     vocab: int = 256
@@ -209,6 +226,11 @@ class ModelConfig:
     attn_sinks: bool = False
     sliding_window: int = 0
     window_layers: tuple = ()
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    rope_head_dim: int = 0
+    v_head_size: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         own = "ModelConfig"
@@ -224,8 +246,8 @@ class ModelConfig:
         check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
         check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
         _check_choices(self, own)
-        for name in ("qkv_bias", "out_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases", "router_bias",
-                     "attn_sinks"):
+        for name in ("qkv_bias", "out_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases",
+                     "router_bias", "attn_sinks", "rope_interleave"):
             check_bool(f"{own}.{name}", getattr(self, name))
         check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
         for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):
@@ -238,10 +260,11 @@ class ModelConfig:
             fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
         if self.head_size == 0 and self.dim % self.heads:
             fail(f"{own}.dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.kv_lora_rank:  # MLA rotates its rope_head_dim part only
             what = "head_size" if self.head_size else "heads"
             fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
         self._check_groups()
+        self._check_latent_attention()
         self._check_rope_fraction()
         self._check_rope_scaling()
         if self.kv_heads and self.heads % self.kv_heads:
@@ -295,6 +318,30 @@ class ModelConfig:
         if self.topk > self.topk_groups * per_group:
             fail(f"{own}.topk_groups", self.topk_groups,
                  f"keeps {self.topk_groups * per_group} experts ({per_group} a group), fewer than topk ({self.topk})")
+
+    def _check_latent_attention(self) -> None:
+        own = "ModelConfig"
+        for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_size"):
+            check_int(f"{own}.{name}", getattr(self, name), 0, builtin=True)
+        if not self.kv_lora_rank:
+            for name in ("q_lora_rank", "rope_head_dim", "v_head_size"):
+                if getattr(self, name):
+                    fail(f"{own}.{name}", getattr(self, name), "is read only with multi-head latent attention "
+                                                               "(kv_lora_rank > 0): leave it 0")
+            return
+        if self.kv_heads:
+            fail(f"{own}.kv_heads", self.kv_heads, "must be 0 with multi-head latent attention (kv_lora_rank > 0): "
+                                                   "every head has its own key and value")
+        if self.qkv_bias or self.qk_norm != "none":
+            what = "qkv_bias" if self.qkv_bias else "qk_norm"
+            fail(f"{own}.{what}", getattr(self, what), "belongs to the qkv projection, which multi-head latent "
+                                                       "attention (kv_lora_rank > 0) does not have")
+        if self.rope_fraction != 1.0:
+            fail(f"{own}.rope_fraction", self.rope_fraction, "must stay 1 with multi-head latent attention: "
+                                                             "rope_head_dim says which features rotate")
+        if not 0 < self.rope_head_dim < self.head_dim or self.rope_head_dim % 2:
+            fail(f"{own}.rope_head_dim", self.rope_head_dim, f"must be even, > 0 and < the q/k head size "
+                                                             f"({self.head_dim}) with kv_lora_rank > 0")
 
     def _check_rope_fraction(self) -> None:
         own = "ModelConfig.rope_fraction"
@@ -370,8 +417,24 @@ class ModelConfig:
 
     @property
     def rope_dims(self) -> int:
-        """Features of each q/k head that RoPE rotates: ``int(head_dim * rope_fraction)``."""
-        return int(self.head_dim * self.rope_fraction)
+        """Features of each q/k head that RoPE rotates: ``int(head_dim * rope_fraction)``,
+        or ``rope_head_dim`` under MLA."""
+        return self.rope_head_dim or int(self.head_dim * self.rope_fraction)
+
+    @property
+    def latent(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def v_head_dim(self) -> int:
+        """Features per value head: ``v_head_size``, or ``head_dim`` when it is 0."""
+        return self.v_head_size or self.head_dim
+
+    @property
+    def attn_out_width(self) -> int:
+        """Rows of attention's output projection: ``heads * v_head_dim``."""
+        return self.heads * self.v_head_dim
 
     @property
     def num_kv_heads(self) -> int:

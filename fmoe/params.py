@@ -4,6 +4,9 @@ Layout (``y = x @ W`` everywhere, fp32)::
 
     embed [V, D]
     layers[i].attn.{norm [D], qkv [D, Q + 2K], out [Q, D]}  (+ qkv_bias [Q + 2K], out_bias [D], q_norm, k_norm, sinks [H])
+    layers[i].attn.{norm, q [D, Q] | q_down [D, Rq], q_down_norm [Rq], q_up [Rq, Q],
+                    kv_down [D, Rkv + r], kv_down_norm [Rkv], kv_up [Rkv, H (d - r + dv)], out [H dv, D]}
+                                                            (multi-head latent attention, kv_lora_rank > 0)
     layers[i].moe.{norm [D], router [D, E], expert_bias [E]}
     layers[i].moe.experts.{fc1 [E, D, 2F], fc2 [E, F, D]}  (+ fc1_bias [E, 2F], fc2_bias [E, D])
     layers[i].moe.shared.{fc1 [D, 2Fs], fc2 [Fs, D]}       (when shared_ffn > 0)
@@ -13,6 +16,9 @@ Layout (``y = x @ W`` everywhere, fp32)::
 ``Q = heads * head_dim`` and ``K = kv_heads * head_dim`` (``Q = K = D`` by default).
 ``qkv`` columns are ``[q | k | v]``, each head-major (``h * head_dim + j``); ``q_norm``
 / ``k_norm`` are ``[head_dim]`` (``qk_norm="head"``) or ``[Q]`` / ``[K]`` (``"full"``).
+Under MLA each q head's columns are ``[d - r`` without RoPE ``| r`` with it``]`` (``r``:
+``rope_head_dim``), ``kv_down``'s are ``[latent | the keys' shared rotated r]`` and
+each head's columns of ``kv_up`` are ``[its key's d - r | its value's dv]``.
 ``moe.shared.gate [D, 1]`` exists with ``shared_gate``. GLU fc1
 columns are ``[gate | up]``, or blocks of ``glu_interleave`` columns alternating
 gate/up; with ``relu2`` (non-GLU) fc1 is ``[.., F]`` instead of ``[.., 2F]``.
@@ -81,19 +87,39 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 def attention_specs(cfg: ModelConfig) -> dict:
     """One layer's ``attn`` subtree as ``(shape, init)`` leaves."""
-    Q, K = cfg.q_width, cfg.kv_width
-    attn = {"norm": ((cfg.dim,), "ones"), "qkv": ((cfg.dim, Q + 2 * K), "normal"),
-            "out": ((Q, cfg.dim), "normal_out")}
-    if cfg.qkv_bias:
-        attn["qkv_bias"] = ((Q + 2 * K,), "zeros")
+    attn = {"norm": ((cfg.dim,), "ones")}
+    attn.update(_latent_projections(cfg) if cfg.latent else _qkv_projections(cfg))
+    attn["out"] = ((cfg.attn_out_width, cfg.dim), "normal_out")
     if cfg.out_bias:
         attn["out_bias"] = ((cfg.dim,), "zeros")
+    if cfg.attn_sinks:  # as transformers' GptOssAttention initialises them
+        attn["sinks"] = ((cfg.heads,), "normal")
+    return attn
+
+
+def _qkv_projections(cfg: ModelConfig) -> dict:
+    Q, K = cfg.q_width, cfg.kv_width
+    attn = {"qkv": ((cfg.dim, Q + 2 * K), "normal")}
+    if cfg.qkv_bias:
+        attn["qkv_bias"] = ((Q + 2 * K,), "zeros")
     if cfg.qk_norm != "none":
         per_head = cfg.qk_norm == "head"
         attn["q_norm"] = ((cfg.head_dim if per_head else Q,), "ones")
         attn["k_norm"] = ((cfg.head_dim if per_head else K,), "ones")
-    if cfg.attn_sinks:  # as transformers' GptOssAttention initialises them
-        attn["sinks"] = ((cfg.heads,), "normal")
+    return attn
+
+
+def _latent_projections(cfg: ModelConfig) -> dict:
+    """Multi-head latent attention's projections (``cfg.latent``)."""
+    D, H, Rkv = cfg.dim, cfg.heads, cfg.kv_lora_rank
+    nope = cfg.head_dim - cfg.rope_head_dim
+    if cfg.q_lora_rank:
+        attn = {"q_down": ((D, cfg.q_lora_rank), "normal"), "q_down_norm": ((cfg.q_lora_rank,), "ones"),
+                "q_up": ((cfg.q_lora_rank, cfg.q_width), "normal")}
+    else:
+        attn = {"q": ((D, cfg.q_width), "normal")}
+    attn.update(kv_down=((D, Rkv + cfg.rope_head_dim), "normal"), kv_down_norm=((Rkv,), "ones"),
+                kv_up=((Rkv, H * (nope + cfg.v_head_dim)), "normal"))
     return attn
 
 
@@ -179,7 +205,7 @@ class Leaf(NamedTuple):
 
 
 # the dense products' weights, by the subtree that holds them (``Leaf.linear``)
-LINEAR_WEIGHTS = {"attn": ("qkv", "out"), "shared": ("fc1", "fc2"), "mlp": ("fc1", "fc2")}
+LINEAR_WEIGHTS = {"attn": ("qkv", "out", "q", "q_down", "q_up", "kv_down", "kv_up"), "shared": ("fc1", "fc2"), "mlp": ("fc1", "fc2")}
 
 
 class ParamTable(NamedTuple):
@@ -313,8 +339,15 @@ def active_param_count(cfg: ModelConfig) -> int:
 
 def train_flops_per_token(cfg: ModelConfig, seq: int) -> float:
     """Training FLOPs per token: ``6 x`` the active parameters (forward + backward
-    matmuls) plus causal attention's ``QK^T`` and ``AV`` (``6 * layers * seq * q_width``)."""
-    return 6.0 * active_param_count(cfg) + 6.0 * cfg.layers * seq * cfg.q_width
+    matmuls) plus causal attention's ``QK^T`` and ``AV``: per layer ``6 * heads *
+    (head_dim + v_head_dim) / 2`` per key a query sees, on average ``seq / 2``, or about
+    the window ``W`` (``W - W^2 / 2 seq``) in a sliding-window layer."""
+    per_key = 6.0 * cfg.heads * (cfg.head_dim + cfg.v_head_dim) / 2
+    keys = 0.0
+    for layer in range(cfg.layers):
+        window = cfg.layer_window(layer)
+        keys += seq / 2 if not window or window >= seq else window - window * window / (2 * seq)
+    return 6.0 * active_param_count(cfg) + per_key * keys
 
 
 __all__ = ["FP32_LEAVES", "LINEAR_WEIGHTS", "Domain", "Leaf", "ParamTable", "active_param_count", "attention_specs", "decays",

@@ -18,7 +18,7 @@ def random_params(cfg, seed=0, dtype=torch.float64, scale=0.3):
     def draw(path, shape):
         t = torch.randn(shape, generator=g, dtype=torch.float64)
         name = path[-1]
-        if name in ("norm", "final_norm", "q_norm", "k_norm"):
+        if name.endswith("norm"):
             return (1 + 0.2 * t).to(dtype)
         if name == "expert_bias":
             return (0.05 * t).to(dtype)
@@ -111,29 +111,77 @@ def document_positions(doc_S):
     return out
 
 
+def qkv_heads(p, x_SD, cfg, positions):
+    """One sequence's queries ``[S, H, d]``, keys and values ``[S, KV, d]`` from ``qkv``."""
+    S, eps = x_SD.shape[0], cfg.norm_eps
+    H, KV, d = cfg.heads, cfg.kv_heads or cfg.heads, cfg.head_dim
+    qkv = x_SD @ p["qkv"]
+    if "qkv_bias" in p:
+        qkv = qkv + p["qkv_bias"]
+    q, k, v = qkv[:, :H * d], qkv[:, H * d:(H + KV) * d], qkv[:, (H + KV) * d:]
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k, v = q.reshape(S, H, d), k.reshape(S, KV, d), v.reshape(S, KV, d)
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    q, k = (rope(t, cfg.rope_theta, positions, cfg.rope_dims, cfg) for t in (q, k))
+    return q, k, v
+
+
+def rope_pairs(x_SHr, theta, positions=None, cfg=None):
+    """Rotate adjacent pairs (2i, 2i + 1) by s * theta^(-2i/r) (DeepSeek's interleaved
+    layout), one position and pair at a time."""
+    S, H, r = x_SHr.shape
+    out = x_SHr.clone()
+    yarn = cfg is not None and cfg.rope_scaling == "yarn"
+    gain = yarn_cos_factor(cfg) if yarn else 1.0
+    for s in range(S):
+        pos = s if positions is None else int(positions[s])
+        for i in range(r // 2):
+            ang = pos * (yarn_frequency(i, r, theta, cfg) if yarn else theta ** (-2.0 * i / r))
+            c, sn = gain * math.cos(ang), gain * math.sin(ang)
+            a, b = x_SHr[s, :, 2 * i], x_SHr[s, :, 2 * i + 1]
+            out[s, :, 2 * i], out[s, :, 2 * i + 1] = a * c - b * sn, b * c + a * sn
+    return out
+
+
+def latent_heads(p, x_SD, cfg, positions):
+    """Multi-head latent attention's queries and keys ``[S, H, d]`` and values
+    ``[S, H, dv]``, as DeepSeek-V3 writes them: q from the (low-rank) query projection,
+    a normalised latent up-projected to each head's unrotated key and value, one rotated
+    key part ``[S, r]`` appended to every head's key."""
+    S, H, eps = x_SD.shape[0], cfg.heads, cfg.norm_eps
+    d, r, dv = cfg.head_dim, cfg.rope_head_dim, cfg.v_head_dim
+    q = x_SD @ p["q"] if "q" in p else rms_norm(x_SD @ p["q_down"], p["q_down_norm"], eps) @ p["q_up"]
+    q = q.reshape(S, H, d)
+    down = x_SD @ p["kv_down"]
+    latent, k_rot = down[:, :cfg.kv_lora_rank], down[:, cfg.kv_lora_rank:]
+    up = (rms_norm(latent, p["kv_down_norm"], eps) @ p["kv_up"]).reshape(S, H, d - r + dv)
+    q_rot, k_rot = q[:, :, d - r:], k_rot.reshape(S, 1, r)
+    if cfg.rope_interleave:
+        q_rot, k_rot = (rope_pairs(t, cfg.rope_theta, positions, cfg) for t in (q_rot, k_rot))
+    else:
+        q_rot, k_rot = (rope(t, cfg.rope_theta, positions, r, cfg) for t in (q_rot, k_rot))
+    q = torch.cat([q[:, :, :d - r], q_rot], dim=-1)
+    k = torch.cat([up[:, :, :d - r], k_rot.expand(S, H, r)], dim=-1)
+    return q, k, up[:, :, d - r:]
+
+
 def attention(p, x_BSD, cfg, docs_BS=None, window=0):
     """Per sequence, head and position; query head h reads key/value head h // (H / KV).
     ``docs_BS``: a document id per position; a query reads only its document's keys at
     or before it, and positions restart at each document's first token. ``window``:
     query s reads only keys s - window + 1 .. s (0: all). ``p["sinks"]`` (when there):
-    each head's sink logit, one more softmax term with no value."""
+    each head's sink logit, one more softmax term with no value. Multi-head latent
+    attention (``cfg.kv_lora_rank``) through ``latent_heads``."""
     B, S, D = x_BSD.shape
-    H, KV, d = cfg.heads, cfg.kv_heads or cfg.heads, cfg.head_dim
-    eps = cfg.norm_eps
+    H, d = cfg.heads, cfg.head_dim
     outs = []
     for b in range(B):
-        qkv = x_BSD[b] @ p["qkv"]
-        if "qkv_bias" in p:
-            qkv = qkv + p["qkv_bias"]
-        q, k, v = qkv[:, :H * d], qkv[:, H * d:(H + KV) * d], qkv[:, (H + KV) * d:]
-        if cfg.qk_norm == "full":
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
-        q, k, v = q.reshape(S, H, d), k.reshape(S, KV, d), v.reshape(S, KV, d)
-        if cfg.qk_norm == "head":
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
         positions = None if docs_BS is None else document_positions(docs_BS[b].tolist())
-        q, k = (rope(t, cfg.rope_theta, positions, cfg.rope_dims, cfg) for t in (q, k))
-        o = torch.empty(S, H, d, dtype=x_BSD.dtype)
+        q, k, v = (latent_heads if cfg.kv_lora_rank else qkv_heads)(p, x_BSD[b], cfg, positions)
+        KV = k.shape[1]
+        o = torch.empty(S, H, v.shape[-1], dtype=x_BSD.dtype)
         for h in range(H):
             kv = h // (H // KV)
             for s in range(S):
@@ -142,7 +190,7 @@ def attention(p, x_BSD, cfg, docs_BS=None, window=0):
                     first = max(first, s - window + 1)
                 logits = (k[first: s + 1, kv] @ q[s, h]) / math.sqrt(d) * yarn_softmax_gain(cfg)
                 o[s, h] = sink_softmax(logits, p["sinks"][h] if "sinks" in p else None) @ v[first: s + 1, kv]
-        outs.append(o.reshape(S, H * d) @ p["out"] + (p["out_bias"] if "out_bias" in p else 0))
+        outs.append(o.reshape(S, -1) @ p["out"] + (p["out_bias"] if "out_bias" in p else 0))
     return torch.stack(outs)
 
 

@@ -35,5 +35,7 @@ def layout_table_paths(readme):
 def test_readme_layout_table_names_every_leaf():
     every_leaf = fmoe.ModelConfig(expert_biases=True, shared_ffn=8, shared_gate=True, qk_norm="head", qkv_bias=True,
                                   out_bias=True, dense_layers=(0,), dense_ffn=8, router_bias=True, attn_sinks=True)
-    layout = {re.sub(r"^layers\.\d+", "layers[i]", p) for p in flat_shapes(every_leaf)}
+    latent = every_leaf.replace(qk_norm="none", qkv_bias=False, head_size=12, kv_lora_rank=8, rope_head_dim=4)
+    layout = {re.sub(r"^layers\.\d+", "layers[i]", p) for cfg in (every_leaf, latent, latent.replace(q_lora_rank=8))
+              for p in flat_shapes(cfg)}
     assert layout_table_paths((ROOT / "README.md").read_text()) == layout

@@ -1,5 +1,6 @@
-"""fmoe.hf against transformers: tiny random Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and
-GLM-4.5 (glm4_moe) models saved with ``save_pretrained``, loaded into fmoe, and written back."""
+"""fmoe.hf against transformers: tiny random Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, GLM-4.5
+(glm4_moe) and DeepSeek-V3 models saved with ``save_pretrained``, loaded into fmoe, and
+written back."""
 
 import json
 from pathlib import Path
@@ -35,6 +36,17 @@ FAMILIES = {
                  dict(n_routed_experts=4, moe_intermediate_size=16, intermediate_size=24, first_k_dense_replace=1,
                       n_group=2, topk_group=1, routed_scaling_factor=2.5, attention_bias=True, head_dim=16,
                       n_shared_experts=1, norm_topk_prob=True)),
+    # multi-head latent attention (a low-rank query, value heads narrower than the q/k
+    # heads, interleaved RoPE pairs) under YaRN with the softmax correction (mscale and
+    # mscale_all_dim apart, so both factors are not 1), GLM's MoE
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(n_routed_experts=4, moe_intermediate_size=16, intermediate_size=24, first_k_dense_replace=1,
+                         n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1, norm_topk_prob=True,
+                         num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=8, qk_rope_head_dim=4,
+                         qk_nope_head_dim=8, v_head_dim=6, rope_interleave=True,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                              original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
+                                              mscale=0.8, mscale_all_dim=1.0))),
 }
 # fp32 on both sides; the differences are RoPE tables (fmoe: fp64, cast; transformers:
 # fp32), SDPA vs eager softmax and summation order: measured <= 1e-6 on logits of ~2.
@@ -73,18 +85,25 @@ def test_config_reads_the_family(saved):
     family, model, path = saved
     cfg = fmoe.hf.config(path)
     hf = model.config
+    ds = family == "deepseek_v3"
     assert (cfg.vocab, cfg.dim, cfg.layers, cfg.heads, cfg.num_kv_heads, cfg.experts, cfg.topk) == \
-        (64, 32, 2, 4, 2, 4, 2)
-    assert cfg.head_dim == (16 if family in ("qwen3_moe", "glm4_moe") else 8)
+        (64, 32, 2, 4, 4 if ds else 2, 4, 2)
+    assert cfg.head_dim == {"qwen3_moe": 16, "glm4_moe": 16, "deepseek_v3": 12}.get(family, 8)
     assert cfg.qk_norm == {"qwen3_moe": "head", "olmoe": "full"}.get(family, "none")
     assert cfg.norm_topk_prob == (True if family == "mixtral" else hf.norm_topk_prob)
     assert (cfg.shared_ffn, cfg.shared_gate, cfg.qkv_bias, cfg.tie_embeddings) == {
-        "qwen2_moe": (24, True, True, True), "glm4_moe": (16, False, True, False)}.get(family, (0, False, False, False))
+        "qwen2_moe": (24, True, True, True), "glm4_moe": (16, False, True, False),
+        "deepseek_v3": (16, False, False, False)}.get(family, (0, False, False, False))
     assert cfg.norm_eps == hf.rms_norm_eps and cfg.expert_bias_rate == 0
-    glm = family == "glm4_moe"
-    assert (cfg.score_func, cfg.expert_groups, cfg.topk_groups, cfg.routed_scaling, cfg.rope_fraction) == \
-        (("sigmoid", 2, 1, 2.5, 0.5) if glm else ("softmax", 1, 1, 1.0, 1.0))
-    assert (cfg.dense_layers, cfg.dense_ffn) == (((0,), 24) if glm else ((), 0))
+    deepseek_moe = family in ("glm4_moe", "deepseek_v3")
+    assert (cfg.score_func, cfg.expert_groups, cfg.topk_groups, cfg.routed_scaling) == \
+        (("sigmoid", 2, 1, 2.5) if deepseek_moe else ("softmax", 1, 1, 1.0))
+    assert cfg.rope_fraction == (0.5 if family == "glm4_moe" else 1.0)
+    assert (cfg.dense_layers, cfg.dense_ffn) == (((0,), 24) if deepseek_moe else ((), 0))
+    latent = (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_head_dim, cfg.v_head_dim, cfg.rope_interleave)
+    assert latent == ((16, 8, 4, 6, True) if ds else (0, 0, 0, cfg.head_dim, False))
+    yarn = (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max, cfg.yarn_mscale, cfg.yarn_mscale_all_dim)
+    assert yarn == (("yarn", 4.0, 4, 0.8, 1.0) if ds else ("none", 1.0, 0, 1.0, 0.0))
 
 
 def test_logits_and_loss_equal_transformers(saved):
@@ -142,10 +161,11 @@ def test_qwen3_moes_dense_layers_load_compute_and_save_as_released(tmp_path, den
     assert_trees_equal(back, params)
 
 
-def test_glm_multi_token_prediction_layers_are_kept_through_a_round_trip_and_said_so(tmp_path):
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layers_are_kept_through_a_round_trip_and_said_so(tmp_path, family):
     from safetensors.torch import load_file, save_file
 
-    hf_model("glm4_moe").save_pretrained(tmp_path / "hf")
+    hf_model(family).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
     g = torch.Generator().manual_seed(6)
@@ -218,6 +238,29 @@ def test_a_checkpoint_released_in_fp8_blocks_loads_as_transformers_dequantises_i
     assert torch.equal(written["model.layers.1.self_attn.v_proj.weight"], want["model.layers.1.self_attn.v_proj.weight"])
 
 
+def test_deepseeks_latent_attention_released_in_fp8_blocks_loads_dequantised(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    block = [8, 8]
+    hf_model("deepseek_v3").save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    fp8 = {}
+    for key, w in tensors.items():
+        if w.dim() == 2 and key.endswith("proj.weight") or key.endswith("proj_with_mqa.weight"):
+            fp8[key], fp8[key + "_scale_inv"] = fp8_blocks(w, block)
+    save_file({**tensors, **fp8}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, quantization_config=quant)))
+    params = fmoe.hf.load(tmp_path / "hf", fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf")))
+    attn, at = params["layers"][1]["attn"], "model.layers.1.self_attn"
+    for leaf, key in (("q_down", "q_a_proj"), ("q_up", "q_b_proj"), ("kv_down", "kv_a_proj_with_mqa"),
+                      ("kv_up", "kv_b_proj"), ("out", "o_proj")):
+        k = f"{at}.{key}.weight"
+        assert torch.equal(attn[leaf], _dequantize_fp8_weight(fp8[k], fp8[k + "_scale_inv"], block, torch.float32).t())
+
+
 def test_an_fp8_weight_without_its_scales_names_both(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -280,12 +323,34 @@ def test_hf_files_are_written_back_unchanged(saved, tmp_path):
 
 
 def test_released_config_form_with_top_level_rope_theta(saved, tmp_path):
-    """Released config.json files (before transformers 5) give rope_theta at the top level."""
+    """Released config.json files (before transformers 5) give rope_theta at the top level,
+    and RoPE's scaling beside it (DeepSeek-V3's ``rope_scaling``)."""
     family, _, path = saved
     hf = json.loads((path / "config.json").read_text())
-    theta = hf.pop("rope_parameters")["rope_theta"]
+    params = hf.pop("rope_parameters")
+    theta = params.pop("rope_theta")
+    if params["rope_type"] != "default":
+        hf["rope_scaling"] = dict(params, type=params.pop("rope_type"))
     (tmp_path / "config.json").write_text(json.dumps(dict(hf, rope_theta=theta * 2)))
-    assert fmoe.hf.config(tmp_path).rope_theta == theta * 2
+    assert fmoe.hf.config(tmp_path) == fmoe.hf.config(path).replace(rope_theta=theta * 2)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(kv_lora_rank=None), "kv_lora_rank=None is not supported: q_lora_rank is set"),
+    (dict(n_group=3), "n_group=3 is not supported: must divide n_routed_experts (4)"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+     "rope_parameters.rope_type='llama3' is not supported: deepseek_v3: allowed: 'default', 'yarn'"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
+    (dict(scoring_func="softmax"), "scoring_func='softmax' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(qk_rope_head_dim=3), "ModelConfig.rope_head_dim=3 is invalid"),
+])
+def test_deepseek_config_refuses_what_fmoe_cannot_represent(tmp_path, change, needle):
+    hf = json.loads(hf_model("deepseek_v3").config.to_json_string())
+    (tmp_path / "config.json").write_text(json.dumps(dict(hf, **change)))
+    with pytest.raises(ValueError, match="config.json") as err:
+        fmoe.hf.config(tmp_path)
+    assert needle in str(err.value)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -1,8 +1,10 @@
 """The Hugging Face MoE families fmoe reads and writes: config translation.
 
 Each family is a ``model_type`` of ``config.json``: ``mixtral``, ``qwen3_moe``,
-``olmoe``, ``qwen2_moe`` and ``glm4_moe`` (GLM-4.5: sigmoid group-limited routing with
-a selection bias, routed scaling, a shared expert, dense first layers, partial RoPE). ``to_model_config`` turns a ``config.json`` dict into a
+``olmoe``, ``qwen2_moe``, ``glm4_moe`` (GLM-4.5: sigmoid group-limited routing with
+a selection bias, routed scaling, a shared expert, dense first layers, partial RoPE) and
+``deepseek_v3`` (the same MoE under multi-head latent attention with YaRN RoPE).
+``to_model_config`` turns a ``config.json`` dict into a
 ModelConfig, refusing (ValueError naming the key) anything fmoe would compute
 differently; ``to_hf_config`` is its inverse for ``fmoe.hf.save``.
 """
@@ -11,11 +13,17 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
-# the families whose routers hold a selection bias (``e_score_correction_bias``)
-WITH_EXPERT_BIAS = ("glm4_moe",)
+                 "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+# the families with DeepSeek-V3's MoE: sigmoid group-limited routing, a selection bias
+# (``e_score_correction_bias``), routed scaling, shared experts, dense first layers
+DEEPSEEK_MOE = ("glm4_moe", "deepseek_v3")
+# the families whose routers hold a selection bias
+WITH_EXPERT_BIAS = DEEPSEEK_MOE
+# the families that may scale RoPE with YaRN
+WITH_YARN = ("deepseek_v3",)
 _ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu"}
 _HF_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 # Fields of a ModelConfig that say how to train, not what the model computes: a plan
@@ -36,22 +44,43 @@ def _require(hf: dict, where: str, *keys: str):
     raise ValueError(f"{where}: no {' or '.join(map(repr, keys))}")
 
 
-def rope(hf: dict, where: str, family: str) -> tuple[float, float]:
-    """RoPE's base and the fraction of each head it rotates, from either form: top-level
-    ``rope_theta`` / ``partial_rotary_factor`` (released files) or ``rope_parameters``
-    (written by transformers >= 5); scaled RoPE is refused."""
-    params = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling"):
-        _fail(where, "rope_scaling", hf["rope_scaling"], "fmoe implements unscaled RoPE only")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        _fail(where, "rope_parameters.rope_type", kind, "fmoe implements unscaled ('default') RoPE only")
+def rope(hf: dict, where: str, family: str) -> dict:
+    """RoPE's ModelConfig fields from either form: top-level ``rope_theta`` /
+    ``partial_rotary_factor`` / ``rope_scaling`` (released files) or ``rope_parameters``
+    (written by transformers >= 5): the base, the fraction of each head it rotates and,
+    for the families in ``WITH_YARN``, YaRN's settings; any other scaling is refused."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    kind, key = params.get("rope_type", params.get("type", "default")), "rope_parameters.rope_type"
+    if scaling and kind == "default":  # the released form: the scaling beside a top-level theta
+        params.update(scaling)
+        kind, key = scaling.get("rope_type", scaling.get("type", "default")), "rope_scaling"
+    allowed = ("default", "yarn") if family in WITH_YARN else ("default",)
+    if kind not in allowed:
+        _fail(where, key, kind, f"{family}: allowed: {', '.join(map(repr, allowed))}")
     default = 0.5 if family == "glm4_moe" else 1.0  # as transformers' Glm4MoeConfig fills it in
-    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{where}: neither 'rope_theta' nor 'rope_parameters.rope_theta'")
-    return float(theta), float(fraction)
+    fields = dict(rope_theta=float(theta),
+                  rope_fraction=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))))
+    return fields if kind == "default" else {**fields, **_yarn(params, hf, where)}
+
+
+def _yarn(params: dict, hf: dict, where: str) -> dict:
+    """YaRN's ModelConfig fields, as transformers' ``_compute_yarn_parameters`` reads its
+    keys (a missing ``factor`` is ``max_position_embeddings / original_max``; an mscale
+    missing or 0 is unset, fmoe's 0)."""
+    original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    if not original:
+        _fail(where, "rope_parameters.original_max_position_embeddings", original, "YaRN needs the pretrained "
+              "context length")
+    factor = params.get("factor") or hf["max_position_embeddings"] / original
+    return dict(rope_scaling="yarn", rope_factor=float(factor), rope_original_max=int(original),
+                yarn_beta_fast=float(params.get("beta_fast") or 32), yarn_beta_slow=float(params.get("beta_slow") or 1),
+                yarn_mscale=float(params.get("mscale") or 0.0), yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                yarn_attention_factor=float(params.get("attention_factor") or 0.0),
+                yarn_truncate=bool(params.get("truncate", True)))
 
 
 def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
@@ -74,11 +103,12 @@ def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
 
 
 def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
-    """The layers whose MLP is dense: GLM's first ``first_k_dense_replace``; Qwen's
+    """The layers whose MLP is dense: GLM's and DeepSeek's first ``first_k_dense_replace``; Qwen's
     ``mlp_only_layers`` and those ``decoder_sparse_step`` skips."""
     layers = hf.get("num_hidden_layers") or 0
-    if family == "glm4_moe":
-        return tuple(range(min(int(hf.get("first_k_dense_replace", 1)), layers)))
+    if family in DEEPSEEK_MOE:
+        default = 1 if family == "glm4_moe" else 3  # as transformers' configs fill it in
+        return tuple(range(min(int(hf.get("first_k_dense_replace", default)), layers)))
     if family in ("qwen3_moe", "qwen2_moe"):
         step, only = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
         return tuple(i for i in range(layers) if i in only or (i + 1) % step)
@@ -91,10 +121,12 @@ def _check_unsupported(hf: dict, family: str, where: str) -> None:
     if hf.get("router_jitter_noise"):
         _fail(where, "router_jitter_noise", hf["router_jitter_noise"], "fmoe routes without noise; set it to 0")
     if hf.get("attention_bias") and family != "glm4_moe":  # GLM's bias is on q/k/v only, as fmoe's qkv_bias
-        _fail(where, "attention_bias", True, "fmoe's output projection has no bias")
+        _fail(where, "attention_bias", True, f"fmoe's {family} projections have no bias")
+    if family == "deepseek_v3":
+        _check_deepseek(hf, where)
     if hf.get("clip_qkv") is not None:
         _fail(where, "clip_qkv", hf["clip_qkv"], "fmoe does not clamp q/k/v; set it to null")
-    if family == "glm4_moe" and hf.get("n_shared_experts", 1) < 1:
+    if family in DEEPSEEK_MOE and hf.get("n_shared_experts", 1) < 1:
         _fail(where, "n_shared_experts", hf["n_shared_experts"], "fmoe's GLM-4.5 layers have a shared expert")
     kinds = set(hf.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
@@ -102,6 +134,23 @@ def _check_unsupported(hf: dict, family: str, where: str) -> None:
     act = hf.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         _fail(where, "hidden_act", act, "allowed: " + ", ".join(repr(a) for a in _ACTIVATIONS))
+
+
+def _check_deepseek(hf: dict, where: str) -> None:
+    """What of a DeepSeek-V3 config fmoe computes otherwise, by key, before any weight is read."""
+    if hf.get("q_lora_rank") and not hf.get("kv_lora_rank"):
+        _fail(where, "kv_lora_rank", hf.get("kv_lora_rank"), "q_lora_rank is set: multi-head latent attention "
+              "needs kv_lora_rank > 0 too")
+    experts, groups = hf.get("n_routed_experts"), hf.get("n_group") or 1
+    if isinstance(experts, int) and (not isinstance(groups, int) or groups < 1 or experts % groups):
+        _fail(where, "n_group", groups, f"must divide n_routed_experts ({experts})")
+    heads = hf.get("num_attention_heads")
+    if hf.get("num_key_value_heads") not in (None, heads):
+        _fail(where, "num_key_value_heads", hf["num_key_value_heads"], f"multi-head latent attention gives every "
+              f"head its own key and value: must equal num_attention_heads ({heads})")
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(key, allowed) != allowed:
+            _fail(where, key, hf[key], f"fmoe computes DeepSeek-V3's {allowed!r}")
 
 
 def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -125,7 +174,6 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     head_dim = hf.get("head_dim") or dim // heads
     shared = family == "qwen2_moe"
     ffn_key = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
-    theta, fraction = rope(hf, where, family)
     dense = dense_layers(hf, family)
     fields = dict(
         vocab=_require(hf, where, "vocab_size"), dim=dim, layers=_require(hf, where, "num_hidden_layers"),
@@ -139,20 +187,31 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         qkv_bias=shared and bool(hf.get("qkv_bias", True)),
         shared_ffn=_require(hf, where, "shared_expert_intermediate_size") if shared else 0, shared_gate=shared,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_fraction=fraction,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **rope(hf, where, family),
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
         expert_bias_rate=0.0, dense_layers=dense, dense_ffn=_require(hf, where, "intermediate_size") if dense else 0,
     )
-    if family == "glm4_moe":
+    if family in DEEPSEEK_MOE:
         fields.update(score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                      qk_norm="head" if hf.get("use_qk_norm") else "none", qkv_bias=bool(hf.get("attention_bias")),
                       shared_ffn=fields["ffn"] * int(hf.get("n_shared_experts", 1)),
                       expert_groups=int(hf.get("n_group", 1)), topk_groups=int(hf.get("topk_group", 1)),
                       routed_scaling=float(hf.get("routed_scaling_factor", 1.0)))
+    if family == "glm4_moe":
+        fields.update(qk_norm="head" if hf.get("use_qk_norm") else "none", qkv_bias=bool(hf.get("attention_bias")))
+    elif family == "deepseek_v3":
+        fields.update(_latent_attention(hf, where))
     try:
         return ModelConfig(**fields)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def _latent_attention(hf: dict, where: str) -> dict:
+    """DeepSeek-V3's multi-head latent attention as ModelConfig fields."""
+    nope, rot = _require(hf, where, "qk_nope_head_dim"), _require(hf, where, "qk_rope_head_dim")
+    return dict(kv_heads=0, head_size=nope + rot, kv_lora_rank=_require(hf, where, "kv_lora_rank"),
+                q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=rot,
+                v_head_size=_require(hf, where, "v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def _check_fields(cfg: ModelConfig, where: str, checks, whose: str = "the Hugging Face MoE families have") -> None:
@@ -161,32 +220,38 @@ def _check_fields(cfg: ModelConfig, where: str, checks, whose: str = "the Huggin
             _fail(where, f"ModelConfig.{name}", value, f"{whose} no such variant")
 
 
-def _glm4_moe(cfg: ModelConfig, where: str) -> str:
-    """``glm4_moe`` if it holds ``cfg`` (sigmoid routing is GLM-4.5's)."""
+def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
+    """``deepseek_v3`` (multi-head latent attention) or ``glm4_moe`` if one holds ``cfg``:
+    sigmoid routing is theirs, with the same MoE (a shared expert a multiple of ffn wide,
+    the first layers dense)."""
     first_k = tuple(range(len(cfg.dense_layers)))
-    _check_fields(cfg, where, (
+    family = "deepseek_v3" if cfg.latent else "glm4_moe"
+    checks = [
         ("activation", cfg.activation, cfg.activation == "swiglu"),
         ("router_bias", cfg.router_bias, not cfg.router_bias),
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("out_bias", cfg.out_bias, not cfg.out_bias),
         ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn > 0 and cfg.shared_ffn % cfg.ffn == 0),
         ("shared_gate", cfg.shared_gate, not cfg.shared_gate),
-        ("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
-        ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none"),
         ("attn_sinks", cfg.attn_sinks, not cfg.attn_sinks),
         ("window_layers", cfg.window_layers, not cfg.window_layers),
-        ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)),
-        "score_func='sigmoid' is written as glm4_moe (GLM-4.5: a shared expert a multiple of ffn wide, "
-        "first layers dense), which has")
-    return "glm4_moe"
+        ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)]
+    if family == "glm4_moe":
+        checks += [("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
+                   ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none")]
+    _check_fields(cfg, where, checks, f"score_func='sigmoid' is written as {family} "
+                  f"({'multi-head latent attention' if cfg.latent else 'GLM-4.5'}: a shared expert a multiple of "
+                  "ffn wide, first layers dense), which has")
+    return family
 
 
 def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     """The family whose released layout computes what ``cfg`` computes (ValueError naming
     the ModelConfig field that none of them has)."""
     if cfg.score_func == "sigmoid":
-        return _glm4_moe(cfg, where)
+        return _sigmoid_family(cfg, where)
     _check_fields(cfg, where, (
+        ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
         ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
         ("score_func", cfg.score_func, cfg.score_func == "softmax"),
         ("router_bias", cfg.router_bias, not cfg.router_bias),
@@ -220,6 +285,19 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     return family
 
 
+def _hf_rope(cfg: ModelConfig) -> dict:
+    """``rope_parameters`` as transformers >= 5 writes them (YaRN's unset mscales left out)."""
+    params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "yarn":
+        params.update(rope_type="yarn", factor=cfg.rope_factor, original_max_position_embeddings=cfg.rope_original_max,
+                      beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow, truncate=cfg.yarn_truncate)
+        for key, value in (("mscale", cfg.yarn_mscale), ("mscale_all_dim", cfg.yarn_mscale_all_dim),
+                           ("attention_factor", cfg.yarn_attention_factor)):
+            if value:
+                params[key] = value
+    return params
+
+
 def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
     """``config.json`` for ``cfg`` written as ``family``, as ``from_pretrained`` reads it."""
     hf = {
@@ -228,7 +306,7 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": _HF_ACTIVATIONS[cfg.activation], "num_experts_per_tok": cfg.topk,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": _hf_rope(cfg),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
         "output_router_logits": cfg.aux_loss_coef > 0, "router_aux_loss_coef": cfg.aux_loss_coef,
         "max_position_embeddings": 32768, "initializer_range": cfg.init_std, "use_cache": True,
@@ -237,21 +315,27 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
     if family == "mixtral":
         hf.update(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, sliding_window=None,
                   router_jitter_noise=0.0)
-    elif family == "glm4_moe":
+    elif family in DEEPSEEK_MOE:
         hf.update(n_routed_experts=cfg.experts, n_shared_experts=cfg.shared_ffn // cfg.ffn,
                   moe_intermediate_size=cfg.ffn, intermediate_size=cfg.dense_ffn or cfg.ffn,
                   first_k_dense_replace=len(cfg.dense_layers), n_group=cfg.expert_groups,
                   topk_group=cfg.topk_groups, routed_scaling_factor=cfg.routed_scaling,
-                  norm_topk_prob=cfg.norm_topk_prob, use_qk_norm=cfg.qk_norm == "head",
-                  attention_bias=cfg.qkv_bias, num_nextn_predict_layers=0, partial_rotary_factor=cfg.rope_fraction)
-        hf["rope_parameters"]["partial_rotary_factor"] = cfg.rope_fraction
+                  norm_topk_prob=cfg.norm_topk_prob, num_nextn_predict_layers=0)
+    elif family == "olmoe":
+        hf.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, intermediate_size=cfg.ffn,
+                  clip_qkv=None)
     else:
-        hf.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob)
-        if family == "olmoe":
-            hf.update(intermediate_size=cfg.ffn, clip_qkv=None)
-        else:
-            hf.update(moe_intermediate_size=cfg.ffn, intermediate_size=cfg.dense_ffn or cfg.ffn, decoder_sparse_step=1,
-                      mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None)
+        hf.update(num_experts=cfg.experts, norm_topk_prob=cfg.norm_topk_prob, moe_intermediate_size=cfg.ffn,
+                  intermediate_size=cfg.dense_ffn or cfg.ffn, decoder_sparse_step=1,
+                  mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None)
+    if family == "glm4_moe":
+        hf.update(use_qk_norm=cfg.qk_norm == "head", attention_bias=cfg.qkv_bias,
+                  partial_rotary_factor=cfg.rope_fraction)
+        hf["rope_parameters"]["partial_rotary_factor"] = cfg.rope_fraction
+    elif family == "deepseek_v3":  # transformers' head_dim is the rotated part's
+        hf.update(kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+                  qk_rope_head_dim=cfg.rope_head_dim, qk_nope_head_dim=cfg.head_dim - cfg.rope_head_dim,
+                  v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave, head_dim=cfg.rope_head_dim)
     if family == "qwen2_moe":
         hf.update(shared_expert_intermediate_size=cfg.shared_ffn, qkv_bias=cfg.qkv_bias)
     return hf

@@ -22,6 +22,10 @@ from .families import WITH_EXPERT_BIAS
 from ..shard.layout import rows_cols
 
 
+# the module holding a family's shared expert (the families that have one)
+SHARED_EXPERT = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts", "deepseek_v3": "shared_experts"}
+
+
 class Part(NamedTuple):
     key: str            # the tensor's name in the file; ``{e}`` stands for the expert index
     width: int          # columns it gives the fmoe leaf
@@ -48,8 +52,11 @@ def recipes(cfg: ModelConfig, family: str) -> dict:
     for i in range(cfg.layers):
         at, L, m = f"model.layers.{i}.self_attn", f"layers.{i}", f"model.layers.{i}.{moe}"
         out[f"{L}.attn.norm"] = Recipe((vec(f"model.layers.{i}.input_layernorm", D),))
-        out[f"{L}.attn.qkv"] = Recipe((lin(f"{at}.q_proj", Q), lin(f"{at}.k_proj", K), lin(f"{at}.v_proj", K)))
         out[f"{L}.attn.out"] = Recipe((lin(f"{at}.o_proj", D),))
+        if cfg.latent:
+            out.update(_latent_attention(f"{L}.attn", at, cfg))
+        else:
+            out[f"{L}.attn.qkv"] = Recipe((lin(f"{at}.q_proj", Q), lin(f"{at}.k_proj", K), lin(f"{at}.v_proj", K)))
         if cfg.qkv_bias:
             out[f"{L}.attn.qkv_bias"] = Recipe(tuple(Part(f"{at}.{x}_proj.bias", w, False)
                                                      for x, w in (("q", Q), ("k", K), ("v", K))))
@@ -68,11 +75,28 @@ def recipes(cfg: ModelConfig, family: str) -> dict:
         out[f"{L}.moe.experts.fc1"] = Recipe((lin(gate, F), lin(up, F)), per_expert=True, glu=True)
         out[f"{L}.moe.experts.fc2"] = Recipe((lin(down, D),), per_expert=True)
         if cfg.shared_ffn:
-            s, Fs = f"{m}.shared_experts" if family == "glm4_moe" else f"{m}.shared_expert", cfg.shared_ffn
+            s, Fs = f"{m}.{SHARED_EXPERT[family]}", cfg.shared_ffn
             out[f"{L}.moe.shared.fc1"] = Recipe((lin(f"{s}.gate_proj", Fs), lin(f"{s}.up_proj", Fs)), glu=True)
             out[f"{L}.moe.shared.fc2"] = Recipe((lin(f"{s}.down_proj", D),))
             if cfg.shared_gate:
                 out[f"{L}.moe.shared.gate"] = Recipe((lin(f"{m}.shared_expert_gate", 1),))
+    return out
+
+
+def _latent_attention(path: str, prefix: str, cfg: ModelConfig) -> dict:
+    """Multi-head latent attention's projections as DeepSeek-V3 releases them (the same
+    columns per head as fmoe's: nothing is reordered, ``rope_interleave`` included)."""
+    lin = lambda key, w: Recipe((Part(f"{prefix}.{key}.weight", w, True),))  # noqa: E731
+    vec = lambda key, w: Recipe((Part(f"{prefix}.{key}.weight", w, False),))  # noqa: E731
+    out = {f"{path}.kv_down": lin("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.rope_head_dim),
+           f"{path}.kv_down_norm": vec("kv_a_layernorm", cfg.kv_lora_rank),
+           f"{path}.kv_up": lin("kv_b_proj", cfg.heads * (cfg.head_dim - cfg.rope_head_dim + cfg.v_head_dim))}
+    if cfg.q_lora_rank:
+        out.update({f"{path}.q_down": lin("q_a_proj", cfg.q_lora_rank),
+                    f"{path}.q_down_norm": vec("q_a_layernorm", cfg.q_lora_rank),
+                    f"{path}.q_up": lin("q_b_proj", cfg.q_width)})
+    else:
+        out[f"{path}.q"] = lin("q_proj", cfg.q_width)
     return out
 
 

@@ -1,7 +1,10 @@
 """Causal self-attention with rotary position embeddings, through SDPA.
 
 Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and an
-optional RMSNorm of queries and keys (per head, or over the whole projection).
+optional RMSNorm of queries and keys (per head, or over the whole projection); or
+DeepSeek-V3's multi-head latent attention (``project_latent``: keys and values up
+from a low-rank latent, a rotated key part shared by the heads, values of their own
+width).
 GPT-OSS's two features: attention sinks (a learned logit per head that joins each
 query's softmax as one more column with no value) and sliding-window layers (a query
 at position i sees the keys j with ``i - W < j <= i``).
@@ -201,6 +204,46 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
     return apply_rope(q_BHSd, cos_Sh, sin_Sh), apply_rope(k_BKSd, cos_Sh, sin_Sh), v_BKSd
 
 
+def project_latent(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, gemms: Gemms = PLAIN,
+                   positions_BS: torch.Tensor | None = None):
+    """Multi-head latent attention's queries, keys and values (``cfg.latent``), as
+    ``project_qkv``'s (the same arguments).
+
+    The queries come from ``q`` (or the low-rank ``q_down``, its norm, ``q_up``); keys
+    and values from a normalised latent: ``kv_down`` gives the latent and the rotated
+    key features every head shares, ``kv_up`` each head's unrotated key and its value.
+
+    Returns:
+        ``(q_BHSd, k_BHSd, v_BHSv)``: ``d = head_dim`` with RoPE on its last
+        ``rope_head_dim`` features, ``v = v_head_dim``; every head its own key.
+    """
+    H, r, eps = cfg.heads, cfg.rope_head_dim, cfg.norm_eps
+    if "q" in p:
+        q_BSQ = gemms.linear(x_BSD, p["q"])
+    else:
+        q_BSQ = gemms.linear(rms_norm(gemms.linear(x_BSD, p["q_down"]), p["q_down_norm"], eps), p["q_up"])
+    latent_BSR, k_rope_BSr = gemms.linear(x_BSD, p["kv_down"]).split([cfg.kv_lora_rank, r], dim=-1)
+    kv_BSN = gemms.linear(rms_norm(latent_BSR, p["kv_down_norm"], eps), p["kv_up"])
+    nope = cfg.head_dim - r
+    k_nope_BHSn, v_BHSv = rearrange(kv_BSN, "b s (h e) -> b h s e", h=H).split([nope, cfg.v_head_dim], dim=-1)
+    q_nope_BHSn, q_rope_BHSr = rearrange(q_BSQ, "b s (h d) -> b h s d", h=H).split([nope, r], dim=-1)
+    cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], r, cfg.rope_theta, x_BSD.device, start, positions_BS, cfg.yarn)
+    q_rope_BHSr = apply_rope(_pairs_as_halves(q_rope_BHSr, cfg), cos_Sh, sin_Sh)
+    k_rope_B1Sr = apply_rope(_pairs_as_halves(k_rope_BSr[:, None], cfg), cos_Sh, sin_Sh)
+    q_BHSd = torch.cat([q_nope_BHSn, q_rope_BHSr], dim=-1)
+    k_BHSd = torch.cat([k_nope_BHSn, k_rope_B1Sr.expand(-1, H, -1, -1)], dim=-1)
+    return q_BHSd, k_BHSd, v_BHSv
+
+
+def _pairs_as_halves(x_BHSr: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """With ``rope_interleave``, the rotated features regrouped from pairs ``(2i, 2i + 1)``
+    into halves ``(i, i + r/2)``, the form ``apply_rope`` rotates: q and k are regrouped
+    alike, so their products are unchanged (transformers' DeepSeek-V3 does the same)."""
+    if not cfg.rope_interleave:
+        return x_BHSr
+    return rearrange(x_BHSr, "b h s (r two) -> b h s (two r)", two=2)
+
+
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0,
            docs: Documents | None = None, scale: float | None = None, window: int = 0,
            sinks_H: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,8 +338,9 @@ def with_sinks(o_BHSd: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tenso
 
 
 class KVSlot(NamedTuple):
-    """One layer's key/value cache for decoding: ``[B, K, max_len, d]`` buffers and the
-    position of the first token of this call (``start`` earlier ones are filled)."""
+    """One layer's key/value cache for decoding: ``[B, K, max_len, d]`` key and
+    ``[B, K, max_len, dv]`` value buffers and the position of the first token of this
+    call (``start`` earlier ones are filled)."""
 
     keys_BKLd: torch.Tensor
     values_BKLd: torch.Tensor
@@ -316,7 +360,9 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
 
     Arguments:
         p: one layer's ``attn`` subtree (``qkv [D, Q + 2K]``, ``out [Q, D]``, and
-            ``qkv_bias``, ``out_bias``, ``q_norm``, ``k_norm``, ``sinks`` when the config has them).
+            ``qkv_bias``, ``out_bias``, ``q_norm``, ``k_norm``, ``sinks`` when the config
+            has them; under multi-head latent attention its projections instead of ``qkv``:
+            ``fmoe.params``).
         x_BSD: ``[B, S, D]`` normalised activations.
         cfg: the ModelConfig (heads, kv_heads, head size, qk_norm, RoPE and its scaling).
         kv: decoding: the layer's cache; ``x`` continues its positions, its keys and
@@ -331,7 +377,8 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     """
     start = 0 if kv is None else kv.start
     positions = None if docs is None else docs.positions_BS
-    q_BHSd, k_BKLd, v_BKLd = project_qkv(p, x_BSD, cfg, start, gemms, positions)
+    project = project_latent if cfg.latent else project_qkv
+    q_BHSd, k_BKLd, v_BKLd = project(p, x_BSD, cfg, start, gemms, positions)
     if kv is not None:  # L: the keys so far
         k_BKLd, v_BKLd = kv.extend(k_BKLd, v_BKLd)
     # the scale as a number from the config: a compiled graph that went dynamic in the

@@ -1,6 +1,7 @@
-"""The Hugging Face families' attention and embedding features, and GLM-4.5's (dense
-layers, grouped sigmoid routing, partial RoPE), under sharding, EP, 1F1B, delayed wgrad
-and remat."""
+"""The Hugging Face families' attention and embedding features, GLM-4.5's (dense
+layers, grouped sigmoid routing, partial RoPE), DeepSeek-V3's multi-head latent attention
+and GPT-OSS's (sinks, windows, biases, top-k softmax), under sharding, EP, 1F1B, delayed
+wgrad and remat."""
 
 import optree
 import pytest
@@ -38,6 +39,8 @@ def test_two_ranks_match_one_process(runs, feature, name):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
     if feature == "hf":
         assert "head" not in single["params"] and single["grads"]["embed"].abs().sum() > 0
+    elif feature == "gpt_oss":
+        assert single["grads"]["layers"][0]["attn"]["sinks"].abs().sum() > 0
     else:
         assert single["grads"]["layers"][0]["mlp"]["fc1"].abs().sum() > 0
 

@@ -368,7 +368,18 @@ GLM_PLANS = {
                                       remat="full", ep=0),
     "zero2_dp_1f1b": dict(sharding="optim_grads", schedule="1f1b_overlap"),
 }
-FEATURES = {"hf": (HF_CFG, HF_PLANS), "glm": (GLM_CFG, GLM_PLANS)}
+# DeepSeek-V3's multi-head latent attention (a low-rank query, value heads narrower than
+# the q/k heads, interleaved RoPE pairs, YaRN) over GLM's routing and dense first layer
+MLA_CFG = GLM_CFG.replace(heads=4, head_size=12, kv_lora_rank=16, q_lora_rank=8, rope_head_dim=4, v_head_size=6,
+                          rope_interleave=True, rope_fraction=1.0, qkv_bias=False, rope_scaling="yarn",
+                          rope_factor=4.0, rope_original_max=4, yarn_mscale_all_dim=1.0)
+# GPT-OSS's: sinks, a sliding-window layer, biases on attention and experts, softmax over
+# the top-k logits with a router bias, the clamped GLU stored interleaved
+OSS_CFG = CFG.replace(layers=3, heads=4, kv_heads=2, attn_sinks=True, sliding_window=4, window_layers=(0, 2),
+                      qkv_bias=True, out_bias=True, expert_biases=True, router_bias=True, score_func="topk_softmax",
+                      activation="quick_geglu", glu_interleave=1, shared_ffn=0)
+FEATURES = {"hf": (HF_CFG, HF_PLANS), "glm": (GLM_CFG, GLM_PLANS), "mla": (MLA_CFG, GLM_PLANS),
+            "gpt_oss": (OSS_CFG, HF_PLANS)}
 
 
 def feature_plans(rank, world, feature):
