@@ -161,6 +161,29 @@ def shape_config(name: str, args, toy: bool) -> fmoe.ModelConfig:
     return fmoe.ModelConfig(**{"aux_loss_coef": 0.0, **fields})
 
 
+def describe(cfg: fmoe.ModelConfig) -> str:
+    """The shape's attention and MLP in a few words (what sets it apart)."""
+    if cfg.kv_lora_rank:
+        attn = (f"{cfg.heads} heads of {cfg.head_dim} (rope {cfg.rope_head_dim}) / values of {cfg.v_head_dim}, MLA "
+                f"(q_lora {cfg.q_lora_rank or '-'}, kv_lora {cfg.kv_lora_rank}"
+                + (", interleaved" if cfg.rope_interleave else "") + ")")
+    else:
+        attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
+                + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else "")
+                + (f", rope on {cfg.rope_dims}" if cfg.rope_dims != cfg.head_dim else "")
+                + (", qkv bias" if cfg.qkv_bias else "") + (", out bias" if cfg.out_bias else "")
+                + (", sinks" if cfg.attn_sinks else "")
+                + (f", window {cfg.sliding_window} on {len(cfg.window_layers)} layers" if cfg.window_layers else ""))
+    rope = f"rope_theta {cfg.rope_theta:g}" + (f" yarn x{cfg.rope_factor:g}" if cfg.rope_scaling == "yarn" else "")
+    route = (f"{cfg.score_func}" + (f", groups {cfg.topk_groups}/{cfg.expert_groups}" if cfg.expert_groups > 1 else "")
+             + (f", scaling {cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else "")
+             + (", router bias" if cfg.router_bias else "") + (", expert biases" if cfg.expert_biases else ""))
+    mlp = (f"E={cfg.experts} top-{cfg.topk} F={cfg.ffn} {cfg.activation} ({route})"
+           + (f" + shared F={cfg.shared_ffn}" if cfg.shared_ffn else "")
+           + (f", dense layers {list(cfg.dense_layers)} F={cfg.dense_ffn}" if cfg.dense_layers else ""))
+    return f"{attn}, {rope}, {mlp}"
+
+
 def fmoe_has_compile(args) -> bool:
     return args.fmoe_compile == "auto"
 
@@ -362,11 +385,9 @@ def run_shape(bench: Bench, name: str) -> dict:
     fmoe_params = sum(math.prod(shape) for shape in shapes)
     where = (f"{torch.cuda.get_device_name()} x {bench.world}" if on_gpu
              else f"CPU, {bench.world} rank(s)" + (" on gloo" if bench.distributed else ""))
-    attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
-            + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else ""))
     peer_params = f"{count(peers[0]['params'])} params (fmoe: " if peers else "("
     bench.say(f"\n{where}, torch {torch.__version__}; {name}: vocab {cfg.vocab}, D={cfg.dim}, {cfg.layers} layers, "
-              f"{attn}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn} SwiGLU, rope_theta {cfg.rope_theta:g}; "
+              f"{describe(cfg)}; "
               f"{peer_params}{count(fmoe_params)}, with expert_bias), "
               f"{count(fmoe.active_param_count(cfg))} active; {args.batch} x {args.seq} tokens per GPU, "
               f"{args.microbatches} microbatch(es), {'bf16' if on_gpu else 'fp32'}; "
@@ -514,42 +535,46 @@ def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
 def check(args) -> bool:
     """One batch per shape's toy, CPU fp32: fmoe's loss and grads vs the peer's with the same
     weights, and the compiled peer's vs the eager peer's. True when all agree."""
-    ok = True
-    for name in args.shapes:
-        cfg = shape_config(name, args, toy=True)
-        plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
-        params = fmoe.init(plan, seed=0)
-        # norms away from their init of ones, biases (the selection-only expert bias too)
-        # from their zeros, so a misplaced one shows
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(1)
-            for leaf, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
-                if w.ndim == 1 or leaf.endswith("bias"):
-                    w.add_(0.2 * torch.randn(w.shape, generator=g))
-        tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-        out = fmoe.step(params, {"tokens": tokens}, plan)
-        fmoe_grads = {n: g for n, p, g in peer_pairs(peer.build(cfg, "cpu"), out.grads) if p.requires_grad}
-        eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
+    return all([check_shape(shape_config(name, args, toy=True), name, args.batch, args.seq) for name in args.shapes])
+
+
+def check_shape(cfg: fmoe.ModelConfig, name: str, batch: int, seq: int, compiled: bool = True) -> bool:
+    """``check`` of one config (fmoe's loss and grads vs the eager peer's; with
+    ``compiled``, the compiled peer's vs the eager's too); prints the errors."""
+    plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
+    params = fmoe.init(plan, seed=0)
+    # norms away from their init of ones, biases (the selection-only expert bias too)
+    # from their zeros, so a misplaced one shows
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for leaf, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
+            if w.ndim == 1 or leaf.endswith("bias"):
+                w.add_(0.2 * torch.randn(w.shape, generator=g))
+    tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    out = fmoe.step(params, {"tokens": tokens}, plan)
+    fmoe_grads = {n: g for n, p, g in peer_pairs(peer.build(cfg, "cpu"), out.grads) if p.requires_grad}
+    eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
+    comp_loss, comp_grads, comp_s = eager_loss, eager_grads, 0.0  # without `compiled`: nothing to compare
+    if compiled:
         t0 = time.perf_counter()
         comp_loss, comp_grads = peer_loss_and_grads(cfg, params, tokens, compile=True)
         comp_s = time.perf_counter() - t0
         torch._dynamo.reset()
 
-        def grad_err(a, b):  # the largest |difference| over the largest |gradient|, over all tensors
-            return max((a[n] - b[n]).abs().max().item() / b[n].abs().max().clamp_min(1e-30).item() for n in b)
+    def grad_err(a, b):  # the largest |difference| over the largest |gradient|, over all tensors
+        return max((a[n] - b[n]).abs().max().item() / b[n].abs().max().clamp_min(1e-30).item() for n in b)
 
-        errs = (abs(eager_loss - float(out.loss)), grad_err(eager_grads, fmoe_grads),
-                abs(comp_loss - eager_loss), grad_err(comp_grads, eager_grads))
-        good = errs[0] < 1e-4 and errs[1] < 1e-3 and errs[2] < 1e-5 and errs[3] < 1e-4
-        ok &= good
-        print(f"{name} (toy: D={cfg.dim}, {cfg.heads} heads / {cfg.num_kv_heads} KV of {cfg.head_dim}, "
-              f"qk_norm {cfg.qk_norm}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}):\n"
-              f"  loss fmoe {float(out.loss):.7f}  peer eager {eager_loss:.7f}  peer compiled {comp_loss:.7f} "
-              f"(compiled in {comp_s:.0f} s)\n"
-              f"  |peer - fmoe| loss {errs[0]:.1e}, grads {errs[1]:.1e} (relative max); "
-              f"|compiled - eager| loss {errs[2]:.1e}, grads {errs[3]:.1e}: {'ok' if good else 'MISMATCH'}",
-              flush=True)
-    return ok
+    errs = (abs(eager_loss - float(out.loss)), grad_err(eager_grads, fmoe_grads),
+            abs(comp_loss - eager_loss), grad_err(comp_grads, eager_grads))
+    good = errs[0] < 1e-4 and errs[1] < 1e-3 and errs[2] < 1e-5 and errs[3] < 1e-4
+    compiled_s = (f"peer compiled {comp_loss:.7f} (compiled in {comp_s:.0f} s)" if compiled
+                  else "(peer not compiled)")
+    print(f"{name} (toy: D={cfg.dim}, {cfg.layers} layers, {describe(cfg)}):\n"
+          f"  loss fmoe {float(out.loss):.7f}  peer eager {eager_loss:.7f}  {compiled_s}\n"
+          f"  |peer - fmoe| loss {errs[0]:.1e}, grads {errs[1]:.1e} (relative max); "
+          f"|compiled - eager| loss {errs[2]:.1e}, grads {errs[3]:.1e}: {'ok' if good else 'MISMATCH'}",
+          flush=True)
+    return good
 
 
 def main():
