@@ -15,6 +15,7 @@ with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
     python benchmarks/vs_peer.py --device cpu --shapes coarse fine qwen3-moe-medium  # tiny smoke run
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --device cpu --meshes dp dp1ep2   # gloo
     python benchmarks/vs_peer.py --check --shapes coarse fine qwen3-moe-medium    # CPU fp32 parity
+    python benchmarks/vs_peer.py --shapes qwen3-moe-medium glm4.5-medium gpt-oss-medium deepseek-v3-medium
 
 Shapes (``--shape NAME`` or ``--shapes NAME...``; model flags such as ``--layers``
 override the shape's value; aux-loss coefficient 0 on both sides):
@@ -23,9 +24,18 @@ override the shape's value; aux-loss coefficient 0 on both sides):
   qwen3-moe-medium: the model of ``fmoe/trainer/presets/qwen3-moe-medium.toml`` (D=1536,
     16 layers, 16 heads, 4 KV heads of 128, per-head q/k RMSNorm, E=64 of F=512, top-8,
     renormalised, rope_theta 1e6, eps 1e-6) with vocab 32000.
-SwiGLU experts; 8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32
-params and AdamW state. ``--device cpu`` shrinks each shape to a toy that runs in
-seconds (fp32, gloo), keeping what tells it apart (top-k, GQA, head size, qk norm).
+  glm4.5-medium, gpt-oss-medium, deepseek-v3-medium: the models of those presets, each
+    with vocab 32000 (GLM-4.5: a dense first layer, sigmoid routing with the selection
+    bias, routed scaling, a shared expert, partial RoPE, q/k/v bias; GPT-OSS: sinks,
+    128-token windows on every other layer, attention and expert biases, topk_softmax
+    with a router bias, the clamped SwiGLU, YaRN; DeepSeek-V3: multi-head latent
+    attention, a dense first layer, group-limited sigmoid routing, routed scaling, a
+    shared expert). The peer runs their attention as its users do on a GPU (see
+    ``peer.py``: FlexAttention for sinks and windows, SDPA for MLA).
+8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32 params and AdamW
+state. ``--device cpu`` shrinks each shape to a toy that runs in seconds (fp32, gloo),
+keeping what tells it apart (top-k, GQA, head size, qk norm, and each preset's
+features: ``CPU_SHAPES``).
 
 The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params
 / fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
