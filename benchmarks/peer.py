@@ -47,7 +47,8 @@ with the same meaning). The families it covers:
   ``v_head_size`` features. Through SDPA as torchtitan's DeepSeek-V3 calls it: the value
   head size left as it is (not padded to the q/k size), under ``sdpa_kernel`` with cuDNN
   first, then flash, then memory-efficient attention (flash cannot take a different
-  value size; cuDNN and memory-efficient can).
+  value size; cuDNN and memory-efficient can); or, ``mla_pad_values``, the values
+  zero-padded to the q/k size so that flash runs (transformers' flash-attention path).
 
 Compilation and the MoE's dynamic routing: the rows each expert gets change every
 step, but no *shape* does. Every expert's segment is padded to a multiple of 16 rows,
@@ -110,6 +111,10 @@ class PeerConfig:
     rope_head_dim: int = 0  # the rotary features at the end of each q/k head
     v_head_size: int = 0    # value features per head; 0 = head_size
     rope_interleave: bool = False  # rope features paired (2i, 2i+1), as DeepSeek's released weights
+    # how MLA's values enter SDPA (not a model field, a choice of kernel): False as they are
+    # (torchtitan: cuDNN or memory-efficient attention); True zero-padded to the q/k head
+    # size and the output cut back (transformers' flash-attention path, vLLM): flash runs
+    mla_pad_values: bool = False
     experts: int = 16
     topk: int = 4
     ffn: int = 1408
@@ -372,6 +377,7 @@ class LatentAttention(nn.Module):
         self.heads, self.qk_dim, self.rope_dim, self.v_dim = H, cfg.head_dim, cfg.rope_head_dim, cfg.v_dim
         self.nope_dim, self.latent = self.qk_dim - self.rope_dim, cfg.kv_lora_rank
         self.interleaved, self.scale, self.q_lora_rank = cfg.rope_interleave, cfg.softmax_scale, cfg.q_lora_rank
+        self.pad_values = cfg.mla_pad_values and self.v_dim < self.qk_dim
         if cfg.q_lora_rank:
             self.q_down = nn.Linear(D, cfg.q_lora_rank, bias=False)
             self.q_down_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
@@ -401,9 +407,13 @@ class LatentAttention(nn.Module):
         k_rope = self.rope(k_rope[:, :, None, :], cos_Sr, sin_Sr)  # one rotary key for every head
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, self.rope_dim)], dim=-1)
+        if self.pad_values:  # zero value features add nothing to the output's first v_dim
+            v = F.pad(v, (0, self.qk_dim - self.v_dim))
         with sdpa_kernel(MLA_SDPA_BACKENDS, set_priority=True):
             o_BHSv = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                     is_causal=True, scale=self.scale)
+        if self.pad_values:
+            o_BHSv = o_BHSv[..., :self.v_dim]
         return self.out(o_BHSv.transpose(1, 2).flatten(2))
 
 
@@ -625,10 +635,11 @@ def cross_entropy_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> to
     return F.cross_entropy(logits_BSV.flatten(0, 1).float(), targets_BS.flatten())
 
 
-def build(cfg, device, seed: int = 0, compile: bool = False) -> PeerLM:
+def build(cfg, device, seed: int = 0, compile: bool = False, **choices) -> PeerLM:
     """The model on ``device``, fp32, initialised (see ``PeerLM.init_weights``); with
-    ``compile``, its blocks compiled (``compile_blocks``), ready for ``shard``."""
-    model = PeerLM(PeerConfig.of(cfg)).to(device)
+    ``compile``, its blocks compiled (``compile_blocks``), ready for ``shard``.
+    ``choices``: PeerConfig fields that are not the model's (``mla_pad_values``)."""
+    model = PeerLM(dataclasses.replace(PeerConfig.of(cfg), **choices)).to(device)
     model.init_weights(seed)
     return compile_blocks(model) if compile else model
 

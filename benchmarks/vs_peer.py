@@ -144,6 +144,9 @@ def parse(more=None):
                          "and +dw (delay_wgrad), e.g. dp1ep2+1f1b+dw")
     ap.add_argument("--peers", nargs="*", default=["eager", "compiled"], choices=("eager", "compiled"),
                     help="which peers run (none: --peers alone)")
+    ap.add_argument("--peer-mla-values", default="native", choices=("native", "padded"),
+                    help="MLA shapes: the peer's values into SDPA as they are (torchtitan; cuDNN or "
+                         "memory-efficient attention) or zero-padded to the q/k head size (flash)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step per system under the profiler: NCCL time, exposed part, GPU idle")
     ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
@@ -302,7 +305,8 @@ class Bench:
 
 def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     args = bench.args
-    model = peer.build(cfg, bench.device, seed=0, compile=compile)  # blocks compiled before fully_shard
+    model = peer.build(cfg, bench.device, seed=0, compile=compile,  # blocks compiled before fully_shard
+                       mla_pad_values=args.peer_mla_values == "padded")
     params = sum(p.numel() for p in model.parameters())
     if bench.world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -322,7 +326,9 @@ def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     if bench.distributed:  # each rank's mean -> the global batch's mean, as fmoe reports
         dist.all_reduce(loss)
         loss = loss / bench.world
-    return dict(system="peer, compiled blocks" if compile else "peer, eager", mesh=mesh, mesh_name="dp",
+    system = ("peer, compiled blocks" if compile else "peer, eager") \
+        + (", MLA values padded" if cfg.kv_lora_rank and args.peer_mla_values == "padded" else "")
+    return dict(system=system, mesh=mesh, mesh_name="dp",
                 step_s=step_s, first_s=first_s, peak=peak, loss=float(loss), params=params, compiled=compile,
                 **bench.profiled(step))
     # the model and its optimizer go with this frame; the caller frees the memory

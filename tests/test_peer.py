@@ -83,3 +83,12 @@ def test_a_config_the_peer_does_not_model_is_refused():
         peer.PeerConfig.of(cfg)
     with pytest.raises(ValueError, match="latent attention"):
         peer.PeerConfig(kv_lora_rank=32, rope_head_dim=8, attn_sinks=True)
+
+
+def test_mla_values_padded_to_the_qk_head_size_give_the_same_model():
+    cfg = toy("deepseek-v3-medium")
+    tokens = torch.randint(0, cfg.vocab, (2, 64))
+    with torch.no_grad():
+        native, _ = peer.build(cfg, "cpu", seed=3)(tokens)
+        padded, _ = peer.build(cfg, "cpu", seed=3, mla_pad_values=True)(tokens)
+    torch.testing.assert_close(padded, native)
