@@ -87,7 +87,7 @@ def test_yarn_tables_equal_transformers_rotary_embedding(name):
     rotary = hf_rotary(cfg)
     hf_inv_freq, hf_scaling = ROPE_INIT_FUNCTIONS["yarn"](rotary.config)
     assert hf_inv_freq.shape == (cfg.rope_dims // 2,)
-    ours = torch.tensor(yarn_inverse_frequencies(cfg.rope_dims, cfg.rope_theta, cfg.yarn), dtype=F64)
+    ours = yarn_inverse_frequencies(cfg.rope_dims, cfg.rope_theta, cfg.yarn)
     torch.testing.assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)
     assert cfg.yarn.cos_factor == pytest.approx(hf_scaling, rel=1e-15)
     assert torch.equal(rotary.inv_freq, hf_inv_freq)
@@ -179,7 +179,7 @@ def test_deepseek_v3_rope_matches_its_yarn_tables():
     rotary = deepseek_v3.DeepseekV3RotaryEmbedding(deepseek_v3_config(cfg))
     hf_inv_freq, hf_scaling = ROPE_INIT_FUNCTIONS["yarn"](rotary.config)
     ours = yarn_inverse_frequencies(cfg.rope_dims, cfg.rope_theta, cfg.yarn)
-    torch.testing.assert_close(torch.tensor(ours, dtype=F64), hf_inv_freq.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours, hf_inv_freq.double(), rtol=1e-6, atol=0)
     assert cfg.yarn.cos_factor == pytest.approx(hf_scaling, rel=1e-15)
 
 

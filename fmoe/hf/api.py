@@ -42,8 +42,9 @@ def _read_config_json(directory: Path) -> dict:
 
 
 def config(directory) -> ModelConfig:
-    """The ModelConfig of a Hugging Face checkpoint directory (Mixtral, Qwen3-MoE,
-    OLMoE, Qwen2-MoE); ValueError naming the ``config.json`` key fmoe cannot represent."""
+    """The ModelConfig of a Hugging Face checkpoint directory (a family of
+    ``fmoe.hf.families.FAMILIES``); ValueError naming the ``config.json`` key fmoe cannot
+    represent."""
     directory = Path(directory)
     return to_model_config(_read_config_json(directory), str(directory / "config.json"))
 
@@ -65,7 +66,7 @@ def load(directory, plan: Plan) -> dict:
     what the checkpoint computes (build it from ``fmoe.hf.config(directory)``; the
     training fields — GLU interleave, capacity, padding, loss coefficients, expert-bias
     rate — may differ). ``expert_bias`` is the file's ``e_score_correction_bias`` where
-    the family has one (GLM-4.5), zero otherwise. A checkpoint released in FP8 with
+    the family has one (GLM-4.5, DeepSeek-V3), zero otherwise. A checkpoint released in FP8 with
     block scales (``quantization_config`` ``fp8``, as DeepSeek-V3's and Qwen3's ``-FP8``)
     loads dequantised into the fp32 masters.
 

@@ -42,7 +42,7 @@ def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int =
     if yarn is None:
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
     else:
-        inv_freq = torch.tensor(yarn_inverse_frequencies(head_dim, theta, yarn), dtype=torch.float64, device=device)
+        inv_freq = yarn_inverse_frequencies(head_dim, theta, yarn, device)
     if positions_BS is not None:
         angles = positions_BS.to(torch.float64)[:, None, :, None] * inv_freq
     else:
@@ -53,24 +53,21 @@ def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int =
     return angles.cos() * yarn.cos_factor, angles.sin() * yarn.cos_factor
 
 
-def yarn_inverse_frequencies(dims: int, theta: float, yarn: Yarn) -> tuple[float, ...]:
-    """YaRN's ``dims / 2`` inverse frequencies (transformers' ``_compute_yarn_parameters``,
-    in fp64): pair ``i`` keeps ``theta ** (-2i / dims)`` (extrapolates) where it turns
-    more than ``beta_fast`` times over ``original_max`` positions, takes it divided by
-    ``factor`` (interpolates) where it turns fewer than ``beta_slow`` times, and blends
-    the two linearly between. Plain Python floats, not cached (``dims / 2`` of them, a
-    few microseconds): a compiled graph takes them as constants, and dynamo would warn
-    of a ``functools.cache`` on the way."""
+def yarn_inverse_frequencies(dims: int, theta: float, yarn: Yarn, device=None) -> torch.Tensor:
+    """YaRN's ``dims / 2`` inverse frequencies in fp64 on ``device`` (transformers'
+    ``_compute_yarn_parameters``): pair ``i`` keeps ``theta ** (-2i / dims)``
+    (extrapolates) where it turns more than ``beta_fast`` times over ``original_max``
+    positions, takes it divided by ``factor`` (interpolates) where it turns fewer than
+    ``beta_slow`` times, and blends the two linearly between. Made by tensor operations
+    on the device from Python numbers: no host-to-device copy, which a CUDA graph's
+    capture refuses."""
     low, high = _yarn_ramp_ends(dims, theta, yarn)
     if low == high:
         high += 0.001  # as transformers: an empty ramp would divide by zero
-    out = []
-    for i in range(dims // 2):
-        wavelength = theta ** (2 * i / dims)  # the pair's, divided by 2 pi
-        extrapolated, interpolated = 1.0 / wavelength, 1.0 / (yarn.factor * wavelength)
-        keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)  # 1 below the ramp, 0 above
-        out.append(interpolated * (1.0 - keep) + extrapolated * keep)
-    return tuple(out)
+    wavelength = theta ** (torch.arange(0, dims, 2, device=device, dtype=torch.float64) / dims)  # over 2 pi
+    ramp = ((torch.arange(dims // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1 below the ramp, 0 above
+    return (1.0 / (yarn.factor * wavelength)) * (1.0 - keep) + (1.0 / wavelength) * keep
 
 
 def _yarn_ramp_ends(dims: int, theta: float, yarn: Yarn) -> tuple[float, float]:

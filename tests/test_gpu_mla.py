@@ -1,0 +1,88 @@
+"""DeepSeek-V3's multi-head latent attention on a GPU (a low-rank query, value heads
+narrower than the q/k heads, interleaved RoPE pairs, YaRN): against the CPU step,
+compiled, packed, CUDA-graphed, across schedules, and with FP8 products."""
+
+import pytest
+import torch
+
+import fmoe
+from interop.cuda_graph import capture_step
+
+from . import reference as ref
+from .test_gpu import assert_cuda_fp32_step_matches_cpu, to
+from .test_gpu_glm import GLM, batch
+
+pytestmark = pytest.mark.gpu
+
+# heads of 48 q/k features (16 rotated) and 32 value features: FlexAttention's kernels
+# (packed rows) take them; every width a multiple of 16 for the FP8 products
+MLA = GLM.replace(kv_heads=0, head_size=48, rope_fraction=1.0, qkv_bias=False, kv_lora_rank=32, q_lora_rank=32,
+                  rope_head_dim=16, v_head_size=32, rope_interleave=True, rope_scaling="yarn", rope_factor=4.0,
+                  rope_original_max=16, yarn_mscale=1.0, yarn_mscale_all_dim=1.0)
+
+
+def test_the_mla_step_on_the_gpu_matches_the_cpu():
+    assert_cuda_fp32_step_matches_cpu(MLA, seed=21)
+    assert_cuda_fp32_step_matches_cpu(MLA.replace(q_lora_rank=0, v_head_size=0, rope_interleave=False), seed=22)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_compiled_mla_step_matches_the_eager_one_and_the_cpu(packed):
+    # compiled kernels fuse and reassociate: fp32 agreement, not bitwise
+    params = ref.random_params(MLA, seed=23, dtype=torch.float32)
+    b = batch(23, packed)
+    cpu = fmoe.step(params, b, fmoe.Plan(model=MLA))
+    gpu_b = {k: v.cuda() for k, v in b.items()}
+    eager = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=MLA, device="cuda"))
+    compiled = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=MLA, device="cuda", compile=True))
+    for out in (eager, compiled):
+        torch.testing.assert_close(out.loss.cpu(), cpu.loss, rtol=1e-5, atol=1e-5)
+        ref.assert_trees_close(to(out.grads, "cpu"), cpu.grads, rtol=1e-4, atol=1e-5)
+
+
+def test_mla_schedules_are_bitwise_the_standard_step_on_the_gpu():
+    params = to(fmoe.init(fmoe.Plan(model=MLA), seed=24), "cuda")
+    b = {k: v.cuda() for k, v in batch(24).items()}
+    base = fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16", microbatches=4)
+    want = fmoe.step(params, b, base)
+    for changes in (dict(schedule="1f1b_overlap", delay_wgrad=True), dict(schedule="1f1b_overlap", remat="full")):
+        got = fmoe.step(params, b, base.replace(**changes))
+        assert torch.equal(got.loss, want.loss), changes
+        ref.assert_trees_equal(got.grads, want.grads)
+
+
+def test_a_graphed_mla_step_is_bitwise_the_eager_one():
+    plan = fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16")
+    params = to(fmoe.init(fmoe.Plan(model=MLA), seed=25), "cuda")
+    graphed = capture_step(params, {k: v.cuda() for k, v in batch(25).items()}, plan)
+    for seed in (26, 27):
+        b = {k: v.cuda() for k, v in batch(seed).items()}
+        out, eager = graphed(params, b), fmoe.step(params, b, plan)
+        assert torch.equal(out.loss, eager.loss)
+        ref.assert_trees_equal(out.grads, eager.grads)
+
+
+def test_an_fp8_mla_step_stays_near_the_bf16_one():
+    # FP8 rounds every product's inputs (E4M3: 3 mantissa bits): the loss moves by
+    # about 1e-2 at this size, the gradients' direction stays
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need sm_89 or newer")
+    params = to(fmoe.init(fmoe.Plan(model=MLA), seed=28), "cuda")
+    b = {k: v.cuda() for k, v in batch(28).items()}
+    bf16 = fmoe.step(params, b, fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16"))
+    fp8 = fmoe.step(params, b, fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16", fp8="tensorwise"))
+    torch.testing.assert_close(fp8.loss, bf16.loss, rtol=3e-2, atol=3e-2)
+    a, c = (g["layers"][1]["attn"]["kv_up"].flatten().float() for g in (fp8.grads, bf16.grads))
+    assert torch.nn.functional.cosine_similarity(a, c, dim=0) > 0.9
+
+
+def test_graphed_mla_scopes_are_bitwise_eager():
+    # the attention scope (MLA's five projections and its norms) and the router and
+    # experts scopes captured, five optimizer steps, ZeRO-3, 1F1B
+    from .dist.workloads import global_batch, graphed_losses
+
+    plan = fmoe.Plan(model=MLA, sharding="optim_grads_params", schedule="1f1b_overlap", microbatches=2,
+                     gather_buffers="persistent", device="cuda", dtype="bfloat16")
+    res = graphed_losses(plan, global_batch().cuda(), modes=("eager", "attn", "attn+router+experts"))
+    for mode, losses in res.items():
+        assert torch.isfinite(losses).all() and torch.equal(losses, res["eager"]), mode
