@@ -15,6 +15,7 @@ with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
     python benchmarks/vs_peer.py --device cpu --shapes coarse fine qwen3-moe-medium  # tiny smoke run
     torchrun --nproc-per-node 2 benchmarks/vs_peer.py --device cpu --meshes dp dp1ep2   # gloo
     python benchmarks/vs_peer.py --check --shapes coarse fine qwen3-moe-medium    # CPU fp32 parity
+    python benchmarks/vs_peer.py --shapes qwen3-moe-medium glm4.5-medium gpt-oss-medium deepseek-v3-medium
 
 Shapes (``--shape NAME`` or ``--shapes NAME...``; model flags such as ``--layers``
 override the shape's value; aux-loss coefficient 0 on both sides):
@@ -23,9 +24,18 @@ override the shape's value; aux-loss coefficient 0 on both sides):
   qwen3-moe-medium: the model of ``fmoe/trainer/presets/qwen3-moe-medium.toml`` (D=1536,
     16 layers, 16 heads, 4 KV heads of 128, per-head q/k RMSNorm, E=64 of F=512, top-8,
     renormalised, rope_theta 1e6, eps 1e-6) with vocab 32000.
-SwiGLU experts; 8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32
-params and AdamW state. ``--device cpu`` shrinks each shape to a toy that runs in
-seconds (fp32, gloo), keeping what tells it apart (top-k, GQA, head size, qk norm).
+  glm4.5-medium, gpt-oss-medium, deepseek-v3-medium: the models of those presets, each
+    with vocab 32000 (GLM-4.5: a dense first layer, sigmoid routing with the selection
+    bias, routed scaling, a shared expert, partial RoPE, q/k/v bias; GPT-OSS: sinks,
+    128-token windows on every other layer, attention and expert biases, topk_softmax
+    with a router bias, the clamped SwiGLU, YaRN; DeepSeek-V3: multi-head latent
+    attention, a dense first layer, group-limited sigmoid routing, routed scaling, a
+    shared expert). The peer runs their attention as its users do on a GPU (see
+    ``peer.py``: FlexAttention for sinks and windows, SDPA for MLA).
+8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32 params and AdamW
+state. ``--device cpu`` shrinks each shape to a toy that runs in seconds (fp32, gloo),
+keeping what tells it apart (top-k, GQA, head size, qk norm, and each preset's
+features: ``CPU_SHAPES``).
 
 The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params
 / fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
@@ -59,6 +69,7 @@ compiled peer's against the eager peer's; exits 1 on a mismatch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -85,20 +96,39 @@ PRESETS = Path(fmoe.__file__).parent / "trainer" / "presets"
 MODEL_FLAGS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_size", "qk_norm", "experts", "topk", "ffn")
 
 
-def qwen3_moe_medium() -> dict:
-    """The preset's model fields (the ModelConfig ones), vocab 32000, no aux loss."""
-    preset = tomllib.loads((PRESETS / "qwen3-moe-medium.toml").read_text())
+def preset_model(preset: str) -> dict:
+    """A shipped preset's model fields (the ModelConfig ones; its layer lists, "0,2" in
+    TOML, as tuples), vocab 32000, no aux loss."""
+    fields = tomllib.loads((PRESETS / f"{preset}.toml").read_text())
     names = {f.name for f in dataclasses.fields(fmoe.ModelConfig)}
-    return {**{k: v for k, v in preset.items() if k in names}, "vocab": 32000, "aux_loss_coef": 0.0}
+    model = {k: v for k, v in fields.items() if k in names}
+    for name in ("dense_layers", "window_layers"):
+        if isinstance(model.get(name), str):
+            model[name] = tuple(int(i) for i in model[name].split(",") if i.strip())
+    return {**model, "vocab": 32000, "aux_loss_coef": 0.0}
+
+
+def qwen3_moe_medium() -> dict:
+    return preset_model("qwen3-moe-medium")
 
 
 COARSE = dict(vocab=32000, dim=2048, layers=8, heads=16, experts=16, topk=4, ffn=1408)
+PRESET_SHAPES = ("qwen3-moe-medium", "glm4.5-medium", "gpt-oss-medium", "deepseek-v3-medium")
 SHAPES = {"coarse": lambda: COARSE, "fine": lambda: {**COARSE, "experts": 64, "topk": 8, "ffn": 704},
-          "qwen3-moe-medium": qwen3_moe_medium}
-# The CPU toys: small widths, the shape's routing and attention kept.
+          **{name: functools.partial(preset_model, name) for name in PRESET_SHAPES}}
+# The CPU toys: small widths, the shape's routing and attention kept (GLM: a dense first
+# layer, a shared expert, partial RoPE; GPT-OSS: one windowed and one full layer, a window
+# shorter than the toy's rows; DeepSeek-V3: MLA with both low-rank projections, groups).
 TOY = dict(vocab=512, dim=64, layers=2, heads=4, ffn=64)
 CPU_SHAPES = {"coarse": dict(experts=8, topk=4), "fine": dict(experts=16, topk=8, ffn=32),
-              "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32)}
+              "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32),
+              "glm4.5-medium": dict(layers=3, experts=16, topk=4, ffn=32, shared_ffn=32, dense_ffn=128,
+                                    kv_heads=2, head_size=32),
+              "gpt-oss-medium": dict(experts=8, topk=4, ffn=32, kv_heads=2, head_size=16, sliding_window=16, glu_limit=0.3,
+                                     window_layers=(0,)),
+              "deepseek-v3-medium": dict(layers=3, experts=16, topk=4, ffn=32, shared_ffn=32, dense_ffn=128,
+                                         expert_groups=4, topk_groups=2, head_size=24, rope_head_dim=8,
+                                         v_head_size=16, q_lora_rank=32, kv_lora_rank=32)}
 GPU_RUN = dict(microbatches=1, warmup=3, steps=10)
 CPU_RUN = dict(batch=2, seq=64, microbatches=1, warmup=1, steps=3)
 
@@ -114,6 +144,9 @@ def parse(more=None):
                          "and +dw (delay_wgrad), e.g. dp1ep2+1f1b+dw")
     ap.add_argument("--peers", nargs="*", default=["eager", "compiled"], choices=("eager", "compiled"),
                     help="which peers run (none: --peers alone)")
+    ap.add_argument("--peer-mla-values", default="native", choices=("native", "padded"),
+                    help="MLA shapes: the peer's values into SDPA as they are (torchtitan; cuDNN or "
+                         "memory-efficient attention) or zero-padded to the q/k head size (flash)")
     ap.add_argument("--profile", action="store_true",
                     help="one more step per system under the profiler: NCCL time, exposed part, GPU idle")
     ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
@@ -139,6 +172,29 @@ def shape_config(name: str, args, toy: bool) -> fmoe.ModelConfig:
     fields = {**SHAPES[name](), **TOY, **CPU_SHAPES[name]} if toy else dict(SHAPES[name]())
     fields.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     return fmoe.ModelConfig(**{"aux_loss_coef": 0.0, **fields})
+
+
+def describe(cfg: fmoe.ModelConfig) -> str:
+    """The shape's attention and MLP in a few words (what sets it apart)."""
+    if cfg.kv_lora_rank:
+        attn = (f"{cfg.heads} heads of {cfg.head_dim} (rope {cfg.rope_head_dim}) / values of {cfg.v_head_dim}, MLA "
+                f"(q_lora {cfg.q_lora_rank or '-'}, kv_lora {cfg.kv_lora_rank}"
+                + (", interleaved" if cfg.rope_interleave else "") + ")")
+    else:
+        attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
+                + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else "")
+                + (f", rope on {cfg.rope_dims}" if cfg.rope_dims != cfg.head_dim else "")
+                + (", qkv bias" if cfg.qkv_bias else "") + (", out bias" if cfg.out_bias else "")
+                + (", sinks" if cfg.attn_sinks else "")
+                + (f", window {cfg.sliding_window} on {len(cfg.window_layers)} layers" if cfg.window_layers else ""))
+    rope = f"rope_theta {cfg.rope_theta:g}" + (f" yarn x{cfg.rope_factor:g}" if cfg.rope_scaling == "yarn" else "")
+    route = (f"{cfg.score_func}" + (f", groups {cfg.topk_groups}/{cfg.expert_groups}" if cfg.expert_groups > 1 else "")
+             + (f", scaling {cfg.routed_scaling:g}" if cfg.routed_scaling != 1 else "")
+             + (", router bias" if cfg.router_bias else "") + (", expert biases" if cfg.expert_biases else ""))
+    mlp = (f"E={cfg.experts} top-{cfg.topk} F={cfg.ffn} {cfg.activation} ({route})"
+           + (f" + shared F={cfg.shared_ffn}" if cfg.shared_ffn else "")
+           + (f", dense layers {list(cfg.dense_layers)} F={cfg.dense_ffn}" if cfg.dense_layers else ""))
+    return f"{attn}, {rope}, {mlp}"
 
 
 def fmoe_has_compile(args) -> bool:
@@ -249,7 +305,8 @@ class Bench:
 
 def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     args = bench.args
-    model = peer.build(cfg, bench.device, seed=0, compile=compile)  # blocks compiled before fully_shard
+    model = peer.build(cfg, bench.device, seed=0, compile=compile,  # blocks compiled before fully_shard
+                       mla_pad_values=args.peer_mla_values == "padded")
     params = sum(p.numel() for p in model.parameters())
     if bench.world > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -269,7 +326,9 @@ def run_peer(bench: Bench, cfg: fmoe.ModelConfig, compile: bool) -> dict:
     if bench.distributed:  # each rank's mean -> the global batch's mean, as fmoe reports
         dist.all_reduce(loss)
         loss = loss / bench.world
-    return dict(system="peer, compiled blocks" if compile else "peer, eager", mesh=mesh, mesh_name="dp",
+    system = ("peer, compiled blocks" if compile else "peer, eager") \
+        + (", MLA values padded" if cfg.kv_lora_rank and args.peer_mla_values == "padded" else "")
+    return dict(system=system, mesh=mesh, mesh_name="dp",
                 step_s=step_s, first_s=first_s, peak=peak, loss=float(loss), params=params, compiled=compile,
                 **bench.profiled(step))
     # the model and its optimizer go with this frame; the caller frees the memory
@@ -342,11 +401,9 @@ def run_shape(bench: Bench, name: str) -> dict:
     fmoe_params = sum(math.prod(shape) for shape in shapes)
     where = (f"{torch.cuda.get_device_name()} x {bench.world}" if on_gpu
              else f"CPU, {bench.world} rank(s)" + (" on gloo" if bench.distributed else ""))
-    attn = (f"{cfg.heads} heads" + (f" / {cfg.num_kv_heads} KV" if cfg.num_kv_heads != cfg.heads else "")
-            + f" of {cfg.head_dim}" + (f", qk_norm {cfg.qk_norm}" if cfg.qk_norm != "none" else ""))
     peer_params = f"{count(peers[0]['params'])} params (fmoe: " if peers else "("
     bench.say(f"\n{where}, torch {torch.__version__}; {name}: vocab {cfg.vocab}, D={cfg.dim}, {cfg.layers} layers, "
-              f"{attn}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn} SwiGLU, rope_theta {cfg.rope_theta:g}; "
+              f"{describe(cfg)}; "
               f"{peer_params}{count(fmoe_params)}, with expert_bias), "
               f"{count(fmoe.active_param_count(cfg))} active; {args.batch} x {args.seq} tokens per GPU, "
               f"{args.microbatches} microbatch(es), {'bf16' if on_gpu else 'fp32'}; "
@@ -425,27 +482,61 @@ def weak_scaling(path: str):
 # --- --check: the peer reads fmoe's weights and gives fmoe's loss ---------------------------
 
 def peer_pairs(model: peer.PeerLM, tree: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``(name, peer parameter, the same tensor of fmoe's tree in the peer's layout)``:
-    ``nn.Linear`` weights are fmoe's ``y = x @ W`` matrices transposed; fmoe's
-    ``expert_bias`` (zero, selection only) has no counterpart."""
+    """``(name, peer tensor, the same tensor of fmoe's tree in the peer's layout)``:
+    ``nn.Linear`` weights are fmoe's ``y = x @ W`` matrices transposed; biases, norms,
+    sinks and the experts' ``[E, ...]`` tensors as they are. fmoe's ``expert_bias`` pairs
+    with the peer's buffer of that name where the peer has one (sigmoid routing; it
+    takes no gradient on either side); elsewhere it is zero and selects nothing."""
     pairs = [("embed", model.embed.weight, tree["embed"]), ("final_norm", model.final_norm.weight, tree["final_norm"]),
              ("head", model.head.weight, tree["head"].T)]
+
+    def linear(name, module, w, b=None):  # an nn.Linear: its weight (and bias)
+        out = [(name, module.weight, w.T)]
+        return out + [(f"{name}_bias", module.bias, b)] if b is not None else out
+
     for i, (block, layer) in enumerate(zip(model.blocks, tree["layers"])):
-        attn, moe = layer["attn"], layer["moe"]
-        pairs += [(f"{i}.attn.norm", block.attn_norm.weight, attn["norm"]),
-                  (f"{i}.attn.qkv", block.attn.qkv.weight, attn["qkv"].T),
-                  (f"{i}.attn.out", block.attn.out.weight, attn["out"].T),
-                  (f"{i}.moe.norm", block.moe_norm.weight, moe["norm"]),
-                  (f"{i}.moe.router", block.moe.router.weight, moe["router"].T),
-                  (f"{i}.moe.fc1", block.moe.w1, moe["experts"]["fc1"]),
-                  (f"{i}.moe.fc2", block.moe.w2, moe["experts"]["fc2"])]
-        if "q_norm" in attn:
-            pairs += [(f"{i}.attn.q_norm", block.attn.q_norm.weight, attn["q_norm"]),
-                      (f"{i}.attn.k_norm", block.attn.k_norm.weight, attn["k_norm"])]
+        attn = layer["attn"]
+        pairs.append((f"{i}.attn.norm", block.attn_norm.weight, attn["norm"]))
+        if "qkv" in attn:
+            pairs += linear(f"{i}.attn.qkv", block.attn.qkv, attn["qkv"], attn.get("qkv_bias"))
+            pairs += linear(f"{i}.attn.out", block.attn.out, attn["out"], attn.get("out_bias"))
+            for name in ("q_norm", "k_norm"):
+                if name in attn:
+                    pairs.append((f"{i}.attn.{name}", getattr(block.attn, name).weight, attn[name]))
+            if "sinks" in attn:
+                pairs.append((f"{i}.attn.sinks", block.attn.sinks, attn["sinks"]))
+        else:  # multi-head latent attention
+            for name in ("q", "q_down", "q_up", "kv_down", "kv_up", "out"):
+                if name in attn:
+                    pairs += linear(f"{i}.attn.{name}", getattr(block.attn, name), attn[name])
+            for name in ("q_down_norm", "kv_down_norm"):
+                if name in attn:
+                    pairs.append((f"{i}.attn.{name}", getattr(block.attn, name).weight, attn[name]))
+        if "mlp" in layer:  # a dense layer
+            mlp = layer["mlp"]
+            pairs += [(f"{i}.mlp.norm", block.mlp_norm.weight, mlp["norm"]),
+                      *linear(f"{i}.mlp.fc1", block.mlp.fc1, mlp["fc1"]),
+                      *linear(f"{i}.mlp.fc2", block.mlp.fc2, mlp["fc2"])]
+            continue
+        moe, experts = layer["moe"], layer["moe"]["experts"]
+        pairs += [(f"{i}.moe.norm", block.moe_norm.weight, moe["norm"]),
+                  *linear(f"{i}.moe.router", block.moe.router, moe["router"], moe.get("router_bias")),
+                  (f"{i}.moe.fc1", block.moe.w1, experts["fc1"]),
+                  (f"{i}.moe.fc2", block.moe.w2, experts["fc2"])]
+        if "fc1_bias" in experts:
+            pairs += [(f"{i}.moe.fc1_bias", block.moe.b1, experts["fc1_bias"]),
+                      (f"{i}.moe.fc2_bias", block.moe.b2, experts["fc2_bias"])]
+        if block.moe.expert_bias is not None:
+            pairs.append((f"{i}.moe.expert_bias", block.moe.expert_bias, moe["expert_bias"]))
+        if "shared" in moe:
+            pairs += [*linear(f"{i}.moe.shared.fc1", block.moe.shared.fc1, moe["shared"]["fc1"]),
+                      *linear(f"{i}.moe.shared.fc2", block.moe.shared.fc2, moe["shared"]["fc2"])]
     return pairs
 
 
 def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
+    """The peer's loss and gradients (by ``peer_pairs`` name; trained tensors only) with
+    fmoe's ``params`` copied in."""
     model = peer.build(cfg, "cpu")
     with torch.no_grad():
         for _, p, w in peer_pairs(model, params):
@@ -454,46 +545,52 @@ def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
     logits, _ = model(tokens[:, :-1])
     loss = model.loss_fn(logits, tokens[:, 1:])
     loss.backward()
-    return float(loss.detach()), {name: p.grad for name, p, _ in peer_pairs(model, params)}
+    return float(loss.detach()), {name: p.grad for name, p, _ in peer_pairs(model, params) if p.requires_grad}
 
 
 def check(args) -> bool:
     """One batch per shape's toy, CPU fp32: fmoe's loss and grads vs the peer's with the same
     weights, and the compiled peer's vs the eager peer's. True when all agree."""
-    ok = True
-    for name in args.shapes:
-        cfg = shape_config(name, args, toy=True)
-        plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
-        params = fmoe.init(plan, seed=0)
-        with torch.no_grad():  # norms away from their init of ones, so a misplaced norm shows
-            g = torch.Generator().manual_seed(1)
-            for _, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
-                if w.ndim == 1:
-                    w.add_(0.2 * torch.randn(w.shape, generator=g))
-        tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-        out = fmoe.step(params, {"tokens": tokens}, plan)
-        fmoe_grads = {n: g for n, _, g in peer_pairs(peer.build(cfg, "cpu"), out.grads)}
-        eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
+    return all([check_shape(shape_config(name, args, toy=True), name, args.batch, args.seq) for name in args.shapes])
+
+
+def check_shape(cfg: fmoe.ModelConfig, name: str, batch: int, seq: int, compiled: bool = True) -> bool:
+    """``check`` of one config (fmoe's loss and grads vs the eager peer's; with
+    ``compiled``, the compiled peer's vs the eager's too); prints the errors."""
+    plan = fmoe.Plan(model=cfg, dp=1, ep=1, sharding="no_shard", microbatches=1, dtype="float32", device="cpu")
+    params = fmoe.init(plan, seed=0)
+    # norms away from their init of ones, biases (the selection-only expert bias too)
+    # from their zeros, so a misplaced one shows
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for leaf, _, w in peer_pairs(peer.build(cfg, "cpu"), params):
+            if w.ndim == 1 or leaf.endswith("bias"):
+                w.add_(0.2 * torch.randn(w.shape, generator=g))
+    tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    out = fmoe.step(params, {"tokens": tokens}, plan)
+    fmoe_grads = {n: g for n, p, g in peer_pairs(peer.build(cfg, "cpu"), out.grads) if p.requires_grad}
+    eager_loss, eager_grads = peer_loss_and_grads(cfg, params, tokens, compile=False)
+    comp_loss, comp_grads, comp_s = eager_loss, eager_grads, 0.0  # without `compiled`: nothing to compare
+    if compiled:
         t0 = time.perf_counter()
         comp_loss, comp_grads = peer_loss_and_grads(cfg, params, tokens, compile=True)
         comp_s = time.perf_counter() - t0
         torch._dynamo.reset()
 
-        def grad_err(a, b):  # the largest |difference| over the largest |gradient|, over all tensors
-            return max((a[n] - b[n]).abs().max().item() / b[n].abs().max().clamp_min(1e-30).item() for n in b)
+    def grad_err(a, b):  # the largest |difference| over the largest |gradient|, over all tensors
+        return max((a[n] - b[n]).abs().max().item() / b[n].abs().max().clamp_min(1e-30).item() for n in b)
 
-        errs = (abs(eager_loss - float(out.loss)), grad_err(eager_grads, fmoe_grads),
-                abs(comp_loss - eager_loss), grad_err(comp_grads, eager_grads))
-        good = errs[0] < 1e-4 and errs[1] < 1e-3 and errs[2] < 1e-5 and errs[3] < 1e-4
-        ok &= good
-        print(f"{name} (toy: D={cfg.dim}, {cfg.heads} heads / {cfg.num_kv_heads} KV of {cfg.head_dim}, "
-              f"qk_norm {cfg.qk_norm}, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}):\n"
-              f"  loss fmoe {float(out.loss):.7f}  peer eager {eager_loss:.7f}  peer compiled {comp_loss:.7f} "
-              f"(compiled in {comp_s:.0f} s)\n"
-              f"  |peer - fmoe| loss {errs[0]:.1e}, grads {errs[1]:.1e} (relative max); "
-              f"|compiled - eager| loss {errs[2]:.1e}, grads {errs[3]:.1e}: {'ok' if good else 'MISMATCH'}",
-              flush=True)
-    return ok
+    errs = (abs(eager_loss - float(out.loss)), grad_err(eager_grads, fmoe_grads),
+            abs(comp_loss - eager_loss), grad_err(comp_grads, eager_grads))
+    good = errs[0] < 1e-4 and errs[1] < 1e-3 and errs[2] < 1e-5 and errs[3] < 1e-4
+    compiled_s = (f"peer compiled {comp_loss:.7f} (compiled in {comp_s:.0f} s)" if compiled
+                  else "(peer not compiled)")
+    print(f"{name} (toy: D={cfg.dim}, {cfg.layers} layers, {describe(cfg)}):\n"
+          f"  loss fmoe {float(out.loss):.7f}  peer eager {eager_loss:.7f}  {compiled_s}\n"
+          f"  |peer - fmoe| loss {errs[0]:.1e}, grads {errs[1]:.1e} (relative max); "
+          f"|compiled - eager| loss {errs[2]:.1e}, grads {errs[3]:.1e}: {'ok' if good else 'MISMATCH'}",
+          flush=True)
+    return good
 
 
 def main():

@@ -126,7 +126,7 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     merged = tomllib.loads(proc.stdout)
     assert (merged["steps"], merged["kv_heads"], merged["norm_topk_prob"], merged["lr"]) == (3, 2, False, 3e-3)
     assert merged["sharding"] == "optim_grads_params" and merged["units"] == ""
-    assert len(options.presets()) == 10
+    assert len(options.presets()) == 11
     assert options.resolve([])[0]["log_every"] == 1  # the CPU default logs every step; GPU presets every 10
     assert {options.resolve(["--config", p])[0]["log_every"] for p in options.presets() if p != "cpu"} == {10}
     for preset in options.presets():  # every shipped preset builds a valid model and plan
