@@ -156,7 +156,8 @@ def test_the_compiled_plain_row_flex_matches_the_reference(rows_take_flex, windo
     compiled = torch.compile(functools.partial(attend, window=window), fullgraph=True, dynamic=False)
     got = compiled(*(t.float() for t in (q, k, v)))
     compiled(*(t.float() for t in (q, k, v)))
-    assert attention_module._row_mask_parts.cache_info().misses == 1
+    # dynamo called the cache while tracing (a traced mask would leave it empty), once
+    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses)
     # float32 against float64: sums over up to 300 keys, each product rounded to 2**-24
     torch.testing.assert_close(got, plain_attention(q, k, v, None, window).float(), rtol=1e-5, atol=1e-5)
 

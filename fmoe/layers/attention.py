@@ -422,18 +422,20 @@ def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, devic
 def _sdpa(q_BHSd, k_BKLd, v_BKLe, mask, gqa: bool, scale):
     """SDPA, causal (``mask`` None) or under ``mask``; ``[B, H, S, e]``.
 
-    Narrower value heads (``e < d``) on CUDA's causal path are zero-padded to ``d`` and
-    the output cut back: the flash kernel takes only equal q/k/v head sizes
-    (``check_head_dim_size_flash``), and without it SDPA picks cuDNN (where the build
-    prefers it; it supports ``d = 192, e = 128``) or else the memory-efficient kernel,
-    which is markedly slower than flash. The padding costs the zero columns' share of
-    the ``P @ V`` product (a quarter more work at 192/128) and a copy of ``v``; that is
-    also what transformers does for flash-attention under DeepSeek-V3's MLA. The exact
-    result: the zero features give zero outputs, cut off; the scale is ``d``'s either way.
+    Narrower value heads (``e < d``) on CUDA's causal path in half precision are
+    zero-padded to ``d`` and the output cut back: the flash kernel takes only equal
+    q/k/v head sizes (``check_head_dim_size_flash``), and without it SDPA picks cuDNN
+    (where the build prefers it; it supports ``d = 192, e = 128``) or else the
+    memory-efficient kernel, which is markedly slower than flash. The padding costs
+    the zero columns' share of the ``P @ V`` product (a quarter more work at 192/128)
+    and a copy of ``v``; it is what transformers does for flash-attention under
+    DeepSeek-V3's MLA. Exact: the zero features give zero outputs, cut off, and the
+    scale is ``d``'s either way. fp32 has no flash kernel, so it is not padded.
     """
     extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
     d, e = q_BHSd.shape[-1], v_BKLe.shape[-1]
-    if mask is None and q_BHSd.is_cuda and e < d <= _FLASH_MAX_HEAD:
+    flash_dtype = q_BHSd.dtype in (torch.float16, torch.bfloat16)
+    if mask is None and q_BHSd.is_cuda and flash_dtype and e < d <= _FLASH_MAX_HEAD:
         v_BKLd = F.pad(v_BKLe, (0, d - e))
         o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
         return o_BHSd[..., :e]
