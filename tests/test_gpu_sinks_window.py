@@ -54,6 +54,20 @@ def test_sinks_window_schedules_are_bitwise_the_standard_step_on_the_gpu():
     ref.assert_trees_equal(got.grads, want.grads)
 
 
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_selective_remat_of_the_flex_paths_matches_the_plain_compiled_step(packed):
+    # the policy keeps FlexAttention's output (out and lse) and recomputes the rest
+    # from the same inputs with the same kernels: bitwise where the partitioner keeps
+    # the same fusions, else fp32 reassociation
+    params = to(ref.random_params(GPT_OSS, seed=5, dtype=torch.float32), "cuda")
+    b = {k: v.cuda() for k, v in batch(5, packed).items()}
+    plan = fmoe.Plan(model=GPT_OSS, microbatches=2, device="cuda", compile=True)
+    want = fmoe.step(params, b, plan)
+    got = fmoe.step(params, b, plan.replace(remat="selective"))
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    ref.assert_trees_close(got.grads, want.grads, rtol=1e-5, atol=1e-6)
+
 # Plain rows (no packed documents) with a window or sinks: compiled FlexAttention under
 # the cached causal/window block mask, never the [S, S] scores of the written-out path.
 

@@ -162,6 +162,13 @@ def test_the_compiled_plain_row_flex_matches_the_reference(rows_take_flex, windo
     torch.testing.assert_close(got, plain_attention(q, k, v, None, window).float(), rtol=1e-5, atol=1e-5)
 
 
+def test_selective_remat_keeps_flex_attentions_output():
+    # the Flex kernel is attention's costliest op on CUDA's windowed, sink and packed
+    # rows: recomputing it in the backward would undo the selective policy's point
+    from fmoe.schedule.remat import keeps
+    assert keeps(torch.ops.higher_order.flex_attention)
+
+
 @pytest.mark.parametrize("window, sinks", [(0, False), (0, True), (3, False), (3, True)])
 def test_value_heads_narrower_than_query_heads(window, sinks):
     # MLA's shape (q/k heads wider than v heads) through SDPA's causal and masked paths
