@@ -1,4 +1,4 @@
-"""Causal self-attention with rotary position embeddings, through SDPA.
+"""Causal self-attention with rotary position embeddings, through SDPA or FlexAttention.
 
 Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and an
 optional RMSNorm of queries and keys (per head, or over the whole projection); or
@@ -9,14 +9,15 @@ GPT-OSS's two features: attention sinks (a learned logit per head that joins eac
 query's softmax as one more column with no value) and sliding-window layers (a query
 at position i sees the keys j with ``i - W < j <= i``).
 
-Value heads may be narrower than query/key heads (multi-head latent attention: q/k
-heads of 192 features, v heads of 128): ``attend`` returns ``H * dv`` features.
+Value heads may have another width than query/key heads (multi-head latent attention:
+q/k heads of 192 features, v heads of 128): ``attend`` returns ``H * e`` features.
 
-Which kernel runs (no ``[S, S]`` scores on CUDA's training paths):
+Which kernel runs (on CUDA, with heads of 16 features or more, no ``[S, S]`` mask or
+scores outside decoding):
 
 - plain causal rows without sinks or window: SDPA's ``is_causal`` (flash-class; on
-  CUDA, narrower value heads are zero-padded to the query's width so that the flash
-  kernel takes them, see ``_sdpa``);
+  CUDA in half precision, narrower value heads are zero-padded to the query's width
+  so that the flash kernel takes them, see ``_sdpa``);
 - plain rows with a window and/or sinks, on CUDA: FlexAttention (compiled) under a
   causal (+ window) BlockMask that depends only on the length and the window, worked
   out from block arithmetic once per (length, window, device) and cached
