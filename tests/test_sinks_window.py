@@ -162,6 +162,19 @@ def test_the_compiled_plain_row_flex_matches_the_reference(rows_take_flex, windo
     torch.testing.assert_close(got, plain_attention(q, k, v, None, window).float(), rtol=1e-5, atol=1e-5)
 
 
+def test_the_traced_plain_row_flex_with_sinks_is_one_graph(rows_take_flex):
+    # what Plan.compile's attention region traces on CUDA (fullgraph: the cached mask
+    # through assume_constant_result, the lse through AuxRequest, the sinks), run by
+    # aot_eager: Flex's reference math in float64, which CPU's kernels cannot lower
+    q, k, v, s_H = qkv(H=4, K=2, S=300, d=16, e=8)
+    attention_module._row_mask_parts.cache_clear()
+    traced = torch.compile(functools.partial(attend, window=7), fullgraph=True, dynamic=False, backend="aot_eager")
+    got = traced(q, k, v, sinks_H=s_H)
+    traced(q, k, v, sinks_H=s_H)
+    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses): built while tracing
+    torch.testing.assert_close(got, plain_attention(q, k, v, s_H, 7), rtol=1e-12, atol=1e-12)
+
+
 def test_selective_remat_keeps_flex_attentions_output():
     # the Flex kernel is attention's costliest op on CUDA's windowed, sink and packed
     # rows: recomputing it in the backward would undo the selective policy's point
