@@ -141,6 +141,16 @@ def test_plain_rows_take_flex_and_match_the_reference(paths, dtype, window, sink
         assert_close_to(got, want, 3e-2, 5e-2)
 
 
+def test_decoding_over_a_cache_sees_what_the_flex_rows_see(paths):
+    # the whole row through Flex, its last queries over the cached keys through the
+    # exact mask and the written-out softmax: the same window and sinks, fp32 rounding
+    q, k, v, s_H = (t.float().cuda() for t in qkv(300, e=32))
+    whole = attend(q, k, v, window=50, sinks_H=s_H)
+    rest = attend(q[:, :, 290:], k, v, start=290, window=50, sinks_H=s_H)
+    assert paths == ["_flex_attend", "_explicit_attend"]
+    torch.testing.assert_close(rest, whole[:, 290:], rtol=2e-5, atol=2e-5)
+
+
 def test_plain_rows_with_a_window_and_sinks_never_hold_s_by_s():
     # S = 16384: one [S, S] boolean mask alone is 256 MiB, the fp32 scores of one head
     # 1 GiB; the flex path's forward and backward (inputs' grads, output and the sinks'
