@@ -3,6 +3,7 @@ column with no value) and sliding-window layers, against transformers' eager GPT
 attention and the plain reference, through the model, the schedule and decoding."""
 
 import dataclasses
+import functools
 import importlib
 import types
 
@@ -26,10 +27,12 @@ CFG = fmoe.ModelConfig(vocab=40, dim=32, layers=3, heads=4, kv_heads=2, experts=
                        attn_sinks=True, sliding_window=3, window_layers=(0, 2))
 
 
-def qkv(B=2, H=4, K=2, S=9, d=8, seed=None):
+def qkv(B=2, H=4, K=2, S=9, d=8, seed=None, e=None):
+    """Queries, keys, values (``e`` features a value head, None: ``d``) and sinks."""
     g = torch.Generator().manual_seed(torch.seed() if seed is None else seed)
     q = torch.randn(B, H, S, d, generator=g, dtype=F64)
-    k, v = (torch.randn(B, K, S, d, generator=g, dtype=F64) for _ in range(2))
+    k = torch.randn(B, K, S, d, generator=g, dtype=F64)
+    v = torch.randn(B, K, S, d if e is None else e, generator=g, dtype=F64)
     return q, k, v, torch.randn(H, generator=g, dtype=F64)
 
 
@@ -49,7 +52,7 @@ def plain_attention(q, k, v, sinks, window=0, ids=None):
     """``reference.sink_softmax`` per row, head and query, with the reference's masks."""
     B, H, S, d = q.shape
     group = H // k.shape[1]
-    out = torch.empty(B, S, H, d, dtype=q.dtype)
+    out = torch.empty(B, S, H, v.shape[-1], dtype=q.dtype)
     for b in range(B):
         for h in range(H):
             for s in range(S):
@@ -93,6 +96,103 @@ def test_sink_gradients_match_transformers():
     theirs = torch.autograd.grad((hf_attention(q, k, v, sinks, 2) * g).sum(), (q, k, v, sinks))
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b)
+
+
+attention_module = importlib.import_module("fmoe.layers.attention")  # also the name of a function in fmoe.layers
+BLOCK_MASK_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                      "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 127, 128, 129, 300])
+@pytest.mark.parametrize("S", [1, 100, 128, 129, 384, 500])
+def test_the_row_block_mask_is_create_block_masks(S, window):
+    # worked out from block arithmetic, without the [S, S] mask create_block_mask makes:
+    # the same partial and full blocks in the same order (rows cut short by S included)
+    from torch.nn.attention.flex_attention import create_block_mask
+    want = create_block_mask(attention_module._row_mask_mod(window), None, None, S, S, device="cpu")
+    got = attention_module._row_block_mask(S, window, torch.device("cpu"))
+    assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in BLOCK_MASK_TENSORS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.fixture
+def rows_take_flex(monkeypatch):
+    """Plain rows with a window or sinks take the FlexAttention path on the CPU too."""
+    monkeypatch.setattr(attention_module, "_FLEX_ROW_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("e", [None, 12], ids=["e=d", "e<d"])
+@pytest.mark.parametrize("K", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("window, sinks", [(0, True), (3, False), (3, True), (140, True)],
+                         ids=["sinks", "window", "both", "long-window"])
+def test_plain_row_flex_matches_the_per_token_reference(rows_take_flex, monkeypatch, window, sinks, K, e):
+    # the path CUDA's rows take, its mask, lse and sinks in float64 through the eager
+    # flex_attention (CPU's compiled kernel has no lse; its reference math in float64
+    # applies the mask_mod, the block mask's blocks are checked above and compiled
+    # below). 150 positions: two blocks, the second cut short; a window of 140 spans both.
+    from torch.nn.attention.flex_attention import flex_attention
+    monkeypatch.setattr(attention_module, "_compiled_flex", lambda: flex_attention)
+    q, k, v, s_H = qkv(H=4, K=K, S=150, d=16, e=e)
+    s_H = s_H if sinks else None
+    chosen = []
+    monkeypatch.setattr(attention_module, "_flex_attend",
+                        lambda *a, **kw: chosen.append(a[3]) or _flex_attend(*a, **kw))
+    got = attend(q, k, v, window=window, sinks_H=s_H)
+    assert len(chosen) == 1 and chosen[0].shape == (1, 1, 150, 150)
+    torch.testing.assert_close(got, plain_attention(q, k, v, s_H, window), rtol=1e-12, atol=1e-12)
+
+
+_flex_attend = attention_module._flex_attend
+
+
+@pytest.mark.parametrize("window", [3, 200])
+def test_the_compiled_plain_row_flex_matches_the_reference(rows_take_flex, window):
+    # CPU's compiled FlexAttention kernel (float32, no sinks: no lse there) reads the
+    # cached block mask's blocks: 300 positions, three blocks, the last cut short. The
+    # mask is built once, while tracing, and is a constant of the graph afterwards.
+    q, k, v, _ = qkv(H=4, K=2, S=300, d=16, e=8)
+    attention_module._row_mask_parts.cache_clear()
+    compiled = torch.compile(functools.partial(attend, window=window), fullgraph=True, dynamic=False)
+    got = compiled(*(t.float() for t in (q, k, v)))
+    compiled(*(t.float() for t in (q, k, v)))
+    # dynamo called the cache while tracing (a traced mask would leave it empty), once
+    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses)
+    # float32 against float64: sums over up to 300 keys, each product rounded to 2**-24
+    torch.testing.assert_close(got, plain_attention(q, k, v, None, window).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_traced_plain_row_flex_with_sinks_is_one_graph(rows_take_flex):
+    # what Plan.compile's attention region traces on CUDA (fullgraph: the cached mask
+    # through assume_constant_result, the lse through AuxRequest, the sinks), run by
+    # aot_eager: Flex's reference math in float64, which CPU's kernels cannot lower
+    q, k, v, s_H = qkv(H=4, K=2, S=300, d=16, e=8)
+    attention_module._row_mask_parts.cache_clear()
+    traced = torch.compile(functools.partial(attend, window=7), fullgraph=True, dynamic=False, backend="aot_eager")
+    got = traced(q, k, v, sinks_H=s_H)
+    traced(q, k, v, sinks_H=s_H)
+    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses): built while tracing
+    torch.testing.assert_close(got, plain_attention(q, k, v, s_H, 7), rtol=1e-12, atol=1e-12)
+
+
+def test_selective_remat_keeps_flex_attentions_output():
+    # the Flex kernel is attention's costliest op on CUDA's windowed, sink and packed
+    # rows: recomputing it in the backward would undo the selective policy's point
+    from fmoe.schedule.remat import keeps
+    assert keeps(torch.ops.higher_order.flex_attention)
+
+
+@pytest.mark.parametrize("window, sinks", [(0, False), (0, True), (3, False), (3, True)])
+def test_value_heads_narrower_than_query_heads(window, sinks):
+    # MLA's shape (q/k heads wider than v heads) through SDPA's causal and masked paths
+    # and the written-out softmax: [B, S, H * e]
+    q, k, v, s_H = qkv(S=9, d=8, e=4)
+    s_H = s_H if sinks else None
+    got = attend(q, k, v, window=window, sinks_H=s_H)
+    assert got.shape == (2, 9, 4 * 4)
+    torch.testing.assert_close(got, plain_attention(q, k, v, s_H, window))
+    rest = attend(q[:, :, 6:], k, v, start=6, window=window, sinks_H=s_H)  # decoding over a cache
+    torch.testing.assert_close(rest, got[:, 6:])
 
 
 @pytest.mark.parametrize("segments", [False, True], ids=["rows", "packed"])

@@ -1,4 +1,4 @@
-"""Causal self-attention with rotary position embeddings, through SDPA.
+"""Causal self-attention with rotary position embeddings, through SDPA or FlexAttention.
 
 Multi-head or grouped-query (``kv_heads < heads``), an optional q/k/v bias and an
 optional RMSNorm of queries and keys (per head, or over the whole projection); or
@@ -9,11 +9,26 @@ GPT-OSS's two features: attention sinks (a learned logit per head that joins eac
 query's softmax as one more column with no value) and sliding-window layers (a query
 at position i sees the keys j with ``i - W < j <= i``).
 
-Packed documents (``Documents``): a query sees only the keys of its own document at
-or before it, and positions restart at 0 at each document's first token. On CUDA
-that runs through FlexAttention with a document block mask (compiled: only the
-blocks a document touches are computed); elsewhere through SDPA with the exact
-``[B, 1, S, S]`` boolean mask.
+Value heads may have another width than query/key heads (multi-head latent attention:
+q/k heads of 192 features, v heads of 128): ``attend`` returns ``H * e`` features.
+
+Which kernel runs (on CUDA, with heads of 16 features or more, no ``[S, S]`` mask or
+scores outside decoding):
+
+- plain causal rows without sinks or window: SDPA's ``is_causal`` (flash-class; on
+  CUDA in half precision, narrower value heads are zero-padded to the query's width
+  so that the flash kernel takes them, see ``_sdpa``);
+- plain rows with a window and/or sinks, on CUDA: FlexAttention (compiled) under a
+  causal (+ window) BlockMask that depends only on the length and the window, worked
+  out from block arithmetic once per (length, window, device) and cached
+  (``_row_block_mask``); the sinks from its log-sum-exp (``with_sinks``);
+- packed documents (``Documents``): a query sees only the keys of its own document
+  at or before it, and positions restart at 0 at each document's first token. On
+  CUDA that runs through FlexAttention with a document block mask (compiled: only the
+  blocks a document touches are computed);
+- elsewhere (CPU, heads under 16 features, decoding over a KV cache): SDPA with the
+  exact ``[B or 1, 1, S, L]`` boolean mask, or with sinks the softmax written out
+  (``_explicit_attend``).
 """
 
 import functools
@@ -23,6 +38,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+try:  # torch 2.9 on asks FlexAttention for the lse this way (return_lse is deprecated)
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # an older torch: return_lse
+    AuxRequest = None
 
 from ..config import ModelConfig, Yarn
 from . import triton_kernels
@@ -138,11 +159,99 @@ def _document_block_mask(ids_BS: torch.Tensor, window: int = 0):
 # masked SDPA path, the same attention
 _FLEX_MIN_HEAD = 16
 
+# FlexAttention's default sparse block (create_block_mask's BLOCK_SIZE): the row masks
+# below are built on its grid
+_BLOCK = 128
+
+# the devices whose plain rows with a window or sinks take FlexAttention: CUDA's. CPU's
+# compiled kernel has neither a backward nor the lse; tests add "cpu" to run the path
+_FLEX_ROW_DEVICES = ("cuda",)
+
+# the flash SDPA kernel's largest head (sdp_utils' check_head_dim_size_flash)
+_FLASH_MAX_HEAD = 256
+
+
+def _row_mask_mod(window: int):
+    """FlexAttention's mask_mod of a plain row: key ``kv`` at or before query ``q``, and
+    within ``window`` keys of it when ``window`` > 0."""
+    if not window:
+        return _causal_mask_mod
+
+    def causal_window(b, h, q, kv):
+        return (kv <= q) & (kv > q - window)
+
+    return causal_window
+
+
+def _causal_mask_mod(b, h, q, kv):
+    return kv <= q
+
+
+@functools.cache
+def _row_mask_parts(S: int, window: int, device: torch.device) -> tuple:
+    """The tensors of the BlockMask of plain causal rows of length ``S`` (``window``: 0
+    or the sliding window), as ``create_block_mask`` would make them for
+    ``_row_mask_mod(window)``, but from block arithmetic: no ``[S, S]`` mask is ever
+    made (create_block_mask's eager path makes one; compiled, it is a graph per length
+    and window, and past the recompile limit it would fall back to the eager one).
+
+    A query block ``[q0, q1]`` and a key block ``[k0, k1]`` hold the distances
+    ``q - kv`` from ``q0 - k1`` to ``q1 - k0``; the block is seen when some of them
+    lie in ``[0, W)`` (``[0, inf)`` without window) and full when all do and neither
+    block is cut short by the row's end (create_block_mask pads past ``S`` with False,
+    so a cut block is never full).
+
+    Returns:
+        ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)``, each
+        ``[1, 1, n(, n)]`` int32 for ``n = ceil(S / 128)`` blocks.
+    """
+    first_N = torch.arange(0, S, _BLOCK, device=device)
+    last_N = (first_N + _BLOCK).clamp(max=S) - 1
+    q_first, q_last, k_first, k_last = first_N[:, None], last_N[:, None], first_N[None, :], last_N[None, :]
+    whole_N = last_N - first_N + 1 == _BLOCK  # not cut short by the row's end
+    seen_NN = q_last - k_first >= 0
+    full_NN = (q_first - k_last >= 0) & whole_N[:, None] & whole_N[None, :]
+    if window:
+        seen_NN = seen_NN & (q_first - k_last < window)
+        full_NN = full_NN & (q_last - k_first < window)
+    partial_NN = seen_NN & ~full_NN
+
+    def ordered(blocks_NN):  # create_block_mask's order: each row's blocks first, ascending
+        blocks_11NN = blocks_NN[None, None].to(torch.int32)
+        indices = torch.argsort(blocks_11NN, dim=-1, descending=True, stable=True)
+        return blocks_11NN.sum(-1).to(torch.int32), indices.to(torch.int32)
+
+    mask = BlockMask.from_kv_blocks(*ordered(partial_NN), *ordered(full_NN), BLOCK_SIZE=_BLOCK,
+                                    mask_mod=_row_mask_mod(window), seq_lengths=(S, S))
+    return (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+            mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
+
+
+@torch.compiler.assume_constant_result
+def _row_mask_constants(S: int, window: int, device: torch.device) -> tuple:
+    # Compiled (Plan.compile's attention region), dynamo calls this while tracing and
+    # takes the cached tensors as constants of the graph: the mask is neither traced
+    # (it would be rebuilt on every call, in every layer) nor a graph break. Eager, a
+    # plain call of the cache.
+    return _row_mask_parts(S, window, device)
+
+
+def _row_block_mask(S: int, window: int, device: torch.device):
+    """FlexAttention's BlockMask of plain causal rows of length ``S`` (with ``window``
+    > 0: only the last ``window`` keys), its tensors built once per (S, window, device)
+    (``_row_mask_parts``)."""
+    (kv_num, kv_indices, full_kv_num, full_kv_indices,
+     q_num, q_indices, full_q_num, full_q_indices) = _row_mask_constants(S, window, device)
+    return BlockMask(seq_lengths=(S, S), kv_num_blocks=kv_num, kv_indices=kv_indices,
+                     full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_indices, q_num_blocks=q_num,
+                     q_indices=q_indices, full_q_num_blocks=full_q_num, full_q_indices=full_q_indices,
+                     BLOCK_SIZE=(_BLOCK, _BLOCK), mask_mod=_row_mask_mod(window))
+
 
 @functools.cache
 def _compiled_flex():
     # flex_attention runs its fused kernel only compiled (eager, it materialises the scores)
-    from torch.nn.attention.flex_attention import flex_attention
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -241,31 +350,57 @@ def _pairs_as_halves(x_BHSr: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return rearrange(x_BHSr, "b h s (r two) -> b h s (two r)", two=2)
 
 
-def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLd: torch.Tensor, start: int = 0,
+def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, start: int = 0,
            docs: Documents | None = None, scale: float | None = None, window: int = 0,
            sinks_H: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal SDPA of queries at positions ``start..`` over keys at positions ``0..L-1``
-    (``docs``: only over the keys of the query's own document).
+    """Causal attention of queries at positions ``start..`` over keys at positions
+    ``0..L-1`` (``docs``: only over the keys of the query's own document).
 
-    Each group of ``H / K`` query heads shares one key/value head (grouped-query
-    attention when ``K < H``). ``scale``: the scores' factor (None: ``d ** -0.5``).
-    ``window``: a sliding window of that many keys (query i sees keys ``i - W < j <= i``;
-    0: none). ``sinks_H``: ``[H]`` attention sinks, one more softmax column per head
-    with logit ``s_h`` and no value (None: none).
-    Returns ``[B, S, H * d]``.
+    Arguments:
+        q_BHSd: ``[B, H, S, d]`` queries.
+        k_BKLd: ``[B, K, L, d]`` keys; each group of ``H / K`` query heads shares one
+            key/value head (grouped-query attention when ``K < H``).
+        v_BKLe: ``[B, K, L, e]`` values; ``e`` may differ from ``d`` (multi-head latent
+            attention's narrower value heads).
+        start: the first query's position (a KV-cached decode continues a sequence).
+        docs: packed documents (not with ``start > 0``).
+        scale: the scores' factor (None: ``d ** -0.5``).
+        window: a sliding window of that many keys (query i sees keys ``i - W < j <= i``;
+            0: none).
+        sinks_H: ``[H]`` attention sinks, one more softmax column per head with logit
+            ``s_h`` and no value (None: none).
+
+    Returns:
+        ``[B, S, H * e]``.
     """
     gqa = k_BKLd.shape[1] != q_BHSd.shape[1]
-    if docs is not None and docs.mask_for(window) is not None and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD:
-        o_BHSd, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLd, docs.mask_for(window), gqa, scale, sinks_H)
+    S, L = q_BHSd.shape[2], k_BKLd.shape[2]
+    flex_sized = q_BHSd.shape[-1] >= _FLEX_MIN_HEAD
+    if docs is not None and docs.mask_for(window) is not None and flex_sized:
+        o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, docs.mask_for(window), gqa, scale, sinks_H)
+    elif _plain_rows_flex(q_BHSd, S, L, start, docs, window, sinks_H):
+        o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, _row_block_mask(S, window, q_BHSd.device), gqa,
+                                       scale, sinks_H)
     else:
-        mask = _mask(q_BHSd.shape[2], k_BKLd.shape[2], start, docs, window, q_BHSd.device)
+        mask = _mask(S, L, start, docs, window, q_BHSd.device)
         if sinks_H is None:
-            o_BHSd = _sdpa(q_BHSd, k_BKLd, v_BKLd, mask, gqa, scale)
+            o_BHSe = _sdpa(q_BHSd, k_BKLd, v_BKLe, mask, gqa, scale)
         else:
-            o_BHSd, lse_BHS = _explicit_attend(q_BHSd, k_BKLd, v_BKLd, mask, scale)
+            o_BHSe, lse_BHS = _explicit_attend(q_BHSd, k_BKLd, v_BKLe, mask, scale)
     if sinks_H is not None:
-        o_BHSd = with_sinks(o_BHSd, lse_BHS, sinks_H)
-    return rearrange(o_BHSd, "b h s d -> b s (h d)")
+        o_BHSe = with_sinks(o_BHSe, lse_BHS, sinks_H)
+    return rearrange(o_BHSe, "b h s e -> b s (h e)")
+
+
+def _plain_rows_flex(q_BHSd: torch.Tensor, S: int, L: int, start: int, docs: Documents | None, window: int,
+                     sinks_H: torch.Tensor | None) -> bool:
+    """Whether rows without documents take FlexAttention under ``_row_block_mask``: on
+    CUDA, for a window or sinks (SDPA has no window, nor a log-sum-exp for the sinks,
+    so it would need the ``[S, S]`` mask or scores), when the whole row is attended at
+    once (a decode over a KV cache, ``start > 0``, has few queries: the exact mask is
+    small) and the heads are wide enough for Flex's kernels."""
+    return (q_BHSd.device.type in _FLEX_ROW_DEVICES and docs is None and start == 0 and S == L and bool(window or sinks_H is not None)
+            and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD)
 
 
 def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, device):
@@ -285,53 +420,78 @@ def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, devic
     return mask
 
 
-def _sdpa(q_BHSd, k_BKLd, v_BKLd, mask, gqa: bool, scale):
+def _sdpa(q_BHSd, k_BKLd, v_BKLe, mask, gqa: bool, scale):
+    """SDPA, causal (``mask`` None) or under ``mask``; ``[B, H, S, e]``.
+
+    Narrower value heads (``e < d``) on CUDA's causal path in half precision are
+    zero-padded to ``d`` and the output cut back: the flash kernel takes only equal
+    q/k/v head sizes (``check_head_dim_size_flash``), and without it SDPA picks cuDNN
+    (where the build prefers it; it supports ``d = 192, e = 128``) or else the
+    memory-efficient kernel, which is markedly slower than flash. The padding costs
+    the zero columns' share of the ``P @ V`` product (a quarter more work at 192/128)
+    and a copy of ``v``; it is what transformers does for flash-attention under
+    DeepSeek-V3's MLA. Exact: the zero features give zero outputs, cut off, and the
+    scale is ``d``'s either way. fp32 has no flash kernel, so it is not padded.
+    """
     extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
+    d, e = q_BHSd.shape[-1], v_BKLe.shape[-1]
+    flash_dtype = q_BHSd.dtype in (torch.float16, torch.bfloat16)
+    if mask is None and q_BHSd.is_cuda and flash_dtype and e < d <= _FLASH_MAX_HEAD:
+        v_BKLd = F.pad(v_BKLe, (0, d - e))
+        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
+        return o_BHSd[..., :e]
     if mask is None:
-        return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
-    return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, attn_mask=mask, **extra)
+        return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, is_causal=True, **extra)
+    return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, attn_mask=mask, **extra)
 
 
-def _explicit_attend(q_BHSd, k_BKLd, v_BKLd, mask, scale):
+def _explicit_attend(q_BHSd, k_BKLd, v_BKLe, mask, scale):
     """Masked softmax attention written out, with each query's log-sum-exp (what the
     sinks need and SDPA does not return): the ``[B, H, S, L]`` scores exist, so this is
-    the path of CPU sizes and of CUDA rows without documents.
+    the path of CPU sizes and of decoding over a KV cache with sinks.
 
     Returns:
-        ``(o_BHSd, lse_BHS)``, the lse in at least fp32.
+        ``(o_BHSe, lse_BHS)``, the lse in at least fp32.
     """
     H, K, S, L = q_BHSd.shape[1], k_BKLd.shape[1], q_BHSd.shape[2], k_BKLd.shape[2]
-    k_BHLd, v_BHLd = (t.repeat_interleave(H // K, dim=1) for t in (k_BKLd, v_BKLd))
+    k_BHLd, v_BHLe = (t.repeat_interleave(H // K, dim=1) for t in (k_BKLd, v_BKLe))
     scale = q_BHSd.shape[-1] ** -0.5 if scale is None else scale
     scores_BHSL = upcast(q_BHSd @ k_BHLd.transpose(-1, -2)) * scale
     if mask is None:
         mask = torch.ones(S, L, dtype=torch.bool, device=q_BHSd.device).tril()
     scores_BHSL = scores_BHSL.masked_fill(~mask, float("-inf"))
     lse_BHS = scores_BHSL.logsumexp(-1)
-    probs_BHSL = (scores_BHSL - lse_BHS[..., None]).exp().to(v_BHLd.dtype)
-    return probs_BHSL @ v_BHLd, lse_BHS
+    probs_BHSL = (scores_BHSL - lse_BHS[..., None]).exp().to(v_BHLe.dtype)
+    return probs_BHSL @ v_BHLe, lse_BHS
 
 
-def _flex_attend(q_BHSd, k_BKLd, v_BKLd, block_mask, gqa: bool, scale, sinks_H):
+def _flex_attend(q_BHSd, k_BKLd, v_BKLe, block_mask, gqa: bool, scale, sinks_H, flex=None):
     """FlexAttention under ``block_mask`` (compiled: no ``[S, S]`` scores); its lse only
-    when the sinks need it.
+    when the sinks need it. ``flex``: the function to call (None: the compiled
+    ``flex_attention``; the tests pass the eager one, whose reference math runs on CPU
+    in float64 and returns the lse, which CPU's compiled kernel does not).
 
     Returns:
-        ``(o_BHSd, lse_BHS or None)``.
+        ``(o_BHSe, lse_BHS or None)``.
     """
-    flex = _compiled_flex()
+    if flex is None:  # inside a compiled region dynamo traces flex_attention itself
+        flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
     if sinks_H is None:
-        return flex(q_BHSd, k_BKLd, v_BKLd, block_mask=block_mask, enable_gqa=gqa, scale=scale), None
-    return flex(q_BHSd, k_BKLd, v_BKLd, block_mask=block_mask, enable_gqa=gqa, scale=scale, return_lse=True)
+        return flex(q_BHSd, k_BKLd, v_BKLe, block_mask=block_mask, enable_gqa=gqa, scale=scale), None
+    if AuxRequest is None:
+        return flex(q_BHSd, k_BKLd, v_BKLe, block_mask=block_mask, enable_gqa=gqa, scale=scale, return_lse=True)
+    o_BHSe, aux = flex(q_BHSd, k_BKLd, v_BKLe, block_mask=block_mask, enable_gqa=gqa, scale=scale,
+                       return_aux=AuxRequest(lse=True))
+    return o_BHSe, aux.lse
 
 
-def with_sinks(o_BHSd: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+def with_sinks(o_BHSe: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
     """Attention without sinks ``o`` (``lse``: each query's log-sum-exp of its scores)
     turned into attention with them: the sink takes ``exp(s_h) / (exp(lse) + exp(s_h))``
     of the softmax and adds no value, so every weight, and ``o``, scale by
     ``sigmoid(lse - s_h)`` (exact, and stable for any lse, also -inf)."""
     keep_BHS = torch.sigmoid(upcast(lse_BHS) - upcast(sinks_H)[:, None])
-    return (o_BHSd * keep_BHS[..., None]).to(o_BHSd.dtype)
+    return (o_BHSe * keep_BHS[..., None]).to(o_BHSe.dtype)
 
 
 class KVSlot(NamedTuple):

@@ -3,8 +3,10 @@
 The schedule, the lifecycle and the exchanges stay plain Python; what is compiled is
 the pure compute inside a node, where fusion pays:
 
-- ``attn``: both norms, the q/k/v projection, q/k norms, RoPE, SDPA, the output
-  projection and the residual add (eager: a dozen elementwise kernels around the GEMMs);
+- ``attn``: both norms, the q/k/v projection, q/k norms, RoPE, SDPA (FlexAttention
+  for windows, sinks and packed documents; a plain row's block mask enters the graph
+  as a constant), the output projection and the residual add (eager: a dozen
+  elementwise kernels around the GEMMs);
 - ``router``: fp32 logits, softmax or sigmoid, top-k, the counts and the aux losses;
 - ``head``: the final norm, logits and the fp32 cross-entropy (the upcast happens in
   registers instead of a ``[tokens, vocab]`` fp32 copy); with ``Plan.loss_chunk``
