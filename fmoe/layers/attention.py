@@ -352,7 +352,7 @@ def _pairs_as_halves(x_BHSr: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, start: int = 0,
            docs: Documents | None = None, scale: float | None = None, window: int = 0,
-           sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+           sinks_H: torch.Tensor | None = None, cached: bool = False) -> torch.Tensor:
     """Causal attention of queries at positions ``start..`` over keys at positions
     ``0..L-1`` (``docs``: only over the keys of the query's own document).
 
@@ -369,6 +369,9 @@ def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, sta
             0: none).
         sinks_H: ``[H]`` attention sinks, one more softmax column per head with logit
             ``s_h`` and no value (None: none).
+        cached: the keys are a KV cache's (decoding, the prompt included): the exact
+            mask, as each call's lengths differ and a compiled kernel per length would
+            recompile on every prompt.
 
     Returns:
         ``[B, S, H * e]``.
@@ -378,7 +381,7 @@ def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, sta
     flex_sized = q_BHSd.shape[-1] >= _FLEX_MIN_HEAD
     if docs is not None and docs.mask_for(window) is not None and flex_sized:
         o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, docs.mask_for(window), gqa, scale, sinks_H)
-    elif _plain_rows_flex(q_BHSd, S, L, start, docs, window, sinks_H):
+    elif not cached and _plain_rows_flex(q_BHSd, S, L, start, docs, window, sinks_H):
         o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, _row_block_mask(S, window, q_BHSd.device), gqa,
                                        scale, sinks_H)
     else:
@@ -399,8 +402,8 @@ def _plain_rows_flex(q_BHSd: torch.Tensor, S: int, L: int, start: int, docs: Doc
     so it would need the ``[S, S]`` mask or scores), when the whole row is attended at
     once (a decode over a KV cache, ``start > 0``, has few queries: the exact mask is
     small) and the heads are wide enough for Flex's kernels."""
-    return (q_BHSd.device.type in _FLEX_ROW_DEVICES and docs is None and start == 0 and S == L and bool(window or sinks_H is not None)
-            and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD)
+    return (q_BHSd.device.type in _FLEX_ROW_DEVICES and docs is None and start == 0 and S == L
+            and bool(window or sinks_H is not None) and q_BHSd.shape[-1] >= _FLEX_MIN_HEAD)
 
 
 def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, device):
@@ -541,7 +544,8 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     # the scale as a number from the config: a compiled graph that went dynamic in the
     # head size would otherwise give FlexAttention's kernel a symbolic one, which
     # inductor cannot lower (and YaRN's DeepSeek-V3 correction changes it)
-    o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"))
+    o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"),
+                   cached=kv is not None)
     out_BSD = gemms.linear(o_BSQ, p["out"])
     return out_BSD + p["out_bias"] if "out_bias" in p else out_BSD
 
