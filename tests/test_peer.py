@@ -47,21 +47,25 @@ def test_flex_attention_path_equals_the_eager_path():
 def test_flex_attention_path_on_cuda_gives_the_eager_paths_loss_and_gradients():
     # what the GPU benchmark runs: FlexAttention compiled on its own (the eager peer) and
     # inlined into each compiled block (the compiled peer), against the explicit scores
+    # under bf16 autocast as the peer trains on CUDA (its grouped GEMM takes bf16 only):
+    # the paths round differently, so gradients agree to bf16's precision, by norm
     cfg = toy("gpt-oss-medium")
     tokens = torch.randint(0, cfg.vocab, (2, 257), device="cuda")
     out = {}
     for flex, compile in ((False, False), (True, False), (True, True)):
         model = peer.build(cfg, "cuda", seed=3, compile=compile)
-        logits, _ = model(tokens[:, :-1], flex=flex)
-        loss = model.loss_fn(logits, tokens[:, 1:])
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, _ = model(tokens[:, :-1], flex=flex)
+            loss = model.loss_fn(logits, tokens[:, 1:])
         loss.backward()
         out[flex, compile] = loss.detach(), {n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters()}
         torch._dynamo.reset()
     loss, grads = out[False, False]
     for key in ((True, False), (True, True)):
-        torch.testing.assert_close(out[key][0], loss, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[key][0], loss, rtol=2e-2, atol=2e-2)
         for name, grad in grads.items():
-            torch.testing.assert_close(out[key][1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+            got = out[key][1][name]
+            assert (got - grad).norm() <= 5e-2 * grad.norm() + 1e-6, name
 
 
 def test_the_expert_bias_selects_without_a_gradient_and_biases_are_not_decayed():

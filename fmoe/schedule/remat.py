@@ -5,8 +5,8 @@ Inside ``attn`` (both norms, q/k norms, RoPE, the residual add), ``router`` (the
 copy of the tokens, softmax, top-k) and ``experts`` (the activation between the two
 grouped GEMMs, with its probability scaling), autograd would save every elementwise
 result some backward formula reads. Under this policy a kernel saves only the outputs
-of matmuls, grouped matmuls, the SDPA kernels and FlexAttention (with the region's
-inputs, which its caller holds anyway); the node's backward re-runs the rest from those, from the same
+of matmuls, grouped matmuls and the SDPA kernels (with the region's inputs, which its
+caller holds anyway); the node's backward re-runs the rest from those, from the same
 inputs with the same kernels, so the values are bitwise the forward's.
 
 This is torch's selective activation checkpointing (``torch.utils.checkpoint`` with a
@@ -38,9 +38,9 @@ KEPT_OPS = frozenset({
     _aten.mm, _aten.addmm, _aten.bmm, _aten._grouped_mm, _aten._scaled_mm, _aten._scaled_grouped_mm,
     _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
     _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
-    # FlexAttention (packed documents, windows, sinks on CUDA), a higher-order op that
-    # torch's selective checkpointing hands to the policy like an aten op
-    torch.ops.higher_order.flex_attention,
+    # not FlexAttention's higher-order op: kept under torch 2.11's compiled selective
+    # checkpointing, it changed the forward of packed rows (a 0.5% different loss on
+    # the GPU), so it is recomputed in the backward like the elementwise work
 })
 """The ops whose outputs a selective kernel keeps (as overload packets)."""
 
