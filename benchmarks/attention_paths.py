@@ -8,8 +8,8 @@ forward and backward (CUDA events, after ``--warmup``):
 
 - ``mla``: q/k heads of 192 features, v heads of 128 (DeepSeek-V3's multi-head
   latent attention), 16 heads, plain causal:
-  ``padded flash`` (what ``attend`` runs: v zero-padded to 192, SDPA's flash kernel,
-  the output cut back), ``sdpa as is`` (v as it is: SDPA's own choice, cuDNN where
+  ``padded flash`` (v zero-padded to 192, SDPA's flash kernel,
+  the output cut back), ``sdpa as is`` (what ``attend`` runs, v as it is: SDPA's own choice, cuDNN where
   the build prefers it, else the memory-efficient kernel), ``sdpa cudnn`` (forced;
   skipped where cuDNN refuses the shape), ``flex causal`` (compiled FlexAttention
   under the cached causal block mask, value heads of 128 natively);

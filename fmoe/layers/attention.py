@@ -15,9 +15,8 @@ q/k heads of 192 features, v heads of 128): ``attend`` returns ``H * e`` feature
 Which kernel runs (on CUDA, with heads of 16 features or more, no ``[S, S]`` mask or
 scores outside decoding):
 
-- plain causal rows without sinks or window: SDPA's ``is_causal`` (flash-class; on
-  CUDA in half precision, narrower value heads are zero-padded to the query's width
-  so that the flash kernel takes them, see ``_sdpa``);
+- plain causal rows without sinks or window: SDPA's ``is_causal`` (flash-class: flash,
+  or for MLA's narrower value heads cuDNN or the memory-efficient kernel, see ``_sdpa``);
 - plain rows with a window and/or sinks, on CUDA: FlexAttention (compiled) under a
   causal (+ window) BlockMask that depends only on the length and the window, worked
   out from block arithmetic once per (length, window, device) and cached
@@ -167,8 +166,6 @@ _BLOCK = 128
 # compiled kernel has neither a backward nor the lse; tests add "cpu" to run the path
 _FLEX_ROW_DEVICES = ("cuda",)
 
-# the flash SDPA kernel's largest head (sdp_utils' check_head_dim_size_flash)
-_FLASH_MAX_HEAD = 256
 
 
 def _row_mask_mod(window: int):
@@ -426,23 +423,13 @@ def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, devic
 def _sdpa(q_BHSd, k_BKLd, v_BKLe, mask, gqa: bool, scale):
     """SDPA, causal (``mask`` None) or under ``mask``; ``[B, H, S, e]``.
 
-    Narrower value heads (``e < d``) on CUDA's causal path in half precision are
-    zero-padded to ``d`` and the output cut back: the flash kernel takes only equal
-    q/k/v head sizes (``check_head_dim_size_flash``), and without it SDPA picks cuDNN
-    (where the build prefers it; it supports ``d = 192, e = 128``) or else the
-    memory-efficient kernel, which is markedly slower than flash. The padding costs
-    the zero columns' share of the ``P @ V`` product (a quarter more work at 192/128)
-    and a copy of ``v``; it is what transformers does for flash-attention under
-    DeepSeek-V3's MLA. Exact: the zero features give zero outputs, cut off, and the
-    scale is ``d``'s either way. fp32 has no flash kernel, so it is not padded.
+    Narrower value heads (``e < d``, MLA's) go to SDPA as they are: it picks cuDNN or
+    the memory-efficient kernel (flash takes only equal head sizes). Zero-padding v to
+    ``d`` for flash, as transformers does, measured 1.44x slower on the H100 at
+    ``d = 192, e = 128`` (``benchmarks/attention_paths.py``: 2.52 ms against 1.75 ms for
+    forward and backward of 2 x 4096 positions, 16 heads).
     """
     extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
-    d, e = q_BHSd.shape[-1], v_BKLe.shape[-1]
-    flash_dtype = q_BHSd.dtype in (torch.float16, torch.bfloat16)
-    if mask is None and q_BHSd.is_cuda and flash_dtype and e < d <= _FLASH_MAX_HEAD:
-        v_BKLd = F.pad(v_BKLe, (0, d - e))
-        o_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLd, is_causal=True, **extra)
-        return o_BHSd[..., :e]
     if mask is None:
         return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, is_causal=True, **extra)
     return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, attn_mask=mask, **extra)
