@@ -201,3 +201,17 @@ def test_narrower_value_heads_on_the_causal_sdpa_path(paths, dtype):
         assert_close_to(got, want, 2e-5, 1e-4)  # as the flex test's, over 200 keys
     else:
         assert_close_to(got, want, 3e-2, 5e-2)
+
+
+def test_a_compiled_gpt_oss_step_with_expert_biases_matches_the_cpu():
+    # GPT-OSS's experts: biases (fc1's added inside the compiled clamped GLU), top-k
+    # softmax routing with a router bias; fp32 agreement, not bitwise
+    cfg = GPT_OSS.replace(expert_biases=True, router_bias=True, score_func="topk_softmax", activation="quick_geglu",
+                          glu_limit=0.5, glu_interleave=1, out_bias=True)
+    params = ref.random_params(cfg, seed=6, dtype=torch.float32)
+    b = batch(6)
+    cpu = fmoe.step(params, b, fmoe.Plan(model=cfg, microbatches=2))
+    gpu = fmoe.step(to(params, "cuda"), {k: v.cuda() for k, v in b.items()},
+                    fmoe.Plan(model=cfg, microbatches=2, device="cuda", compile=True))
+    torch.testing.assert_close(gpu.loss.cpu(), cpu.loss, rtol=1e-5, atol=1e-5)
+    ref.assert_trees_close(to(gpu.grads, "cpu"), cpu.grads, rtol=1e-4, atol=1e-5)

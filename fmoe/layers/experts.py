@@ -1,6 +1,6 @@
 """Grouped expert MLPs over permuted rows, and the activations they use."""
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +101,7 @@ class _AddExpertBias(torch.autograd.Function):
     # in fp32 was the step's costliest kernel at gpt-oss-medium (35 of 239 GPU ms on an
     # H100, plus the fp32 copy of the gradient it needs).
     @staticmethod
-    def forward(ctx, h_RN, bias_EN, row_expert_R, rows_E):
+    def forward(ctx, h_RN, bias_EN, row_expert_R):
         ctx.save_for_backward(row_expert_R)
         ctx.experts = bias_EN.shape[0]
         return h_RN + bias_EN.index_select(0, row_expert_R).to(h_RN.dtype)
@@ -112,12 +112,19 @@ class _AddExpertBias(torch.autograd.Function):
         experts_E = torch.arange(ctx.experts, device=row_expert_R.device)
         one_hot_ER = (row_expert_R[None, :] == experts_E[:, None]).to(grad_RN.dtype)
         grad_bias = upcast(one_hot_ER @ grad_RN)
-        return grad_RN, grad_bias, None, None
+        return grad_RN, grad_bias, None
 
 
 def add_expert_bias(h_RN: torch.Tensor, bias_EN: torch.Tensor, segs) -> torch.Tensor:
     """``h[r] + bias[expert of row r]``; the bias gradient is summed in fp32."""
-    return _AddExpertBias.apply(h_RN, bias_EN, segs.row_expert_R, segs.rows_E)
+    return _AddExpertBias.apply(h_RN, bias_EN, segs.row_expert_R)
+
+
+class ExpertBias(NamedTuple):
+    """fc1's bias as the activation adds it first: ``bias_EN`` and each row's expert."""
+
+    bias_EN: torch.Tensor
+    row_expert_R: torch.Tensor
 
 
 def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str = "torch",
@@ -150,9 +157,11 @@ def glu_halves(h: torch.Tensor, interleave: int):
     return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
 
 
-def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None,
+               bias: ExpertBias | None = None) -> torch.Tensor:
     """fc1 output ``[.., 2F]`` (GLU) or ``[.., F]`` (relu2) -> ``[.., F]``, each row times
-    ``row_probs_R`` when given (``h`` then ``[R, N]``).
+    ``row_probs_R`` when given (``h`` then ``[R, N]``), after adding fc1's ``bias`` to
+    each row's expert's when given.
 
     ``swiglu``: ``silu(gate) * up``; ``geglu``: ``gelu_tanh(gate) * up``;
     ``quick_geglu``: ``g * sigmoid(1.702 g) * (u + glu_offset)`` with
@@ -163,8 +172,10 @@ def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | No
     each way (``triton_kernels.swiglu_RF``); the torch code is the CPU and reference path.
     """
     if fused_activation(h, cfg, row_probs_R):
+        if bias is not None:
+            h = _AddExpertBias.apply(h, *bias)
         return triton_kernels.swiglu_RF(h, cfg.glu_interleave, row_probs_R)
-    return torch_activation(h, cfg, row_probs_R)
+    return torch_activation(h, cfg, row_probs_R, bias)
 
 
 def fused_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> bool:
@@ -172,8 +183,11 @@ def fused_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tenso
     return cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R)
 
 
-def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None,
+                     bias: ExpertBias | None = None) -> torch.Tensor:
     """``activation`` in torch code (the CPU and reference path; what ``Plan.compile`` fuses)."""
+    if bias is not None:
+        h = _AddExpertBias.apply(h, *bias)
     if cfg.activation == "relu2":
         a = F.relu(h).square()
     else:
@@ -216,9 +230,10 @@ def expert_mlp(p: dict, x_RD: torch.Tensor, segs, cfg: ModelConfig,
     if registered is not None:
         return registered.mlp(p, x_RD, segs, cfg, row_probs_R, deferred)
     h = grouped_matmul(x_RD, p["fc1"], segs, backend, deferred, gemms)
-    if "fc1_bias" in p:
-        h = add_expert_bias(h, p["fc1_bias"], segs)
-    a = act(h, cfg, row_probs_R)
+    if "fc1_bias" in p:  # inside the activation: a compiled one fuses the add into it
+        a = act(h, cfg, row_probs_R, ExpertBias(p["fc1_bias"], segs.row_expert_R))
+    else:
+        a = act(h, cfg, row_probs_R)
     y = grouped_matmul(a, p["fc2"], segs, backend, deferred, gemms)
     if "fc2_bias" in p:
         y = add_expert_bias(y, p["fc2_bias"], segs)

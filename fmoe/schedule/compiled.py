@@ -57,14 +57,14 @@ def _compile(fn, dynamic=None):
 def _compiled_activation():
     compiled = _compile(torch_activation)
 
-    def act(h: torch.Tensor, cfg, row_probs_R: torch.Tensor | None = None) -> torch.Tensor:
+    def act(h: torch.Tensor, cfg, row_probs_R: torch.Tensor | None = None, bias=None) -> torch.Tensor:
         if fused_activation(h, cfg, row_probs_R):  # one Triton kernel each way already
-            return activation(h, cfg, row_probs_R)
+            return activation(h, cfg, row_probs_R, bias)
         # routing changes the row count every step: one graph for all of them
-        torch._dynamo.maybe_mark_dynamic(h, 0)
-        if row_probs_R is not None:
-            torch._dynamo.maybe_mark_dynamic(row_probs_R, 0)
-        return compiled(h, cfg, row_probs_R)
+        for rows in (h, row_probs_R, None if bias is None else bias.row_expert_R):
+            if rows is not None:
+                torch._dynamo.maybe_mark_dynamic(rows, 0)
+        return compiled(h, cfg, row_probs_R, bias)
 
     return act
 
