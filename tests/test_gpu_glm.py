@@ -31,24 +31,23 @@ def test_the_glm_step_on_the_gpu_matches_the_cpu():
     assert_cuda_fp32_step_matches_cpu(GLM, seed=7)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_the_compiled_glm_step_matches_the_eager_one_and_the_cpu(packed):
+def assert_compiled_and_eager_match_the_cpu(cfg, seed, packed):
     # compiled kernels fuse and reassociate: fp32 agreement, not bitwise
-    params = ref.random_params(GLM, seed=8, dtype=torch.float32)
-    b = batch(8, packed)
-    cpu = fmoe.step(params, b, fmoe.Plan(model=GLM))
+    params = ref.random_params(cfg, seed=seed, dtype=torch.float32)
+    b = batch(seed, packed)
+    cpu = fmoe.step(params, b, fmoe.Plan(model=cfg))
     gpu_b = {k: v.cuda() for k, v in b.items()}
-    eager = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=GLM, device="cuda"))
-    compiled = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=GLM, device="cuda", compile=True))
+    eager = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=cfg, device="cuda"))
+    compiled = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=cfg, device="cuda", compile=True))
     for out in (eager, compiled):
         torch.testing.assert_close(out.loss.cpu(), cpu.loss, rtol=1e-5, atol=1e-5)
         ref.assert_trees_close(to(out.grads, "cpu"), cpu.grads, rtol=1e-4, atol=1e-5)
 
 
-def test_glm_schedules_are_bitwise_the_standard_step_on_the_gpu():
-    params = to(fmoe.init(fmoe.Plan(model=GLM), seed=9), "cuda")
-    b = {k: v.cuda() for k, v in batch(9).items()}
-    base = fmoe.Plan(model=GLM, device="cuda", dtype="bfloat16", microbatches=4)
+def assert_schedules_are_bitwise_the_standard_step(cfg, seed):
+    params = to(fmoe.init(fmoe.Plan(model=cfg), seed=seed), "cuda")
+    b = {k: v.cuda() for k, v in batch(seed).items()}
+    base = fmoe.Plan(model=cfg, device="cuda", dtype="bfloat16", microbatches=4)
     want = fmoe.step(params, b, base)
     for changes in (dict(schedule="1f1b_overlap", delay_wgrad=True), dict(schedule="1f1b_overlap", remat="full")):
         got = fmoe.step(params, b, base.replace(**changes))
@@ -56,15 +55,28 @@ def test_glm_schedules_are_bitwise_the_standard_step_on_the_gpu():
         ref.assert_trees_equal(got.grads, want.grads)
 
 
-def test_a_graphed_glm_step_is_bitwise_the_eager_one():
-    plan = fmoe.Plan(model=GLM, device="cuda", dtype="bfloat16")
-    params = to(fmoe.init(fmoe.Plan(model=GLM), seed=10), "cuda")
-    graphed = capture_step(params, {k: v.cuda() for k, v in batch(10).items()}, plan)
-    for seed in (11, 12):
-        b = {k: v.cuda() for k, v in batch(seed).items()}
+def assert_a_graphed_step_is_bitwise_the_eager_one(cfg, seed):
+    plan = fmoe.Plan(model=cfg, device="cuda", dtype="bfloat16")
+    params = to(fmoe.init(fmoe.Plan(model=cfg), seed=seed), "cuda")
+    graphed = capture_step(params, {k: v.cuda() for k, v in batch(seed).items()}, plan)
+    for other in (seed + 1, seed + 2):
+        b = {k: v.cuda() for k, v in batch(other).items()}
         out, eager = graphed(params, b), fmoe.step(params, b, plan)
         assert torch.equal(out.loss, eager.loss)
         ref.assert_trees_equal(out.grads, eager.grads)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_compiled_glm_step_matches_the_eager_one_and_the_cpu(packed):
+    assert_compiled_and_eager_match_the_cpu(GLM, 8, packed)
+
+
+def test_glm_schedules_are_bitwise_the_standard_step_on_the_gpu():
+    assert_schedules_are_bitwise_the_standard_step(GLM, 9)
+
+
+def test_a_graphed_glm_step_is_bitwise_the_eager_one():
+    assert_a_graphed_step_is_bitwise_the_eager_one(GLM, 10)
 
 
 def test_a_yarn_step_on_the_gpu_matches_the_cpu():

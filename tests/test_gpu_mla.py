@@ -6,11 +6,9 @@ import pytest
 import torch
 
 import fmoe
-from interop.cuda_graph import capture_step
-
-from . import reference as ref
 from .test_gpu import assert_cuda_fp32_step_matches_cpu, to
-from .test_gpu_glm import GLM, batch
+from .test_gpu_glm import (GLM, assert_a_graphed_step_is_bitwise_the_eager_one, assert_compiled_and_eager_match_the_cpu,
+                           assert_schedules_are_bitwise_the_standard_step, batch)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,38 +26,15 @@ def test_the_mla_step_on_the_gpu_matches_the_cpu():
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_the_compiled_mla_step_matches_the_eager_one_and_the_cpu(packed):
-    # compiled kernels fuse and reassociate: fp32 agreement, not bitwise
-    params = ref.random_params(MLA, seed=23, dtype=torch.float32)
-    b = batch(23, packed)
-    cpu = fmoe.step(params, b, fmoe.Plan(model=MLA))
-    gpu_b = {k: v.cuda() for k, v in b.items()}
-    eager = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=MLA, device="cuda"))
-    compiled = fmoe.step(to(params, "cuda"), gpu_b, fmoe.Plan(model=MLA, device="cuda", compile=True))
-    for out in (eager, compiled):
-        torch.testing.assert_close(out.loss.cpu(), cpu.loss, rtol=1e-5, atol=1e-5)
-        ref.assert_trees_close(to(out.grads, "cpu"), cpu.grads, rtol=1e-4, atol=1e-5)
+    assert_compiled_and_eager_match_the_cpu(MLA, 23, packed)
 
 
 def test_mla_schedules_are_bitwise_the_standard_step_on_the_gpu():
-    params = to(fmoe.init(fmoe.Plan(model=MLA), seed=24), "cuda")
-    b = {k: v.cuda() for k, v in batch(24).items()}
-    base = fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16", microbatches=4)
-    want = fmoe.step(params, b, base)
-    for changes in (dict(schedule="1f1b_overlap", delay_wgrad=True), dict(schedule="1f1b_overlap", remat="full")):
-        got = fmoe.step(params, b, base.replace(**changes))
-        assert torch.equal(got.loss, want.loss), changes
-        ref.assert_trees_equal(got.grads, want.grads)
+    assert_schedules_are_bitwise_the_standard_step(MLA, 24)
 
 
 def test_a_graphed_mla_step_is_bitwise_the_eager_one():
-    plan = fmoe.Plan(model=MLA, device="cuda", dtype="bfloat16")
-    params = to(fmoe.init(fmoe.Plan(model=MLA), seed=25), "cuda")
-    graphed = capture_step(params, {k: v.cuda() for k, v in batch(25).items()}, plan)
-    for seed in (26, 27):
-        b = {k: v.cuda() for k, v in batch(seed).items()}
-        out, eager = graphed(params, b), fmoe.step(params, b, plan)
-        assert torch.equal(out.loss, eager.loss)
-        ref.assert_trees_equal(out.grads, eager.grads)
+    assert_a_graphed_step_is_bitwise_the_eager_one(MLA, 25)
 
 
 def test_an_fp8_mla_step_stays_near_the_bf16_one():
