@@ -12,6 +12,7 @@ their fp32 values: FP8 with block scales (``BlockFp8``) and MXFP4 (``Mxfp4``).
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -190,14 +191,28 @@ class BlockFp8:
         rows, cols = self.get_shape()
         index = index if isinstance(index, tuple) else (index,)
         (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index + (slice(None),) * 2, (rows, cols)))
-        block_r = torch.arange(r0, r1) // self.block[0]  # each row's and column's block: only
-        block_c = torch.arange(c0, c1) // self.block[1]  # the slice's scales, not the whole grid's
-        return self.weight[r0:r1, c0:c1].float() * self.scales_RC[block_r][:, block_c]
+        block_r = torch.arange(r0, r1) // self.block[0]  # each row's block: only the slice's scales
+        values = self.weight[r0:r1, c0:c1].float()
+        width = self.block[1]
+        if c0 % width == 0 and (c1 - c0) % width == 0:  # whole column blocks: scale them in place
+            scales = self.scales_RC[block_r][:, c0 // width:c1 // width]
+            values.view(r1 - r0, -1, width).mul_(scales[..., None])
+            return values
+        block_c = torch.arange(c0, c1) // width
+        return values * self.scales_RC[block_r][:, block_c]
 
 
 # The 16 FP4 (E2M1) values by code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32  # values sharing one scale
+
+
+@functools.cache
+def _byte_values() -> torch.Tensor:
+    """``[256, 2]``: the two FP4 values of each byte, the low nibble first."""
+    lut = torch.tensor(FP4_E2M1)
+    codes = torch.arange(256)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
 
 
 class Mxfp4:
@@ -223,11 +238,15 @@ class Mxfp4:
         (e0, e1, _), (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(index + (slice(None),) * 3, self.shape))
         g0, g1 = r0 // MXFP4_GROUP, -(-r1 // MXFP4_GROUP)
         codes = self.blocks[e0:e1, c0:c1, g0:g1]  # [e, out, g, 16]
-        lut = torch.tensor(FP4_E2M1)
-        values = torch.stack([lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)
-        exponents = self.scales[e0:e1, c0:c1, g0:g1].to(torch.int32) - 127
-        values = torch.ldexp(values, exponents[..., None])  # exact in fp32, as transformers computes it
-        return values.flatten(-2)[..., r0 - g0 * MXFP4_GROUP:r1 - g0 * MXFP4_GROUP].transpose(-1, -2)
+        values = _byte_values()[codes.long()].flatten(-3)  # [e, out, g * 32]: both nibbles of a byte at once
+        # times 2 ** (scale - 127): a power of two, exact in fp32 (transformers' ldexp)
+        factors = torch.exp2(self.scales[e0:e1, c0:c1, g0:g1].float() - 127)
+        values = (values.unflatten(-1, (g1 - g0, MXFP4_GROUP)) * factors[..., None]).flatten(-2)
+        values = values[..., r0 - g0 * MXFP4_GROUP:r1 - g0 * MXFP4_GROUP]  # [e, out, in]
+        out = torch.empty(*values.shape[:-2], values.shape[-1], values.shape[-2])
+        for e in range(values.shape[0]):
+            copy_transposed(out[e], values[e])
+        return out
 
 
 class SafetensorsDir:
