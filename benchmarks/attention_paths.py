@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 attention = importlib.import_module("fmoe.layers.attention")  # also the name of a function in fmoe.layers
+from fmoe.layers import block_masks  # noqa: E402
 
 
 def parse():
@@ -76,7 +77,7 @@ def mla_variants(S: int):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def flex_causal(q, k, v):
-        return flex(q, k, v, block_mask=attention._row_block_mask(S, 0, q.device))
+        return flex(q, k, v, block_mask=block_masks.row_block_mask(S, 0, q.device))
 
     return {"padded flash": padded, "sdpa as is": as_is, "sdpa cudnn": cudnn, "flex causal": flex_causal}
 

@@ -308,7 +308,7 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
     expected = sum(dispatch._gather_rows_with_zero_pad(y.detach(), d.pos_TK[:, k]).float() * w.detach()[:, k:k + 1]
                    for k in range(2))
     torch.testing.assert_close(out, expected.bfloat16())
-    from fmoe.layers.attention import apply_rope, rope_tables
+    from fmoe.layers.rope import apply_rope, rope_tables
 
     q = torch.randn(1, 2, 5, 8, dtype=BF16)
     cos, sin = rope_tables(5, 8, 10000.0)
@@ -325,7 +325,7 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("B,H,S,d,start", [(2, 3, 37, 64, 0), (1, 2, 5, 128, 11), (1, 1, 0, 8, 0)])
 def test_rope_kernel_on_a_strided_view_matches_torch_path(dtype, B, H, S, d, start, monkeypatch):
-    from fmoe.layers.attention import apply_rope, rope_tables
+    from fmoe.layers.rope import apply_rope, rope_tables
 
     launched = []
     real = tk.rope_BHSd

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.layers import attend
+from fmoe.layers import attend, block_masks
 
 from . import reference as ref
 from .test_gpu import to
@@ -174,12 +174,12 @@ def test_the_compiled_region_takes_the_mask_as_a_constant():
     # empty) and the second call does not rebuild it. Compiled and eager run the same
     # Flex kernel under the same mask, up to fusion's fp32 reassociation.
     torch._dynamo.reset()
-    attention_module._row_mask_parts.cache_clear()
+    block_masks.row_mask_parts.cache_clear()
     q, k, v, s_H = (t.float().cuda() for t in qkv(256, e=32))
     compiled = torch.compile(functools.partial(attend, window=100), fullgraph=True, dynamic=False)
     for _ in range(2):
         got = fwd_bwd(q, k, v, s_H, attend_fn=compiled)
-    info = attention_module._row_mask_parts.cache_info()
+    info = block_masks.row_mask_parts.cache_info()
     assert (info.misses, info.hits) == (1, 0)
     eager = fwd_bwd(q, k, v, s_H, window=100)
     torch.testing.assert_close(got[0], eager[0], rtol=1e-5, atol=1e-5)

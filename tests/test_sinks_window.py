@@ -15,7 +15,7 @@ import fmoe
 from fmoe import layers
 from fmoe.batch import IGNORE
 from fmoe.generate import empty_cache, forward_cached
-from fmoe.layers import attend, documents, forward
+from fmoe.layers import attend, block_masks, documents, forward
 from fmoe.trainer.options import model_config, parse_layers, resolved
 
 from . import reference as ref
@@ -109,8 +109,8 @@ def test_the_row_block_mask_is_create_block_masks(S, window):
     # worked out from block arithmetic, without the [S, S] mask create_block_mask makes:
     # the same partial and full blocks in the same order (rows cut short by S included)
     from torch.nn.attention.flex_attention import create_block_mask
-    want = create_block_mask(attention_module._row_mask_mod(window), None, None, S, S, device="cpu")
-    got = attention_module._row_block_mask(S, window, torch.device("cpu"))
+    want = create_block_mask(block_masks.row_mask_mod(window), None, None, S, S, device="cpu")
+    got = block_masks.row_block_mask(S, window, torch.device("cpu"))
     assert got.shape == want.shape and got.BLOCK_SIZE == want.BLOCK_SIZE
     for name in BLOCK_MASK_TENSORS:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -152,12 +152,12 @@ def test_the_compiled_plain_row_flex_matches_the_reference(rows_take_flex, windo
     # cached block mask's blocks: 300 positions, three blocks, the last cut short. The
     # mask is built once, while tracing, and is a constant of the graph afterwards.
     q, k, v, _ = qkv(H=4, K=2, S=300, d=16, e=8)
-    attention_module._row_mask_parts.cache_clear()
+    block_masks.row_mask_parts.cache_clear()
     compiled = torch.compile(functools.partial(attend, window=window), fullgraph=True, dynamic=False)
     got = compiled(*(t.float() for t in (q, k, v)))
     compiled(*(t.float() for t in (q, k, v)))
     # dynamo called the cache while tracing (a traced mask would leave it empty), once
-    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses)
+    assert block_masks.row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses)
     # float32 against float64: sums over up to 300 keys, each product rounded to 2**-24
     torch.testing.assert_close(got, plain_attention(q, k, v, None, window).float(), rtol=1e-5, atol=1e-5)
 
@@ -167,11 +167,11 @@ def test_the_traced_plain_row_flex_with_sinks_is_one_graph(rows_take_flex):
     # through assume_constant_result, the lse through AuxRequest, the sinks), run by
     # aot_eager: Flex's reference math in float64, which CPU's kernels cannot lower
     q, k, v, s_H = qkv(H=4, K=2, S=300, d=16, e=8)
-    attention_module._row_mask_parts.cache_clear()
+    block_masks.row_mask_parts.cache_clear()
     traced = torch.compile(functools.partial(attend, window=7), fullgraph=True, dynamic=False, backend="aot_eager")
     got = traced(q, k, v, sinks_H=s_H)
     traced(q, k, v, sinks_H=s_H)
-    assert attention_module._row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses): built while tracing
+    assert block_masks.row_mask_parts.cache_info()[:2] == (0, 1)  # (hits, misses): built while tracing
     torch.testing.assert_close(got, plain_attention(q, k, v, s_H, 7), rtol=1e-12, atol=1e-12)
 
 

@@ -10,7 +10,7 @@ import torch
 
 import fmoe
 from fmoe import layers
-from fmoe.layers.attention import yarn_inverse_frequencies
+from fmoe.layers.rope import yarn_inverse_frequencies
 
 from . import reference as ref
 from .test_router_variants import unrotated_qk

@@ -7,7 +7,9 @@ Triton kernels off."""
 
 from ..backends import ExpertBackend, register_expert_backend, registered_backend
 
-from .attention import Documents, apply_rope, attend, attention, documents, project_qkv, rope_tables
+from .attention import attend, attention, project_qkv
+from .block_masks import Documents, documents
+from .rope import apply_rope, rope_tables
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
 from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch, from_experts, plan_exchange, to_experts

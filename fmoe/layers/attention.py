@@ -20,7 +20,7 @@ scores outside decoding):
 - plain rows with a window and/or sinks, on CUDA: FlexAttention (compiled) under a
   causal (+ window) BlockMask that depends only on the length and the window, worked
   out from block arithmetic once per (length, window, device) and cached
-  (``_row_block_mask``); the sinks from its log-sum-exp (``with_sinks``);
+  (``row_block_mask``); the sinks from its log-sum-exp (``with_sinks``);
 - packed documents (``Documents``): a query sees only the keys of its own document
   at or before it, and positions restart at 0 at each document's first token. On
   CUDA that runs through FlexAttention with a document block mask (compiled: only the
@@ -31,136 +31,29 @@ scores outside decoding):
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 try:  # torch 2.9 on asks FlexAttention for the lse this way (return_lse is deprecated)
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:  # an older torch: return_lse
     AuxRequest = None
 
-from ..config import ModelConfig, Yarn
-from . import triton_kernels
+from ..config import ModelConfig
+from .block_masks import Documents, row_block_mask
 from .fp8 import PLAIN, Gemms
 from .norm import rms_norm
 from .precision import upcast
-
-
-def rope_tables(seq: int, head_dim: int, theta: float, device=None, start: int = 0,
-                positions_BS: torch.Tensor | None = None, yarn: Yarn | None = None):
-    """``cos, sin`` of shape ``[S, head_dim / 2]`` in fp64 for positions ``start..start+S-1``;
-    with ``positions_BS`` (packed documents), ``[B, 1, S, head_dim / 2]`` for those positions.
-    ``head_dim``: the features rotated (``ModelConfig.rope_dims``, fewer than a head's
-    under partial RoPE), which set the frequencies ``theta ** (-2i / head_dim)``.
-    ``yarn`` (``ModelConfig.yarn``): YaRN's frequencies instead, and cos/sin times its
-    ``cos_factor``, as transformers' rotary embedding with ``rope_type="yarn"``."""
-    if yarn is None:
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    else:
-        inv_freq = yarn_inverse_frequencies(head_dim, theta, yarn, device)
-    if positions_BS is not None:
-        angles = positions_BS.to(torch.float64)[:, None, :, None] * inv_freq
-    else:
-        positions = torch.arange(start, start + seq, device=device, dtype=torch.float64)
-        angles = positions[:, None] * inv_freq[None, :]
-    if yarn is None:
-        return angles.cos(), angles.sin()
-    return angles.cos() * yarn.cos_factor, angles.sin() * yarn.cos_factor
-
-
-def yarn_inverse_frequencies(dims: int, theta: float, yarn: Yarn, device=None) -> torch.Tensor:
-    """YaRN's ``dims / 2`` inverse frequencies in fp64 on ``device`` (transformers'
-    ``_compute_yarn_parameters``): pair ``i`` keeps ``theta ** (-2i / dims)``
-    (extrapolates) where it turns more than ``beta_fast`` times over ``original_max``
-    positions, takes it divided by ``factor`` (interpolates) where it turns fewer than
-    ``beta_slow`` times, and blends the two linearly between. Made by tensor operations
-    on the device from Python numbers: no host-to-device copy, which a CUDA graph's
-    capture refuses."""
-    low, high = _yarn_ramp_ends(dims, theta, yarn)
-    if low == high:
-        high += 0.001  # as transformers: an empty ramp would divide by zero
-    wavelength = theta ** (torch.arange(0, dims, 2, device=device, dtype=torch.float64) / dims)  # over 2 pi
-    ramp = ((torch.arange(dims // 2, device=device, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1 below the ramp, 0 above
-    return (1.0 / (yarn.factor * wavelength)) * (1.0 - keep) + (1.0 / wavelength) * keep
-
-
-def _yarn_ramp_ends(dims: int, theta: float, yarn: Yarn) -> tuple[float, float]:
-    """The pair indices where YaRN's ramp from keeping to interpolating starts and ends."""
-    def pair_turning(rotations: float) -> float:
-        # the (fractional) pair index whose wavelength fits `rotations` times in original_max
-        return dims * math.log(yarn.original_max / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = pair_turning(yarn.beta_fast), pair_turning(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    return max(low, 0), min(high, dims - 1)
-
-
-class Documents(NamedTuple):
-    """The packed documents of a microbatch's rows, as attention needs them.
-
-    Attributes:
-        ids_BS: ``[B, S]`` document id of each input position (non-decreasing along a row).
-        positions_BS: ``[B, S]`` each position's index inside its document (RoPE's position).
-        block_mask: on CUDA, FlexAttention's BlockMask of "same document, at or before"
-            (built once per microbatch, read by every layer); None elsewhere.
-        window_mask: on CUDA with a sliding window, the BlockMask of the windowed
-            layers (``block_mask`` within the window); None elsewhere.
-    """
-
-    ids_BS: torch.Tensor
-    positions_BS: torch.Tensor
-    block_mask: object | None = None
-    window_mask: object | None = None
-
-    def mask_for(self, window: int):
-        """The BlockMask of a layer with ``window`` (0: none), or None off CUDA."""
-        return self.window_mask if window else self.block_mask
-
-
-def documents(ids_BS: torch.Tensor, window: int = 0) -> Documents:
-    """Documents of rows whose positions carry the ids ``ids_BS`` (``[B, S]``, each
-    document one run of equal ids); ``window``: the model's sliding window
-    (``ModelConfig.sliding_window`` when a layer uses one, else 0)."""
-    B, S = ids_BS.shape
-    index = torch.arange(S, device=ids_BS.device).expand(B, S)
-    first = torch.ones_like(ids_BS, dtype=torch.bool)
-    first[:, 1:] = ids_BS[:, 1:] != ids_BS[:, :-1]
-    starts = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
-    block_mask = _document_block_mask(ids_BS) if ids_BS.is_cuda else None
-    window_mask = _document_block_mask(ids_BS, window) if ids_BS.is_cuda and window else None
-    return Documents(ids_BS, index - starts, block_mask, window_mask)
-
-
-def _document_block_mask(ids_BS: torch.Tensor, window: int = 0):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def same_document_causal(b, h, q, kv):
-        return (ids_BS[b, q] == ids_BS[b, kv]) & (kv <= q)
-
-    def same_document_window(b, h, q, kv):
-        return same_document_causal(b, h, q, kv) & (kv > q - window)
-
-    B, S = ids_BS.shape
-    mask_mod = same_document_window if window else same_document_causal
-    # compiled, the mask is worked out without a [B, S, S] tensor: 7% of the coarse
-    # shape's step faster than eager (benchmarks/packed_rows.py)
-    return create_block_mask(mask_mod, B, None, S, S, device=ids_BS.device, _compile=True)
+from .rope import apply_rope, pairs_as_halves, rope_tables
 
 
 # FlexAttention's kernels need heads of at least 16 features; smaller ones take the
 # masked SDPA path, the same attention
 _FLEX_MIN_HEAD = 16
-
-# FlexAttention's default sparse block (create_block_mask's BLOCK_SIZE): the row masks
-# below are built on its grid
-_BLOCK = 128
 
 # the devices whose plain rows with a window or sinks take FlexAttention: CUDA's. CPU's
 # compiled kernel has neither a backward nor the lse; tests add "cpu" to run the path
@@ -168,109 +61,10 @@ _FLEX_ROW_DEVICES = ("cuda",)
 
 
 
-def _row_mask_mod(window: int):
-    """FlexAttention's mask_mod of a plain row: key ``kv`` at or before query ``q``, and
-    within ``window`` keys of it when ``window`` > 0."""
-    if not window:
-        return _causal_mask_mod
-
-    def causal_window(b, h, q, kv):
-        return (kv <= q) & (kv > q - window)
-
-    return causal_window
-
-
-def _causal_mask_mod(b, h, q, kv):
-    return kv <= q
-
-
-@functools.cache
-def _row_mask_parts(S: int, window: int, device: torch.device) -> tuple:
-    """The tensors of the BlockMask of plain causal rows of length ``S`` (``window``: 0
-    or the sliding window), as ``create_block_mask`` would make them for
-    ``_row_mask_mod(window)``, but from block arithmetic: no ``[S, S]`` mask is ever
-    made (create_block_mask's eager path makes one; compiled, it is a graph per length
-    and window, and past the recompile limit it would fall back to the eager one).
-
-    A query block ``[q0, q1]`` and a key block ``[k0, k1]`` hold the distances
-    ``q - kv`` from ``q0 - k1`` to ``q1 - k0``; the block is seen when some of them
-    lie in ``[0, W)`` (``[0, inf)`` without window) and full when all do and neither
-    block is cut short by the row's end (create_block_mask pads past ``S`` with False,
-    so a cut block is never full).
-
-    Returns:
-        ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)``, each
-        ``[1, 1, n(, n)]`` int32 for ``n = ceil(S / 128)`` blocks.
-    """
-    first_N = torch.arange(0, S, _BLOCK, device=device)
-    last_N = (first_N + _BLOCK).clamp(max=S) - 1
-    q_first, q_last, k_first, k_last = first_N[:, None], last_N[:, None], first_N[None, :], last_N[None, :]
-    whole_N = last_N - first_N + 1 == _BLOCK  # not cut short by the row's end
-    seen_NN = q_last - k_first >= 0
-    full_NN = (q_first - k_last >= 0) & whole_N[:, None] & whole_N[None, :]
-    if window:
-        seen_NN = seen_NN & (q_first - k_last < window)
-        full_NN = full_NN & (q_last - k_first < window)
-    partial_NN = seen_NN & ~full_NN
-
-    def ordered(blocks_NN):  # create_block_mask's order: each row's blocks first, ascending
-        blocks_11NN = blocks_NN[None, None].to(torch.int32)
-        indices = torch.argsort(blocks_11NN, dim=-1, descending=True, stable=True)
-        return blocks_11NN.sum(-1).to(torch.int32), indices.to(torch.int32)
-
-    mask = BlockMask.from_kv_blocks(*ordered(partial_NN), *ordered(full_NN), BLOCK_SIZE=_BLOCK,
-                                    mask_mod=_row_mask_mod(window), seq_lengths=(S, S))
-    return (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-            mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)
-
-
-@torch.compiler.assume_constant_result
-def _row_mask_constants(S: int, window: int, device: torch.device) -> tuple:
-    # Compiled (Plan.compile's attention region), dynamo calls this while tracing and
-    # takes the cached tensors as constants of the graph: the mask is neither traced
-    # (it would be rebuilt on every call, in every layer) nor a graph break. Eager, a
-    # plain call of the cache.
-    return _row_mask_parts(S, window, device)
-
-
-def _row_block_mask(S: int, window: int, device: torch.device):
-    """FlexAttention's BlockMask of plain causal rows of length ``S`` (with ``window``
-    > 0: only the last ``window`` keys), its tensors built once per (S, window, device)
-    (``_row_mask_parts``)."""
-    (kv_num, kv_indices, full_kv_num, full_kv_indices,
-     q_num, q_indices, full_q_num, full_q_indices) = _row_mask_constants(S, window, device)
-    return BlockMask(seq_lengths=(S, S), kv_num_blocks=kv_num, kv_indices=kv_indices,
-                     full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_indices, q_num_blocks=q_num,
-                     q_indices=q_indices, full_q_num_blocks=full_q_num, full_q_indices=full_q_indices,
-                     BLOCK_SIZE=(_BLOCK, _BLOCK), mask_mod=_row_mask_mod(window))
-
-
 @functools.cache
 def _compiled_flex():
     # flex_attention runs its fused kernel only compiled (eager, it materialises the scores)
     return torch.compile(flex_attention, dynamic=False)
-
-
-def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    """Rotate feature pairs ``(i, i + r/2)`` by the position's angle (the "rotate-half" form),
-    in fp32 whatever x's dtype (on CUDA with Triton: one fused kernel, the same math).
-    ``r = 2h`` (``h``: the tables' width) is ``d`` or, partial RoPE, fewer: the features
-    from ``r`` on pass unchanged."""
-    d, r = x_BHSd.shape[-1], 2 * cos_Sh.shape[-1]
-    if r < d:  # the torch form on the rotated slice: the fused kernel is for whole heads
-        x_BHSr, rest_BHSp = x_BHSd.split([r, d - r], dim=-1)
-        return torch.cat([_rotate_half(x_BHSr, cos_Sh, sin_Sh), rest_BHSp], dim=-1)
-    if cos_Sh.dim() == 2 and triton_kernels.rope_fusable(x_BHSd):
-        return triton_kernels.rope_BHSd(x_BHSd, cos_Sh, sin_Sh)
-    return _rotate_half(x_BHSd, cos_Sh, sin_Sh)
-
-
-def _rotate_half(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    x1, x2 = upcast(x_BHSd).chunk(2, dim=-1)
-    cos_Sh, sin_Sh = cos_Sh.to(x1.dtype), sin_Sh.to(x1.dtype)
-    out = torch.cat([x1 * cos_Sh - x2 * sin_Sh, x2 * cos_Sh + x1 * sin_Sh], dim=-1)
-    return out.to(x_BHSd.dtype)
 
 
 def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, gemms: Gemms = PLAIN,
@@ -331,20 +125,11 @@ def project_latent(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 
     k_nope_BHSn, v_BHSv = rearrange(kv_BSN, "b s (h e) -> b h s e", h=H).split([nope, cfg.v_head_dim], dim=-1)
     q_nope_BHSn, q_rope_BHSr = rearrange(q_BSQ, "b s (h d) -> b h s d", h=H).split([nope, r], dim=-1)
     cos_Sh, sin_Sh = rope_tables(x_BSD.shape[1], r, cfg.rope_theta, x_BSD.device, start, positions_BS, cfg.yarn)
-    q_rope_BHSr = apply_rope(_pairs_as_halves(q_rope_BHSr, cfg), cos_Sh, sin_Sh)
-    k_rope_B1Sr = apply_rope(_pairs_as_halves(k_rope_BSr[:, None], cfg), cos_Sh, sin_Sh)
+    q_rope_BHSr = apply_rope(pairs_as_halves(q_rope_BHSr, cfg), cos_Sh, sin_Sh)
+    k_rope_B1Sr = apply_rope(pairs_as_halves(k_rope_BSr[:, None], cfg), cos_Sh, sin_Sh)
     q_BHSd = torch.cat([q_nope_BHSn, q_rope_BHSr], dim=-1)
     k_BHSd = torch.cat([k_nope_BHSn, k_rope_B1Sr.expand(-1, H, -1, -1)], dim=-1)
     return q_BHSd, k_BHSd, v_BHSv
-
-
-def _pairs_as_halves(x_BHSr: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """With ``rope_interleave``, the rotated features regrouped from pairs ``(2i, 2i + 1)``
-    into halves ``(i, i + r/2)``, the form ``apply_rope`` rotates: q and k are regrouped
-    alike, so their products are unchanged (transformers' DeepSeek-V3 does the same)."""
-    if not cfg.rope_interleave:
-        return x_BHSr
-    return rearrange(x_BHSr, "b h s (r two) -> b h s (two r)", two=2)
 
 
 def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, start: int = 0,
@@ -379,7 +164,7 @@ def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, sta
     if docs is not None and docs.mask_for(window) is not None and flex_sized:
         o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, docs.mask_for(window), gqa, scale, sinks_H)
     elif not cached and _plain_rows_flex(q_BHSd, S, L, start, docs, window, sinks_H):
-        o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, _row_block_mask(S, window, q_BHSd.device), gqa,
+        o_BHSe, lse_BHS = _flex_attend(q_BHSd, k_BKLd, v_BKLe, row_block_mask(S, window, q_BHSd.device), gqa,
                                        scale, sinks_H)
     else:
         mask = _mask(S, L, start, docs, window, q_BHSd.device)
@@ -394,7 +179,7 @@ def attend(q_BHSd: torch.Tensor, k_BKLd: torch.Tensor, v_BKLe: torch.Tensor, sta
 
 def _plain_rows_flex(q_BHSd: torch.Tensor, S: int, L: int, start: int, docs: Documents | None, window: int,
                      sinks_H: torch.Tensor | None) -> bool:
-    """Whether rows without documents take FlexAttention under ``_row_block_mask``: on
+    """Whether rows without documents take FlexAttention under ``row_block_mask``: on
     CUDA, for a window or sinks (SDPA has no window, nor a log-sum-exp for the sinks,
     so it would need the ``[S, S]`` mask or scores), when the whole row is attended at
     once (a decode over a KV cache, ``start > 0``, has few queries: the exact mask is

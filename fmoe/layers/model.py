@@ -8,7 +8,8 @@ from ..backends import bound_backend
 from ..batch import IGNORE
 from ..config import ModelConfig
 from ..params import FP32_LEAVES
-from .attention import Documents, KVSlot, documents
+from .attention import KVSlot
+from .block_masks import Documents, documents
 from .fp8 import PLAIN, Gemms
 from .loss import head_weight  # noqa: F401  (re-exported)
 from .moe import MoEStats

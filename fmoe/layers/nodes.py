@@ -22,7 +22,8 @@ import torch
 
 from ..backends import ExpertBackend, bound_backend
 from ..config import ModelConfig
-from .attention import Documents, KVSlot, attention_half
+from .attention import KVSlot, attention_half
+from .block_masks import Documents
 from .dispatch import make_dispatch
 from .embedding import embed
 from .expert_parallel import ExpertParallel, combine, dispatch

@@ -281,7 +281,7 @@ def rotate_BHSd(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor
 
 
 def rope_BHSd(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor) -> torch.Tensor:
-    """``attention.apply_rope`` in one kernel each way (the ``fmoe::rope`` op): reads the
+    """``rope.apply_rope`` in one kernel each way (the ``fmoe::rope`` op): reads the
     (strided) view once, rotates in fp32, writes a contiguous result in x's dtype.
     Check ``rope_fusable`` first."""
     cos32, sin32 = (t.to(device=x_BHSd.device, dtype=torch.float32).contiguous() for t in (cos_Sh, sin_Sh))

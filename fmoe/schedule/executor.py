@@ -25,7 +25,7 @@ import torch
 
 from ..batch import Batch
 from ..dist.trace import Event, now
-from ..layers.attention import documents
+from ..layers.block_masks import documents
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import stack_stats
 from ..layers.nodes import Kernels

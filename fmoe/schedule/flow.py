@@ -18,7 +18,7 @@ import optree
 import torch
 
 from ..batch import Batch
-from ..layers.attention import Documents
+from ..layers.block_masks import Documents
 from ..layers.experts import DeferredWgrad
 from ..layers.fp8 import Fp8Weight
 from ..layers.moe import Routed
