@@ -13,9 +13,9 @@ is its inverse for ``fmoe.hf.save``.
 
 from __future__ import annotations
 
-from ..checks import is_int, is_number
 from ..config import ModelConfig
-from ..layers.experts import QUICK_GELU_ALPHA
+from .config_keys import check_fields, fail, model_config, require, yarn_fields
+from .gpt_oss import gpt_oss_family, gpt_oss_fields, gpt_oss_hf_config
 
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -45,18 +45,6 @@ def training_fields(cfg: ModelConfig) -> tuple[str, ...]:
     return TRAINING_FIELDS
 
 
-def _fail(where: str, key: str, value, why: str):
-    raise ValueError(f"{where}: {key}={value!r} is not supported: {why}")
-
-
-def _require(hf: dict, where: str, *keys: str):
-    """The first of ``keys`` the config has (transformers renamed some over releases)."""
-    for key in keys:
-        if hf.get(key) is not None:
-            return hf[key]
-    raise ValueError(f"{where}: no {' or '.join(map(repr, keys))}")
-
-
 def rope(hf: dict, where: str, family: str) -> dict:
     """RoPE's ModelConfig fields from either form: top-level ``rope_theta`` /
     ``partial_rotary_factor`` / ``rope_scaling`` (released files) or ``rope_parameters``
@@ -70,39 +58,14 @@ def rope(hf: dict, where: str, family: str) -> dict:
         kind, key = scaling.get("rope_type", scaling.get("type", "default")), "rope_scaling"
     allowed = ("default", "yarn") if family in WITH_YARN else ("default",)
     if kind not in allowed:
-        _fail(where, key, kind, f"{family}: allowed: {', '.join(map(repr, allowed))}")
+        fail(where, key, kind, f"{family}: allowed: {', '.join(map(repr, allowed))}")
     default = 0.5 if family == "glm4_moe" else 1.0  # as transformers' Glm4MoeConfig fills it in
     theta = params.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
         raise ValueError(f"{where}: neither 'rope_theta' nor 'rope_parameters.rope_theta'")
     fields = dict(rope_theta=float(theta),
                   rope_fraction=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))))
-    return fields if kind == "default" else {**fields, **_yarn(params, hf, where, key.split(".")[0])}
-
-
-def _yarn(params: dict, hf: dict, where: str, key: str, default_max: int | None = None) -> dict:
-    """YaRN's ModelConfig fields from ``params`` (the config's ``key``: ``rope_scaling`` or
-    ``rope_parameters``), as transformers reads them: a top-level
-    ``original_max_position_embeddings`` wins over the one in ``params``, then
-    ``max_position_embeddings`` (``default_max``: the family config's default for it); a
-    missing ``factor`` is ``max_position_embeddings / original``; a null beta is its
-    default; an mscale or attention factor missing or 0 is unset (fmoe's 0)."""
-    longest = hf.get("max_position_embeddings", default_max)
-    original = hf.get("original_max_position_embeddings", params.get("original_max_position_embeddings", longest))
-    if not (is_number(original) and original == int(original) and original > 0):
-        _fail(where, f"{key}.original_max_position_embeddings", original, "YaRN needs the pretrained context "
-              "length, an int > 0")
-    factor = params.get("factor")
-    if factor is None and is_number(longest):  # as transformers derives it
-        factor = longest / original
-    if not is_number(factor):
-        _fail(where, f"{key}.factor", factor, "must be a number >= 1")
-    return dict(rope_scaling="yarn", rope_factor=float(factor), rope_original_max=int(original),
-                yarn_beta_fast=float(params.get("beta_fast") or 32.0), yarn_beta_slow=float(params.get("beta_slow") or 1.0),
-                yarn_mscale=float(params.get("mscale") or 0.0),
-                yarn_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-                yarn_attention_factor=float(params.get("attention_factor") or 0.0),
-                yarn_truncate=bool(params.get("truncate", True)))
+    return fields if kind == "default" else {**fields, **yarn_fields(params, hf, where, key.split(".")[0])}
 
 
 def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
@@ -116,13 +79,13 @@ def fp8_block(hf: dict, where: str) -> tuple[int, int] | None:
     if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
         return None  # GPT-OSS's experts as released (``mxfp4``); its other weights are plain floats
     if method != "fp8":
-        _fail(where, "quantization_config.quant_method", method, "fmoe reads 'fp8' (E4M3 with block scales) "
+        fail(where, "quantization_config.quant_method", method, "fmoe reads 'fp8' (E4M3 with block scales) "
               "checkpoints, GPT-OSS's 'mxfp4' experts, or plain floats")
     if q.get("fmt", "e4m3") != "e4m3":
-        _fail(where, "quantization_config.fmt", q["fmt"], "allowed: 'e4m3'")
+        fail(where, "quantization_config.fmt", q["fmt"], "allowed: 'e4m3'")
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        _fail(where, "quantization_config.weight_block_size", block, "must be [rows, columns] of positive ints")
+        fail(where, "quantization_config.weight_block_size", block, "must be [rows, columns] of positive ints")
     return tuple(block)
 
 
@@ -148,40 +111,40 @@ def dense_layers(hf: dict, family: str) -> tuple[int, ...]:
 
 def _check_unsupported(hf: dict, family: str, where: str) -> None:
     if hf.get("sliding_window") and (family == "mixtral" or hf.get("use_sliding_window")):
-        _fail(where, "sliding_window", hf["sliding_window"], "fmoe attends to the whole causal prefix; set it to null")
+        fail(where, "sliding_window", hf["sliding_window"], "fmoe attends to the whole causal prefix; set it to null")
     if hf.get("router_jitter_noise"):
-        _fail(where, "router_jitter_noise", hf["router_jitter_noise"], "fmoe routes without noise; set it to 0")
+        fail(where, "router_jitter_noise", hf["router_jitter_noise"], "fmoe routes without noise; set it to 0")
     if hf.get("attention_bias") and family != "glm4_moe":  # GLM's bias is on q/k/v only, as fmoe's qkv_bias
-        _fail(where, "attention_bias", True, f"fmoe's {family} projections have no bias")
+        fail(where, "attention_bias", True, f"fmoe's {family} projections have no bias")
     if family == "deepseek_v3":
         _check_deepseek(hf, where)
     if hf.get("clip_qkv") is not None:
-        _fail(where, "clip_qkv", hf["clip_qkv"], "fmoe does not clamp q/k/v; set it to null")
+        fail(where, "clip_qkv", hf["clip_qkv"], "fmoe does not clamp q/k/v; set it to null")
     if family in DEEPSEEK_MOE and hf.get("n_shared_experts", 1) < 1:
-        _fail(where, "n_shared_experts", hf["n_shared_experts"], "fmoe's GLM-4.5 layers have a shared expert")
+        fail(where, "n_shared_experts", hf["n_shared_experts"], "fmoe's GLM-4.5 layers have a shared expert")
     kinds = set(hf.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
-        _fail(where, "layer_types", sorted(kinds), "fmoe layers use full causal attention")
+        fail(where, "layer_types", sorted(kinds), "fmoe layers use full causal attention")
     act = hf.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
-        _fail(where, "hidden_act", act, "allowed: " + ", ".join(repr(a) for a in _ACTIVATIONS))
+        fail(where, "hidden_act", act, "allowed: " + ", ".join(repr(a) for a in _ACTIVATIONS))
 
 
 def _check_deepseek(hf: dict, where: str) -> None:
     """What of a DeepSeek-V3 config fmoe computes otherwise, by key, before any weight is read."""
     if hf.get("q_lora_rank") and not hf.get("kv_lora_rank"):
-        _fail(where, "kv_lora_rank", hf.get("kv_lora_rank"), "q_lora_rank is set: multi-head latent attention "
+        fail(where, "kv_lora_rank", hf.get("kv_lora_rank"), "q_lora_rank is set: multi-head latent attention "
               "needs kv_lora_rank > 0 too")
     experts, groups = hf.get("n_routed_experts"), hf.get("n_group") or 1
     if isinstance(experts, int) and (not isinstance(groups, int) or groups < 1 or experts % groups):
-        _fail(where, "n_group", groups, f"must divide n_routed_experts ({experts})")
+        fail(where, "n_group", groups, f"must divide n_routed_experts ({experts})")
     heads = hf.get("num_attention_heads")
     if hf.get("num_key_value_heads") not in (None, heads):
-        _fail(where, "num_key_value_heads", hf["num_key_value_heads"], f"multi-head latent attention gives every "
+        fail(where, "num_key_value_heads", hf["num_key_value_heads"], f"multi-head latent attention gives every "
               f"head its own key and value: must equal num_attention_heads ({heads})")
     for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if hf.get(key, allowed) != allowed:
-            _fail(where, key, hf[key], f"fmoe computes DeepSeek-V3's {allowed!r}")
+            fail(where, key, hf[key], f"fmoe computes DeepSeek-V3's {allowed!r}")
 
 
 def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
@@ -198,32 +161,32 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
     """
     family = hf.get("model_type")
     if family not in FAMILIES:
-        _fail(where, "model_type", family, "allowed: " + ", ".join(repr(f) for f in FAMILIES))
+        fail(where, "model_type", family, "allowed: " + ", ".join(repr(f) for f in FAMILIES))
     if family == "gpt_oss":
         fp8_block(hf, where)  # refused here, before any weight is read
-        return _model_config(_gpt_oss_fields(hf, where), where)
+        return model_config(gpt_oss_fields(hf, where), where)
     _check_unsupported(hf, family, where)
     fp8_block(hf, where)
-    dim, heads = _require(hf, where, "hidden_size"), _require(hf, where, "num_attention_heads")
+    dim, heads = require(hf, where, "hidden_size"), require(hf, where, "num_attention_heads")
     head_dim = hf.get("head_dim") or dim // heads
     shared = family == "qwen2_moe"
     ffn_key = "intermediate_size" if family in ("mixtral", "olmoe") else "moe_intermediate_size"
     dense = dense_layers(hf, family)
     fields = dict(
-        vocab=_require(hf, where, "vocab_size"), dim=dim, layers=_require(hf, where, "num_hidden_layers"),
+        vocab=require(hf, where, "vocab_size"), dim=dim, layers=require(hf, where, "num_hidden_layers"),
         heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
         head_size=0 if head_dim * heads == dim else head_dim,
-        experts=_require(hf, where, "num_local_experts", "num_experts", "n_routed_experts"),
-        topk=_require(hf, where, "num_experts_per_tok"),
-        ffn=_require(hf, where, ffn_key), activation=_ACTIVATIONS[hf.get("hidden_act", "silu")],
+        experts=require(hf, where, "num_local_experts", "num_experts", "n_routed_experts"),
+        topk=require(hf, where, "num_experts_per_tok"),
+        ffn=require(hf, where, ffn_key), activation=_ACTIVATIONS[hf.get("hidden_act", "silu")],
         score_func="softmax", norm_topk_prob=True if family == "mixtral" else bool(hf.get("norm_topk_prob", False)),
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(family, "none"),
         qkv_bias=shared and bool(hf.get("qkv_bias", True)),
-        shared_ffn=_require(hf, where, "shared_expert_intermediate_size") if shared else 0, shared_gate=shared,
+        shared_ffn=require(hf, where, "shared_expert_intermediate_size") if shared else 0, shared_gate=shared,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **rope(hf, where, family),
         aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
-        expert_bias_rate=0.0, dense_layers=dense, dense_ffn=_require(hf, where, "intermediate_size") if dense else 0,
+        expert_bias_rate=0.0, dense_layers=dense, dense_ffn=require(hf, where, "intermediate_size") if dense else 0,
     )
     if family in DEEPSEEK_MOE:
         fields.update(score_func="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
@@ -234,108 +197,15 @@ def to_model_config(hf: dict, where: str = "config.json") -> ModelConfig:
         fields.update(qk_norm="head" if hf.get("use_qk_norm") else "none", qkv_bias=bool(hf.get("attention_bias")))
     elif family == "deepseek_v3":
         fields.update(_latent_attention(hf, where))
-    return _model_config(fields, where)
-
-
-def _model_config(fields: dict, where: str) -> ModelConfig:
-    try:
-        return ModelConfig(**fields)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+    return model_config(fields, where)
 
 
 def _latent_attention(hf: dict, where: str) -> dict:
     """DeepSeek-V3's multi-head latent attention as ModelConfig fields."""
-    nope, rot = _require(hf, where, "qk_nope_head_dim"), _require(hf, where, "qk_rope_head_dim")
-    return dict(kv_heads=0, head_size=nope + rot, kv_lora_rank=_require(hf, where, "kv_lora_rank"),
+    nope, rot = require(hf, where, "qk_nope_head_dim"), require(hf, where, "qk_rope_head_dim")
+    return dict(kv_heads=0, head_size=nope + rot, kv_lora_rank=require(hf, where, "kv_lora_rank"),
                 q_lora_rank=hf.get("q_lora_rank") or 0, rope_head_dim=rot,
-                v_head_size=_require(hf, where, "v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)))
-
-
-# GPT-OSS's layer kinds (``layer_types``): whether the layer has the sliding window.
-_GPT_OSS_LAYER_KINDS = {"full_attention": False, "sliding_attention": True}
-# What GptOssConfig fills in for a config.json without RoPE settings.
-_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
-_GPT_OSS_THETA = 150000.0  # GptOssConfig.default_theta
-
-
-def _gpt_oss_windows(hf: dict, where: str, layers: int) -> tuple[int, tuple]:
-    """``sliding_window`` and the layers it applies to (``window_layers``) from
-    ``layer_types`` (absent: transformers' default, the even layers slide)."""
-    kinds = hf.get("layer_types")
-    if kinds is None:
-        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if not isinstance(kinds, list) or len(kinds) != layers:
-        _fail(where, "layer_types", kinds, f"must name one kind per layer (num_hidden_layers={layers})")
-    for i, kind in enumerate(kinds):
-        if kind not in _GPT_OSS_LAYER_KINDS:
-            _fail(where, f"layer_types[{i}]", kind, "allowed: " + ", ".join(map(repr, _GPT_OSS_LAYER_KINDS)))
-    sliding = tuple(i for i, kind in enumerate(kinds) if _GPT_OSS_LAYER_KINDS[kind])
-    if not sliding:
-        return 0, ()  # no layer reads the window
-    window = hf.get("sliding_window")
-    if not (is_int(window) and window > 0):
-        _fail(where, "sliding_window", window, f"layers {list(sliding)} are 'sliding_attention': it must be an int > 0")
-    return window, sliding
-
-
-def _gpt_oss_rope(hf: dict, where: str) -> dict:
-    """The ModelConfig RoPE fields of GPT-OSS, from the released top-level ``rope_scaling``
-    (with ``rope_theta``) or transformers >= 5's ``rope_parameters``, read as
-    transformers reads them (``rope_scaling`` first; absent keys as GptOssConfig and
-    ``_compute_yarn_parameters`` fill them in)."""
-    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    params = hf.get(key) or _GPT_OSS_ROPE
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        _fail(where, key, params, "fmoe applies one RoPE to every layer (a dict of rope_type, rope_theta, ...)")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", _GPT_OSS_THETA)))
-    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if fraction != 1.0:
-        _fail(where, "partial_rotary_factor", fraction, "GPT-OSS rotates whole heads")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return dict(rope_theta=theta)
-    if kind != "yarn":
-        _fail(where, f"{key}.rope_type", kind, "GPT-OSS's RoPE in fmoe is 'yarn' or unscaled ('default')")
-    if params.get("mscale_all_dim"):
-        # GptOssAttention keeps the softmax scale at head_dim ** -0.5; fmoe's yarn_mscale_all_dim
-        # also rescales it (DeepSeek-V3's correction), so the two would differ
-        _fail(where, f"{key}.mscale_all_dim", params["mscale_all_dim"], "GPT-OSS's attention does not rescale "
-              "its softmax by it; set it to null")
-    return dict(rope_theta=theta, **_yarn(params, hf, where, key, default_max=131072))  # GptOssConfig's context
-
-
-def _gpt_oss_fields(hf: dict, where: str) -> dict:
-    """ModelConfig fields of a ``gpt_oss`` config.json (``hidden_act`` is ignored, as
-    GptOssExperts ignores it: its activation is the clamped SwiGLU of ``swiglu_limit``)."""
-    alpha = hf.get("swiglu_alpha", QUICK_GELU_ALPHA)
-    if alpha != QUICK_GELU_ALPHA:
-        _fail(where, "swiglu_alpha", alpha, f"fmoe's quick_geglu gates with sigmoid({QUICK_GELU_ALPHA} * gate)")
-    limit = hf.get("swiglu_limit", 7.0)
-    if not is_number(limit):
-        _fail(where, "swiglu_limit", limit, "GPT-OSS's experts clamp: it must be a number")
-    dim, heads, layers = (_require(hf, where, k) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
-    head_dim = hf.get("head_dim", 64) or dim // heads  # GptOssConfig's default is 64, not dim / heads
-    window, sliding = _gpt_oss_windows(hf, where, layers)
-    bias = bool(hf.get("attention_bias", True))  # one switch for q/k/v and o_proj
-    return dict(
-        vocab=_require(hf, where, "vocab_size"), dim=dim, layers=layers, heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads, head_size=0 if head_dim * heads == dim else head_dim,
-        experts=_require(hf, where, "num_local_experts", "num_experts"),
-        topk=_require(hf, where, "num_experts_per_tok"),
-        ffn=_require(hf, where, "intermediate_size"), activation="quick_geglu", glu_limit=float(limit), glu_offset=1.0,
-        score_func="topk_softmax", norm_topk_prob=False, router_bias=True, expert_biases=True,
-        qkv_bias=bias, out_bias=bias, attn_sinks=True, sliding_window=window, window_layers=sliding,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)) if hf.get("output_router_logits") else 0.0,
-        expert_bias_rate=0.0, **_gpt_oss_rope(hf, where))
-
-
-def _check_fields(cfg: ModelConfig, where: str, checks, whose: str = "the Hugging Face MoE families have") -> None:
-    for name, value, ok in checks:
-        if not ok:
-            _fail(where, f"ModelConfig.{name}", value, f"{whose} no such variant")
+                v_head_size=require(hf, where, "v_head_dim"), rope_interleave=bool(hf.get("rope_interleave", True)))
 
 
 def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
@@ -357,34 +227,10 @@ def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
     if family == "glm4_moe":
         checks += [("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
                    ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none")]
-    _check_fields(cfg, where, checks, f"score_func='sigmoid' is written as {family} "
+    check_fields(cfg, where, checks, f"score_func='sigmoid' is written as {family} "
                   f"({'multi-head latent attention' if cfg.latent else 'GLM-4.5'}: a shared expert a multiple of "
                   "ffn wide, first layers dense), which has")
     return family
-
-
-def _gpt_oss(cfg: ModelConfig, where: str) -> str:
-    """``gpt_oss`` if it holds ``cfg`` (softmax over the top-k logits is GPT-OSS's)."""
-    _check_fields(cfg, where, (
-        ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
-        ("activation", cfg.activation, cfg.activation == "quick_geglu"),
-        ("glu_offset", cfg.glu_offset, cfg.glu_offset == 1.0),
-        ("router_bias", cfg.router_bias, cfg.router_bias),
-        ("expert_biases", cfg.expert_biases, cfg.expert_biases),
-        ("prob_placement", cfg.prob_placement, cfg.prob_placement == "output"),  # scales the fc2 bias too
-        ("attn_sinks", cfg.attn_sinks, cfg.attn_sinks),
-        ("out_bias", cfg.out_bias, cfg.out_bias == cfg.qkv_bias),  # one attention_bias for q/k/v and o_proj
-        ("qk_norm", cfg.qk_norm, cfg.qk_norm == "none"),
-        ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn == 0),
-        ("dense_layers", cfg.dense_layers, not cfg.dense_layers),
-        ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),
-        ("routed_scaling", cfg.routed_scaling, cfg.routed_scaling == 1.0),
-        ("rope_fraction", cfg.rope_fraction, cfg.rope_fraction == 1.0),
-        ("yarn_mscale_all_dim", cfg.yarn_mscale_all_dim, cfg.yarn_mscale_all_dim == 0)),
-        "score_func='topk_softmax' is written as gpt_oss (GPT-OSS: the clamped SwiGLU with expert biases, "
-        "a router bias, attention sinks, one bias switch for q/k/v and o_proj), which has")
-    # norm_topk_prob may be either: the softmax over the k logits already sums to 1
-    return "gpt_oss"
 
 
 def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
@@ -393,8 +239,8 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     if cfg.score_func == "sigmoid":
         return _sigmoid_family(cfg, where)
     if cfg.score_func == "topk_softmax":
-        return _gpt_oss(cfg, where)
-    _check_fields(cfg, where, (
+        return gpt_oss_family(cfg, where)
+    check_fields(cfg, where, (
         ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
         ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
         ("score_func", cfg.score_func, cfg.score_func == "softmax"),
@@ -408,7 +254,7 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
         ("attn_sinks", cfg.attn_sinks, not cfg.attn_sinks),
         ("window_layers", cfg.window_layers, not cfg.window_layers)))
     if cfg.shared_ffn and not cfg.shared_gate:
-        _fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
+        fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
     if cfg.qk_norm == "head":
         family = "qwen3_moe"
     elif cfg.qk_norm == "full":
@@ -418,14 +264,14 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     else:
         family = "mixtral"
     if (cfg.shared_ffn > 0) != (family == "qwen2_moe"):
-        _fail(where, "ModelConfig.shared_ffn", cfg.shared_ffn, f"{family} has no shared expert")
+        fail(where, "ModelConfig.shared_ffn", cfg.shared_ffn, f"{family} has no shared expert")
     if cfg.qkv_bias and family != "qwen2_moe":
-        _fail(where, "ModelConfig.qkv_bias", True, f"{family} has no q/k/v bias (Qwen2-MoE, with a gated shared "
+        fail(where, "ModelConfig.qkv_bias", True, f"{family} has no q/k/v bias (Qwen2-MoE, with a gated shared "
               "expert, has)")
     if family == "mixtral" and not cfg.norm_topk_prob:
-        _fail(where, "ModelConfig.norm_topk_prob", False, "Mixtral always renormalises the top-k probabilities")
+        fail(where, "ModelConfig.norm_topk_prob", False, "Mixtral always renormalises the top-k probabilities")
     if cfg.dense_layers and family not in ("qwen3_moe", "qwen2_moe"):
-        _fail(where, "ModelConfig.dense_layers", cfg.dense_layers, f"{family} has no dense layers")
+        fail(where, "ModelConfig.dense_layers", cfg.dense_layers, f"{family} has no dense layers")
     return family
 
 
@@ -471,7 +317,7 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
         "dtype": dtype, "torch_dtype": dtype,
     }
     if family == "gpt_oss":
-        hf.update(_gpt_oss_hf_config(cfg))
+        hf.update(gpt_oss_hf_config(cfg))
     elif family == "mixtral":
         hf.update(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, sliding_window=None,
                   router_jitter_noise=0.0)
@@ -501,10 +347,3 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
     return hf
 
 
-def _gpt_oss_hf_config(cfg: ModelConfig) -> dict:
-    """``gpt_oss``'s own keys (``hidden_act`` stays ``silu``, GptOssConfig's name for
-    what its experts ignore)."""
-    kinds = ["sliding_attention" if i in cfg.window_layers else "full_attention" for i in range(cfg.layers)]
-    return dict(num_local_experts=cfg.experts, intermediate_size=cfg.ffn, swiglu_limit=cfg.glu_limit,
-                swiglu_alpha=QUICK_GELU_ALPHA, attention_bias=cfg.qkv_bias, layer_types=kinds,
-                sliding_window=cfg.sliding_window or None)
