@@ -8,41 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .checks import check_bool, check_int, check_positive, fail, is_int, is_number
-from .config_fields import GLU_ACTIVATIONS, _check_choices
-
-def _check_layer_indices(cfg, own: str, name: str) -> tuple:
-    """``cfg.<name>``, a tuple of distinct layer indices in order, or a ValueError naming it."""
-    layers = getattr(cfg, name)
-    ok = isinstance(layers, tuple) and all(is_int(i, builtin=True) and 0 <= i < cfg.layers for i in layers)
-    if not ok or tuple(sorted(set(layers))) != layers:
-        fail(f"{own}.{name}", layers, f"must be distinct layer indices in 0..{cfg.layers - 1}, in order")
-    return layers
-
-
-def _check_dense_layers(cfg, own: str) -> None:
-    layers = _check_layer_indices(cfg, own, "dense_layers")
-    if len(layers) == cfg.layers:
-        fail(f"{own}.dense_layers", layers, f"must leave at least one of the {cfg.layers} layers MoE")
-    check_int(f"{own}.dense_ffn", cfg.dense_ffn, 0, builtin=True)
-    if bool(layers) != bool(cfg.dense_ffn):
-        fail(f"{own}.dense_ffn", cfg.dense_ffn, "must be > 0 exactly when dense_layers names a layer "
-             f"(dense_layers={list(layers)})")
-    if cfg.glu_interleave and cfg.dense_ffn % cfg.glu_interleave:
-        fail(f"{own}.glu_interleave", cfg.glu_interleave, f"must divide dense_ffn ({cfg.dense_ffn})")
-
-
-def _check_window(cfg, own: str) -> None:
-    layers = _check_layer_indices(cfg, own, "window_layers")
-    check_int(f"{own}.sliding_window", cfg.sliding_window, 0, builtin=True)
-    if bool(layers) != bool(cfg.sliding_window):
-        fail(f"{own}.sliding_window", cfg.sliding_window, "must be > 0 exactly when window_layers names a layer "
-             f"(window_layers={list(layers)})")
-
-
-_YARN_FIELDS = ("rope_factor", "rope_original_max", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
-                "yarn_mscale_all_dim", "yarn_attention_factor", "yarn_truncate")
-
+from .config_fields import GLU_ACTIVATIONS
+from .model_checks import check_model_config
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's ``m(s) = 0.1 s ln(factor) + 1`` (1 for ``factor <= 1``), transformers'
@@ -233,55 +200,10 @@ class ModelConfig:
     rope_interleave: bool = False
 
     def __post_init__(self):
-        own = "ModelConfig"
         for name in ("dense_layers", "window_layers"):
             if isinstance(getattr(self, name), list):  # as JSON and TOML hold it
                 object.__setattr__(self, name, tuple(sorted(getattr(self, name))))
-        for name in ("vocab", "dim", "layers", "heads", "experts", "topk", "ffn"):
-            check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
-        check_int(f"{own}.shared_ffn", self.shared_ffn, 0, builtin=True)
-        check_int(f"{own}.glu_interleave", self.glu_interleave, 0, builtin=True)
-        check_int(f"{own}.kv_heads", self.kv_heads, 0, builtin=True)
-        check_int(f"{own}.head_size", self.head_size, 0, builtin=True)
-        check_int(f"{own}.expert_groups", self.expert_groups, 1, builtin=True)
-        check_int(f"{own}.topk_groups", self.topk_groups, 1, builtin=True)
-        _check_choices(self, own)
-        for name in ("qkv_bias", "out_bias", "tie_embeddings", "shared_gate", "norm_topk_prob", "expert_biases",
-                     "router_bias", "attn_sinks", "rope_interleave"):
-            check_bool(f"{own}.{name}", getattr(self, name))
-        check_positive(f"{own}.glu_limit", self.glu_limit, allow_inf=True)  # inf: no clamp
-        for name in ("rope_theta", "norm_eps", "init_std", "routed_scaling", "rope_fraction"):
-            check_positive(f"{own}.{name}", getattr(self, name))
-        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "capacity_factor"):
-            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
-        if not is_number(self.glu_offset, builtin=True) or not math.isfinite(self.glu_offset):
-            fail(f"{own}.glu_offset", self.glu_offset, "must be a finite number")
-        if self.topk > self.experts:
-            fail(f"{own}.topk", self.topk, f"must be <= experts ({self.experts})")
-        if self.head_size == 0 and self.dim % self.heads:
-            fail(f"{own}.dim", self.dim, f"must be divisible by heads ({self.heads}) unless head_size is set")
-        if self.head_dim % 2 and not self.kv_lora_rank:  # MLA rotates its rope_head_dim part only
-            what = "head_size" if self.head_size else "heads"
-            fail(f"{own}.{what}", getattr(self, what), f"the head size must be even for RoPE (got {self.head_dim})")
-        self._check_groups()
-        self._check_latent_attention()
-        self._check_rope_fraction()
-        self._check_rope_scaling()
-        if self.kv_heads and self.heads % self.kv_heads:
-            fail(f"{own}.kv_heads", self.kv_heads, f"must divide heads ({self.heads}), or be 0 for kv_heads = heads")
-        _check_dense_layers(self, own)
-        _check_window(self, own)
-        if self.shared_gate and not self.shared_ffn:
-            fail(f"{own}.shared_gate", self.shared_gate, "needs a shared expert (shared_ffn > 0)")
-        if self.glu_interleave:
-            if not self.is_glu:
-                fail(f"{own}.glu_interleave", self.glu_interleave,
-                      f"must be 0 for the non-GLU activation {self.activation!r}")
-            for name in ("ffn", "shared_ffn"):
-                width = getattr(self, name)
-                if width % self.glu_interleave:
-                    fail(f"{own}.glu_interleave", self.glu_interleave,
-                          f"must divide {name} ({width})")
+        check_model_config(self)
 
     def is_dense(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is dense (``dense_layers``), not a routed MoE."""
@@ -303,77 +225,6 @@ class ModelConfig:
         """The indices of the MoE layers, in order (what ``MoEStats`` and
         ``expert_counts`` have a row for)."""
         return tuple(i for i in range(self.layers) if i not in self.dense_layers)
-
-    def _check_groups(self) -> None:
-        own, groups = "ModelConfig", self.expert_groups
-        if self.experts % groups:
-            fail(f"{own}.expert_groups", groups, f"must divide experts ({self.experts})")
-        if self.topk_groups > groups:
-            fail(f"{own}.topk_groups", self.topk_groups, f"must be <= expert_groups ({groups})")
-        if groups == 1:
-            return
-        per_group = self.experts // groups
-        if per_group < 2:  # a group's score is the sum of its 2 best experts'
-            fail(f"{own}.expert_groups", groups, f"must leave at least 2 experts a group (experts={self.experts})")
-        if self.topk > self.topk_groups * per_group:
-            fail(f"{own}.topk_groups", self.topk_groups,
-                 f"keeps {self.topk_groups * per_group} experts ({per_group} a group), fewer than topk ({self.topk})")
-
-    def _check_latent_attention(self) -> None:
-        own = "ModelConfig"
-        for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "v_head_size"):
-            check_int(f"{own}.{name}", getattr(self, name), 0, builtin=True)
-        if not self.kv_lora_rank:
-            for name in ("q_lora_rank", "rope_head_dim", "v_head_size"):
-                if getattr(self, name):
-                    fail(f"{own}.{name}", getattr(self, name), "is read only with multi-head latent attention "
-                                                               "(kv_lora_rank > 0): leave it 0")
-            return
-        if self.kv_heads:
-            fail(f"{own}.kv_heads", self.kv_heads, "must be 0 with multi-head latent attention (kv_lora_rank > 0): "
-                                                   "every head has its own key and value")
-        if self.qkv_bias or self.qk_norm != "none":
-            what = "qkv_bias" if self.qkv_bias else "qk_norm"
-            fail(f"{own}.{what}", getattr(self, what), "belongs to the qkv projection, which multi-head latent "
-                                                       "attention (kv_lora_rank > 0) does not have")
-        if self.rope_fraction != 1.0:
-            fail(f"{own}.rope_fraction", self.rope_fraction, "must stay 1 with multi-head latent attention: "
-                                                             "rope_head_dim says which features rotate")
-        if not 0 < self.rope_head_dim < self.head_dim or self.rope_head_dim % 2:
-            fail(f"{own}.rope_head_dim", self.rope_head_dim, f"must be even, > 0 and < the q/k head size "
-                                                             f"({self.head_dim}) with kv_lora_rank > 0")
-
-    def _check_rope_fraction(self) -> None:
-        own = "ModelConfig.rope_fraction"
-        if self.rope_fraction > 1:
-            fail(own, self.rope_fraction, "must be in (0, 1]")
-        if self.rope_dims == 0 or self.rope_dims % 2:
-            fail(own, self.rope_fraction, f"must give an even, nonzero rope_dims = int(head_dim * rope_fraction) "
-                                          f"(head_dim {self.head_dim}: {self.rope_dims})")
-
-    def _check_rope_scaling(self) -> None:
-        own = "ModelConfig"
-        check_bool(f"{own}.yarn_truncate", self.yarn_truncate)
-        check_int(f"{own}.rope_original_max", self.rope_original_max, 0, builtin=True)
-        for name in ("yarn_beta_fast", "yarn_beta_slow"):
-            check_positive(f"{own}.{name}", getattr(self, name))
-        for name in ("yarn_mscale", "yarn_mscale_all_dim", "yarn_attention_factor"):
-            check_positive(f"{own}.{name}", getattr(self, name), allow_zero=True)
-        check_positive(f"{own}.rope_factor", self.rope_factor)
-        if self.rope_scaling == "none":
-            # a YaRN setting without rope_scaling='yarn' would be silently ignored
-            for field in dataclasses.fields(self):
-                if field.name in _YARN_FIELDS and getattr(self, field.name) != field.default:
-                    fail(f"{own}.{field.name}", getattr(self, field.name),
-                         f"is read only with rope_scaling='yarn' (is 'none'): leave it at {field.default!r}")
-            return
-        if self.rope_factor < 1:
-            fail(f"{own}.rope_factor", self.rope_factor, "must be >= 1 with rope_scaling='yarn'")
-        if self.rope_original_max < 1:
-            fail(f"{own}.rope_original_max", self.rope_original_max,
-                 "must be an int >= 1 with rope_scaling='yarn' (original_max_position_embeddings)")
-        if self.yarn_beta_fast < self.yarn_beta_slow:
-            fail(f"{own}.yarn_beta_fast", self.yarn_beta_fast, f"must be >= yarn_beta_slow ({self.yarn_beta_slow})")
 
     @property
     def yarn(self) -> "Yarn | None":
