@@ -20,19 +20,26 @@ def params_of(cfg, seed=0):
     return ref.random_params(cfg, seed=seed, dtype=torch.float32)
 
 
+def decoded_logits(params, tokens, cfg, prompt: int):
+    """``(logits, cache)``: the first ``prompt`` tokens through the KV cache at once, then
+    the rest one at a time, their logits concatenated (fp32, on the CPU)."""
+    cache = empty_cache(cfg, tokens.shape[0], tokens.shape[1], torch.float32, "cpu")
+    first, cache = forward_cached(params, tokens[:, :prompt], cfg, cache)
+    steps = [first]
+    for s in range(prompt, tokens.shape[1]):
+        logits, cache = forward_cached(params, tokens[:, s:s + 1], cfg, cache)
+        steps.append(logits)
+    return torch.cat(steps, 1), cache
+
+
 def test_cached_logits_equal_the_full_forward():
     params = params_of(CFG)
     tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(0))
     full, _ = forward(params, tokens, CFG)
-    cache = empty_cache(CFG, 2, 9, torch.float32, "cpu")
-    first, cache = forward_cached(params, tokens[:, :5], CFG, cache)
-    steps = [first]
-    for s in range(5, 9):
-        logits, cache = forward_cached(params, tokens[:, s:s + 1], CFG, cache)
-        steps.append(logits)
+    logits, cache = decoded_logits(params, tokens, CFG, prompt=5)
     assert cache.length == 9
     # the same arithmetic in another grouping (one query row at a time): fp32 rounding only
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_generation_equals_argmax_of_recomputed_forward():

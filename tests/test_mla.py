@@ -9,10 +9,11 @@ import torch
 import fmoe
 from fmoe import layers
 from fmoe.batch import IGNORE
-from fmoe.generate import empty_cache, forward_cached, kv_cache_bytes
+from fmoe.generate import empty_cache, kv_cache_bytes
 from fmoe.layers import forward
 
 from . import reference as ref
+from .test_generate import decoded_logits
 from .test_layers import assert_same_fwd_bwd
 from .test_schedule import assert_same_step
 
@@ -87,12 +88,8 @@ def test_cached_decode_equals_the_full_forward():
     cache = empty_cache(CFG, 2, 8, torch.float32, "cpu")
     assert cache.keys[0].shape == (2, 4, 8, 12) and cache.values[0].shape == (2, 4, 8, 6)
     assert kv_cache_bytes(CFG, 2, 8, torch.float32) == sum(t.numel() * 4 for t in cache.keys + cache.values)
-    first, cache = forward_cached(params, tokens[:, :3], CFG, cache)
-    steps = [first]
-    for s in range(3, 8):
-        logits, cache = forward_cached(params, tokens[:, s:s + 1], CFG, cache)
-        steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    logits, _ = decoded_logits(params, tokens, CFG, prompt=3)
+    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("changes", [dict(schedule="1f1b_overlap", remat="full"),

@@ -14,11 +14,11 @@ import torch
 import fmoe
 from fmoe import layers
 from fmoe.batch import IGNORE
-from fmoe.generate import empty_cache, forward_cached
 from fmoe.layers import attend, block_masks, documents, forward
 from fmoe.trainer.options import model_config, parse_layers, resolved
 
 from . import reference as ref
+from .test_generate import decoded_logits
 from .test_layers import assert_same_fwd_bwd
 from .test_schedule import assert_same_step
 
@@ -221,13 +221,9 @@ def test_cached_decode_equals_the_full_forward():
     params = ref.random_params(CFG, dtype=torch.float32)
     tokens = torch.randint(0, 40, (2, 9))
     full, _ = forward(params, tokens, CFG)
-    cache = empty_cache(CFG, 2, 9, torch.float32, "cpu")
-    first, cache = forward_cached(params, tokens[:, :4], CFG, cache)
-    steps = [first]
-    for s in range(4, 9):  # past the window: the cache keeps the old keys, the mask hides them
-        logits, cache = forward_cached(params, tokens[:, s:s + 1], CFG, cache)
-        steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    # decoding goes past the window: the cache keeps the old keys, the mask hides them
+    logits, _ = decoded_logits(params, tokens, CFG, prompt=4)
+    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
 
 
 def test_1f1b_full_remat_zero3_is_bitwise_the_standard_step():
