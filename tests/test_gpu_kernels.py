@@ -312,7 +312,7 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 
     q = torch.randn(1, 2, 5, 8, dtype=BF16)
     cos, sin = rope_tables(5, 8, 10000.0)
-    assert not tk.rope_fusable(q)
+    assert not tk.rope_fusable(q, cos)
     x1, x2 = q.float().chunk(2, -1)
     c, s_ = cos.float(), sin.float()
     assert torch.equal(apply_rope(q, cos, sin), torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], -1).bfloat16())
@@ -323,8 +323,11 @@ def test_cpu_tensors_take_the_torch_path(monkeypatch):
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("B,H,S,d,start", [(2, 3, 37, 64, 0), (1, 2, 5, 128, 11), (1, 1, 0, 8, 0)])
-def test_rope_kernel_on_a_strided_view_matches_torch_path(dtype, B, H, S, d, start, monkeypatch):
+@pytest.mark.parametrize("B,H,S,d,r,start", [(2, 3, 37, 64, 64, 0), (1, 2, 5, 128, 128, 11), (1, 1, 0, 8, 8, 0),
+                                               (2, 3, 37, 128, 64, 3), (1, 2, 9, 48, 16, 0)],
+                         ids=["whole", "whole-offset", "empty", "partial-half", "partial-third"])
+def test_rope_kernel_on_a_strided_view_matches_torch_path(dtype, B, H, S, d, r, start, monkeypatch):
+    # r < d: partial RoPE (GLM-4.5's half heads), the features past r pass through the kernel
     from fmoe.layers.rope import apply_rope, rope_tables
 
     launched = []
@@ -335,10 +338,11 @@ def test_rope_kernel_on_a_strided_view_matches_torch_path(dtype, B, H, S, d, sta
     view = lambda t: t.unflatten(-1, (H, d)).transpose(1, 2)  # noqa: E731
     q = view(qkv[..., H * d:2 * H * d])
     assert S == 0 or not q.is_contiguous()
-    cos, sin = rope_tables(S, d, 10000.0, DEVICE, start)
+    cos, sin = rope_tables(S, r, 10000.0, DEVICE, start)
     grad = rand(B, H, S, d, dtype=dtype)
     out, (g,) = with_grads(lambda x: apply_rope(x, cos, sin), [q], grad)
     assert launched and out.dtype == dtype and g.dtype == dtype and out.shape == (B, H, S, d)
+    assert torch.equal(out[..., r:], q[..., r:]) and torch.equal(g[..., r:], grad[..., r:])
     out64, (g64,) = with_grads(lambda x: apply_rope(x, cos, sin), [q.double()], grad.double())
     # two fp32 products and a sum, one rounding to dtype
     torch.testing.assert_close(out.double(), out64, rtol=rtol(dtype), atol=1e-6)

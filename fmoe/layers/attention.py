@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 try:  # torch 2.9 on asks FlexAttention for the lse this way (return_lse is deprecated)
@@ -205,16 +206,28 @@ def _mask(S: int, L: int, start: int, docs: Documents | None, window: int, devic
     return mask
 
 
+_NARROW_VALUE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _sdpa(q_BHSd, k_BKLd, v_BKLe, mask, gqa: bool, scale):
     """SDPA, causal (``mask`` None) or under ``mask``; ``[B, H, S, e]``.
 
-    Narrower value heads (``e < d``, MLA's) go to SDPA as they are: it picks cuDNN or
-    the memory-efficient kernel (flash takes only equal head sizes). Zero-padding v to
-    ``d`` for flash, as transformers does, measured 1.44x slower on the H100 at
-    ``d = 192, e = 128`` (``benchmarks/attention_paths.py``: 2.52 ms against 1.75 ms for
-    forward and backward of 2 x 4096 positions, 16 heads).
+    Narrower value heads (``e < d``, MLA's) go to SDPA as they are, cuDNN first (flash
+    takes only equal head sizes). Left to its own order, a step of deepseek-v3-medium
+    on an H200 ran the memory-efficient kernel instead: 150 against 21 GPU ms for the
+    16 layers' attention. Zero-padding v to ``d`` for flash, as transformers does,
+    measured 1.44x slower on the H100 at ``d = 192, e = 128``
+    (``benchmarks/attention_paths.py``: 2.52 ms against 1.75 ms for forward and
+    backward of 2 x 4096 positions, 16 heads).
     """
     extra = {"enable_gqa": True, "scale": scale} if gqa else {"scale": scale}
+    if q_BHSd.is_cuda and v_BKLe.shape[-1] != q_BHSd.shape[-1]:
+        with sdpa_kernel(_NARROW_VALUE_BACKENDS, set_priority=True):
+            return _sdpa_call(q_BHSd, k_BKLd, v_BKLe, mask, extra)
+    return _sdpa_call(q_BHSd, k_BKLd, v_BKLe, mask, extra)
+
+
+def _sdpa_call(q_BHSd, k_BKLd, v_BKLe, mask, extra: dict):
     if mask is None:
         return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, is_causal=True, **extra)
     return F.scaled_dot_product_attention(q_BHSd, k_BKLd, v_BKLe, attn_mask=mask, **extra)

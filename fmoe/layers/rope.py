@@ -68,12 +68,12 @@ def apply_rope(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor)
     in fp32 whatever x's dtype (on CUDA with Triton: one fused kernel, the same math).
     ``r = 2h`` (``h``: the tables' width) is ``d`` or, partial RoPE, fewer: the features
     from ``r`` on pass unchanged."""
+    if triton_kernels.rope_fusable(x_BHSd, cos_Sh):
+        return triton_kernels.rope_BHSd(x_BHSd, cos_Sh, sin_Sh)
     d, r = x_BHSd.shape[-1], 2 * cos_Sh.shape[-1]
-    if r < d:  # the torch form on the rotated slice: the fused kernel is for whole heads
+    if r < d:
         x_BHSr, rest_BHSp = x_BHSd.split([r, d - r], dim=-1)
         return torch.cat([_rotate_half(x_BHSr, cos_Sh, sin_Sh), rest_BHSp], dim=-1)
-    if cos_Sh.dim() == 2 and triton_kernels.rope_fusable(x_BHSd):
-        return triton_kernels.rope_BHSd(x_BHSd, cos_Sh, sin_Sh)
     return _rotate_half(x_BHSd, cos_Sh, sin_Sh)
 
 

@@ -236,18 +236,20 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, S, stride_b, stride_h, stride_s, HALF,
-                     NEGATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        # grid (row blocks,) over the B * H * S rows of a strided [B, H, S, d] view (q or k
-        # straight out of the qkv projection): out = (x1 c - x2 s, x2 c + x1 s) in fp32,
-        # contiguous. NEGATE rotates back by -angle: the backward of the same rotation.
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, N, H, S, stride_b, stride_h, stride_s, HALF, D,
+                     NEGATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+        # grid (row blocks,) over the B * H * S rows of a strided [B, H, S, D] view (q or k
+        # straight out of the qkv projection): the first 2 * HALF features become
+        # (x1 c - x2 s, x2 c + x1 s) in fp32, the rest (partial RoPE) pass as they are;
+        # out is contiguous. NEGATE rotates back by -angle: the backward of the same rotation.
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         cols = tl.arange(0, BLOCK_C)
         mask = (rows < N)[:, None] & (cols < HALF)[None, :]
         pos = rows % S
         head = (rows // S) % H
         batch = rows // (S * H)
-        x_at = (batch * stride_b + head * stride_h + pos * stride_s)[:, None] + cols[None, :]
+        row_at = (batch * stride_b + head * stride_h + pos * stride_s)[:, None]
+        x_at = row_at + cols[None, :]
         x1 = tl.load(x_ptr + x_at, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + x_at + HALF, mask=mask, other=0.0).to(tl.float32)
         table_at = pos[:, None] * HALF + cols[None, :]
@@ -255,28 +257,39 @@ if triton is not None:
         s = tl.load(sin_ptr + table_at, mask=mask, other=0.0)
         if NEGATE:
             s = -s
-        out_at = rows[:, None] * (2 * HALF) + cols[None, :]
+        out_row = rows[:, None] * D
+        out_at = out_row + cols[None, :]
         tl.store(out_ptr + out_at, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptr + out_at + HALF, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=mask)
+        if BLOCK_P > 0:
+            rest = 2 * HALF + tl.arange(0, BLOCK_P)
+            rest_mask = (rows < N)[:, None] & (rest < D)[None, :]
+            kept = tl.load(x_ptr + row_at + rest[None, :], mask=rest_mask, other=0.0)
+            tl.store(out_ptr + out_row + rest[None, :], kept.to(out_ptr.dtype.element_ty), mask=rest_mask)
 
 
-def rope_fusable(x_BHSd: torch.Tensor) -> bool:
-    """``rope_BHSd`` takes ``x``: kernels available, a kernel dtype, unit stride along d."""
+def rope_fusable(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor) -> bool:
+    """``rope_BHSd`` takes ``x`` and the tables: kernels available, a kernel dtype, unit
+    stride along d, one table row per position rotating at most d features."""
     return (fused_kernels_available(x_BHSd) and x_BHSd.dtype in KERNEL_DTYPES and x_BHSd.dim() == 4
-            and x_BHSd.shape[-1] % 2 == 0 and x_BHSd.stride(-1) == 1)
+            and cos_Sh.dim() == 2 and 2 * cos_Sh.shape[-1] <= x_BHSd.shape[-1] and x_BHSd.stride(-1) == 1)
 
 
 def rotate_BHSd(x_BHSd: torch.Tensor, cos_Sh: torch.Tensor, sin_Sh: torch.Tensor, negate: bool) -> torch.Tensor:
-    """``x`` rotated by the RoPE angles (``negate``: by minus them, the backward), as a
+    """``x`` with its first ``2h`` features rotated by the RoPE angles (``h``: the tables'
+    width; ``negate``: by minus them, the backward) and the rest as they are, as a
     contiguous tensor in x's dtype; x needs unit stride along d."""
     B, H, S, d = x_BHSd.shape
+    half = cos_Sh.shape[-1]
     out = _new((B, H, S, d), x_BHSd.dtype, x_BHSd.device)
     if out.numel():
-        block_r, block_c = _blocks(d // 2)
+        block_r, block_c = _blocks(half)
+        kept = d - 2 * half
+        block_p = triton.next_power_of_2(kept) if kept else 0
         with on_device_of(x_BHSd):
             _rope_kernel[(triton.cdiv(B * H * S, block_r),)](
-                x_BHSd, cos_Sh, sin_Sh, out, B * H * S, H, S, *x_BHSd.stride()[:3], d // 2, NEGATE=negate,
-                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=NUM_WARPS)
+                x_BHSd, cos_Sh, sin_Sh, out, B * H * S, H, S, *x_BHSd.stride()[:3], half, d, NEGATE=negate,
+                BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p, num_warps=NUM_WARPS)
     return _done(out, x_BHSd.dtype)
 
 
