@@ -1,6 +1,6 @@
 """Rotary position embeddings: the cos/sin tables (plain, or YaRN's blended frequencies
-and attention factor), the rotate-half rotation (one fused Triton kernel on CUDA for
-whole heads) and DeepSeek's interleaved pairs regrouped into halves."""
+and attention factor), the rotate-half rotation (one fused Triton kernel on CUDA, whole
+heads or their first ``rope_dims`` features) and DeepSeek's interleaved pairs regrouped into halves."""
 
 import math
 
