@@ -61,3 +61,31 @@ def test_graphed_mla_scopes_are_bitwise_eager():
     res = graphed_losses(plan, global_batch().cuda(), modes=("eager", "attn", "attn+router+experts"))
     for mode, losses in res.items():
         assert torch.isfinite(losses).all() and torch.equal(losses, res["eager"]), mode
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_narrower_value_heads_run_cudnn_attention(compiled):
+    # attend asks for cuDNN first and gets it, eager and compiled. Left to SDPA's own
+    # order, a whole compiled deepseek-v3-medium step on an H200 ran the memory-efficient
+    # kernel for q/k heads of 192 and values of 128 (7x cuDNN's time); that choice did
+    # not reproduce in a lone call, nor in the same step on an H100
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN's fused attention for heads of 192 needs sm_90 or newer")
+    from torch.profiler import ProfilerActivity, profile
+
+    from .test_gpu_sinks_window import attention_module
+
+    g = torch.Generator(device="cuda").manual_seed(29)
+    q, k = (torch.randn(2, 4, 256, 192, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    v = torch.randn(2, 4, 256, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    run = attention_module._sdpa
+    if compiled:
+        run = torch.compile(run, dynamic=False, fullgraph=True)
+    run(q, k, v, None, False, None).sum().backward()  # compile outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run(q, k, v, None, False, None).sum().backward()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    assert any("cudnn" in n and "sdpa" in n for n in names), sorted(names)
+    assert not any("fmha_cutlass" in n for n in names), sorted(names)
