@@ -1,6 +1,7 @@
 """fmoe: Mixture-of-Experts transformers as pure functions over parameter pytrees."""
 
 from . import layers
+from .batch import local_batch
 from .checkpoint import Checkpoint, load, save
 from .config import ModelConfig, Plan
 from .optim import (
@@ -32,6 +33,7 @@ __all__ = [
     "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
     "apply_if_finite", "chain", "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full",
     "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "last_grad_norm", "layers", "load",
+    "local_batch",
     "optimizer",
     "param_shapes", "save", "scale_by_adam", "skipped_steps", "step", "train_flops_per_token",
     "update_expert_bias", "warmup_cosine",

@@ -141,10 +141,51 @@ def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
     return Batch(tokens, targets, segments, counted)
 
 
+def local_batch(global_batch: dict, plan, rank: int) -> dict:
+    """What rank ``rank`` of ``plan`` passes to ``fmoe.step``: its rows of the global batch.
+
+    Every rank of a ``dp x ep`` plan reads rows of its own (expert parallelism splits
+    the experts, not the data), so the rows split into ``plan.world`` equal blocks in
+    rank order and rank ``r`` takes block ``r``; ``loss_mask`` and ``segments`` are cut
+    the same way. The ranks' losses and gradients together equal one process's step on
+    the whole batch.
+
+    Arguments:
+        global_batch: the dict ``fmoe.step`` would take on one process (``tokens`` and
+            optionally ``loss_mask``, ``segments``).
+        plan: the Plan the ranks run (its ``world``).
+        rank: this process's rank, ``0 <= rank < plan.world``.
+
+    Returns:
+        A dict with the same keys, each a view of the rank's rows.
+
+    Raises:
+        ValueError: naming ``rank``, the key, or the row count, before anything is cut.
+    """
+    world = plan.world
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"local_batch: rank={rank!r}; allowed: an int in 0..{world - 1} (Plan.world={world})")
+    if not isinstance(global_batch, dict) or not isinstance(global_batch.get("tokens"), torch.Tensor):
+        raise ValueError("local_batch: the global batch must be a dict with 'tokens': LongTensor[B, S+1]")
+    unknown = [k for k in global_batch if k not in BATCH_KEYS]
+    if unknown:
+        raise ValueError(f"local_batch: unknown key {unknown[0]!r}; allowed keys: {', '.join(map(repr, BATCH_KEYS))}")
+    rows = global_batch["tokens"].shape[0]
+    if rows % world:
+        raise ValueError(f"local_batch: batch['tokens'] has {rows} rows, which Plan.world={world} (dp x ep ranks, "
+                         f"each with rows of its own) does not divide (allowed: a multiple of {world})")
+    for key, value in global_batch.items():
+        if value is not None and (not isinstance(value, torch.Tensor) or value.shape[:1] != (rows,)):
+            raise ValueError(f"local_batch: batch[{key!r}] must have the {rows} rows of batch['tokens'], "
+                             f"got {_describe(value)}")
+    per = rows // world
+    return {key: None if value is None else value[rank * per:(rank + 1) * per] for key, value in global_batch.items()}
+
+
 def no_counted_target() -> ValueError:
     """The error of a global batch whose every target is masked out."""
     return ValueError("batch['loss_mask'] (with 'segments') leaves no counted target in the global batch; "
                       "allowed: at least one True in loss_mask at a position whose segment continues")
 
 
-__all__ = ["BATCH_KEYS", "Batch", "IGNORE", "no_counted_target", "read_batch"]
+__all__ = ["BATCH_KEYS", "Batch", "IGNORE", "local_batch", "no_counted_target", "read_batch"]

@@ -564,7 +564,7 @@ def finetune_configs(rank, world, dp, ep):
     for name, batch in (("packed", packed), ("uneven", uneven), ("separate", separate)):
         if name == "separate":  # 11 rows: rank r takes its share of whole rows, padded by masked rows
             batch = {k: torch.cat([v, torch.zeros_like(v[:5])]) for k, v in batch.items()}
-        mine = {k: rank_rows(v, rank, world) for k, v in batch.items()}
+        mine = fmoe.local_batch(batch, plan, rank)
         step = fmoe.step(params, mine, plan)
         out[name] = {"loss": step.loss, "tokens": step.metrics["tokens"], "grads": fmoe.gather_full(step.grads, plan)}
     return out
