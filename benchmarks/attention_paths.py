@@ -9,8 +9,8 @@ forward and backward (CUDA events, after ``--warmup``):
 - ``mla``: q/k heads of 192 features, v heads of 128 (DeepSeek-V3's multi-head
   latent attention), 16 heads, plain causal:
   ``padded flash`` (v zero-padded to 192, SDPA's flash kernel,
-  the output cut back), ``sdpa as is`` (what ``attend`` runs, v as it is: SDPA's own choice, cuDNN where
-  the build prefers it, else the memory-efficient kernel), ``sdpa cudnn`` (forced;
+  the output cut back), ``sdpa as is`` (what ``attend`` runs, v as it is: cuDNN first, else the
+  memory-efficient kernel), ``sdpa cudnn`` (forced;
   skipped where cuDNN refuses the shape), ``flex causal`` (compiled FlexAttention
   under the cached causal block mask, value heads of 128 natively);
 - ``gpt-oss``: heads of 64 features, 64 query heads over 8 kv heads, sinks and a
