@@ -42,7 +42,8 @@ The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 
 otherwise (``--peers`` picks eager, compiled, both or neither). Each system is freed
 (and dynamo's caches reset) before the next; fmoe runs each mesh of ``--meshes``:
 ``dp`` (``no_shard`` on one rank, ZeRO-3 ``optim_grads_params`` over all ranks
-otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism), each
+otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism; also ``tpZ``
+and ``cpW``, tensor and context parallelism, e.g. ``dp1tp2``, ``dp1ep2tp2``), each
 optionally followed by ``+1f1b`` (``schedule="1f1b_overlap"``; give it
 ``--microbatches`` >= 2) and ``+dw`` (``delay_wgrad``). A step is forward + backward + the AdamW update on both
 sides; neither clips gradients; the median over ``--steps`` timed steps after
@@ -140,7 +141,7 @@ def parse(more=None):
     ap.add_argument("--shape", choices=tuple(SHAPES), help="one model shape (default coarse)")
     ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), help="several shapes, one table each")
     ap.add_argument("--meshes", nargs="+", default=["dp"],
-                    help="fmoe meshes: dp or dpXepY (e.g. dp1ep2), each optionally +1f1b (1f1b_overlap) "
+                    help="fmoe meshes: dp or dpX[epY][tpZ][cpW] (e.g. dp1ep2, dp1tp2), each optionally +1f1b (1f1b_overlap) "
                          "and +dw (delay_wgrad), e.g. dp1ep2+1f1b+dw")
     ap.add_argument("--peers", nargs="*", default=["eager", "compiled"], choices=("eager", "compiled"),
                     help="which peers run (none: --peers alone)")
@@ -219,16 +220,19 @@ def count(n: int) -> str:
 
 
 def mesh_of(name: str, world: int) -> dict:
-    """The Plan fields of a ``--meshes`` entry: ``dp`` -> dp=world; ``dpXepY`` -> dp=X,
-    ep=Y (X * Y must be the world size); ``+1f1b`` -> the overlap schedule, ``+dw`` ->
-    delayed weight gradients."""
-    m = re.fullmatch(r"dp(?:(\d+)ep(\d+))?((?:\+1f1b|\+dw)*)", name)
-    dp, ep = ((int(m[1]), int(m[2])) if m[1] else (world, 1)) if m else (0, 0)
-    options = m[3].split("+")[1:] if m else []
-    if dp * ep != world or len(set(options)) != len(options):
-        raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpXepY' with X * Y = {world} ranks, "
-                         f"optionally followed by '+1f1b' and/or '+dw' once each")
-    return dict(dp=dp, ep=ep, schedule="1f1b_overlap" if "1f1b" in options else "standard",
+    """The Plan fields of a ``--meshes`` entry: ``dp`` -> dp=world; ``dpX`` followed by any
+    of ``epY``, ``tpZ``, ``cpW`` (in that order) -> those degrees (their product must be
+    the world size; tensor and context parallel ranks share rows of the global batch,
+    ``fmoe.local_batch``); ``+1f1b`` -> the overlap schedule, ``+dw`` -> delayed weight
+    gradients."""
+    m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?((?:\+1f1b|\+dw)*)", name)
+    degrees = [int(d) if d else 1 for d in m.groups()[:4]] if m and m[1] else [world, 1, 1, 1]
+    options = m[5].split("+")[1:] if m else []
+    if not m or math.prod(degrees) != world or len(set(options)) != len(options):
+        raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpX' with any of 'epY', 'tpZ', 'cpW' after it, the "
+                         f"degrees' product {world} ranks, optionally followed by '+1f1b' and/or '+dw' once each")
+    dp, ep, tp, cp = degrees
+    return dict(dp=dp, ep=ep, tp=tp, cp=cp, schedule="1f1b_overlap" if "1f1b" in options else "standard",
                 delay_wgrad="dw" in options)
 
 
@@ -247,12 +251,18 @@ class Bench:
         self.batches = []
 
     def draw(self, vocab: int):
-        """Batch i of this rank: the same tokens for every system, drawn once, outside the timing."""
+        """Batch i of this rank: the same tokens for every system, drawn once, outside the
+        timing; ``rows(i, block)``: batch i of row block ``block`` (a rank's on a ``dp`` or
+        ``ep`` mesh), from which tensor- and context-parallel meshes build theirs."""
         args = self.args
-        self.batches = [torch.randint(0, vocab, (args.batch, args.seq + 1),
-                                      generator=torch.Generator().manual_seed(i * self.world + self.rank)
-                                      ).to(self.device)
-                        for i in range(args.warmup + args.steps)]
+
+        def rows(i, rank):
+            return torch.randint(0, vocab, (args.batch, args.seq + 1),
+                                 generator=torch.Generator().manual_seed(i * self.world + rank))
+
+        steps = range(args.warmup + args.steps)
+        self.batches = [rows(i, self.rank).to(self.device) for i in steps]
+        self.rows = rows
 
     def sync(self):
         if self.device == "cuda":
@@ -350,8 +360,16 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     held = {"params": fmoe.init(plan, seed=0)}
     held["state"] = opt.init(held["params"])
 
+    # tensor- and context-parallel ranks share rows: --batch rows per row block (per model
+    # replica), each rank its part (fmoe.local_batch), so such a mesh has fewer tokens per GPU
+    blocks = plan.dp * plan.ep
+    cut = plan.tp > 1 or plan.cp > 1
+    local = {id(t): fmoe.local_batch({"tokens": torch.cat([bench.rows(i, b) for b in range(blocks)])}, plan,
+                                     bench.rank)["tokens"].to(bench.device)
+             for i, t in enumerate(bench.batches)} if cut else {}
+
     def step(tokens):
-        batch = {"tokens": tokens}
+        batch = {"tokens": local.get(id(tokens), tokens)}
         if graph and "graph" not in held:
             held["graph"] = capture_step(held["params"], batch, plan, donate=True)
         out = held["graph"](held["params"], batch) if graph else fmoe.step(held["params"], batch, plan)
@@ -361,12 +379,13 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     bench.fresh_memory()
     step_s, first_s, loss = bench.timed(step)
     peak = bench.peak_gib()
-    shown = (f"dp{plan.dp}" + (f" x ep{plan.ep}" if plan.ep > 1 else "")
+    shown = (f"dp{plan.dp}" + "".join(f" x {k}{getattr(plan, k)}" for k in ("ep", "tp", "cp") if getattr(plan, k) > 1)
              + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
              + (" 1f1b" if plan.schedule == "1f1b_overlap" else "") + (" delay_wgrad" if plan.delay_wgrad else ""))
     system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
               + (" + step graph" if graph else ""))
     return dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
+                tokens=args.batch * args.seq * blocks // bench.world,
                 first_s=first_s, peak=peak, loss=float(loss), compiled=compile, **bench.profiled(step))
 
 
@@ -414,7 +433,8 @@ def run_shape(bench: Bench, name: str) -> dict:
     bench.say("| --- " * (9 + profiled.count("|")) + "|")
     compiled_peer = next((r for r in peers if r["compiled"]), None)
     for r in rows:  # MFU and peak memory mean nothing on the CPU
-        r["tokens_s_gpu"], r["mfu"] = tokens / r["step_s"], flops / r["step_s"] / (PEAK_TFLOPS * 1e12)
+        share = r.get("tokens", tokens) / tokens  # a tensor- or context-parallel mesh's tokens per GPU
+        r["tokens_s_gpu"], r["mfu"] = share * tokens / r["step_s"], share * flops / r["step_s"] / (PEAK_TFLOPS * 1e12)
         mfu_s, peak_s = (f"{r['mfu']:.1%}", f"{r['peak']:.2f}") if on_gpu else ("-", "-")
         vs = f"{compiled_peer['step_s'] / r['step_s']:.2f}x" if compiled_peer else "-"
         times = "".join(f" {r[k]:.1f} |" for k in ("comm_ms", "exposed_ms", "idle_ms")) if profiled else ""

@@ -67,7 +67,7 @@ def _integer_dtype(t: torch.Tensor) -> bool:
     return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
 
 
-def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
+def read_batch(batch, vocab: int, microbatches: int, device, tp: int = 1, cp: int = 1) -> Batch:
     """Check ``batch`` (a dict with ``tokens`` and optionally ``loss_mask`` and
     ``segments``) and return it as a Batch on ``device``.
 
@@ -76,6 +76,11 @@ def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
         vocab: ids must lie in ``0..vocab-1``.
         microbatches: the row count must be a positive multiple of it.
         device: where the Batch's tensors go.
+        tp: ``Plan.tp``: the positions of a row split over that many ranks, so the
+            row length must be a multiple of it.
+        cp: ``Plan.cp``: each of the rank's rows of the global batch comes as two rows,
+            its two chunks (``local_batch``), which a microbatch keeps together: the
+            row count must be a multiple of ``2 * microbatches``; no ``segments``.
 
     Returns:
         A Batch. One host read (of the ids' range, and with masks or segments their
@@ -103,6 +108,17 @@ def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
     if rows == 0 or rows % microbatches:
         raise ValueError(f"batch['tokens'] has {rows} rows, which Plan.microbatches={microbatches} "
                          f"does not divide (allowed: a positive multiple of {microbatches})")
+    if cp > 1 and rows % (2 * microbatches):
+        raise ValueError(f"batch['tokens'] has {rows} rows; under Plan.cp={cp} a rank's rows come in pairs, the "
+                         f"two chunks of each of its sequences (fmoe.local_batch), and a microbatch keeps a pair "
+                         f"together (allowed: a multiple of 2 * Plan.microbatches = {2 * microbatches})")
+    if cols > 1 and (cols - 1) % tp:
+        raise ValueError(f"batch['tokens'] holds {cols - 1} positions per row, which Plan.tp={tp} does not divide: "
+                         f"sequence parallelism splits each row's positions over the tp ranks (allowed: a multiple "
+                         f"of {tp})")
+    if cp > 1 and batch.get("segments") is not None:
+        raise ValueError(f"batch['segments'] (packed documents) is not supported under Plan.cp={cp} (context "
+                         "parallelism assumes one sequence per row); allowed: no 'segments', or Plan.cp=1")
     mask, segments = batch.get("loss_mask"), batch.get("segments")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
                              or tuple(mask.shape) != (rows, cols - 1)):
@@ -142,27 +158,34 @@ def read_batch(batch, vocab: int, microbatches: int, device) -> Batch:
 
 
 def local_batch(global_batch: dict, plan, rank: int) -> dict:
-    """What rank ``rank`` of ``plan`` passes to ``fmoe.step``: its rows of the global batch.
+    """What rank ``rank`` of ``plan`` passes to ``fmoe.step``: its part of the global batch.
 
-    Every rank of a ``dp x ep`` plan reads rows of its own (expert parallelism splits
-    the experts, not the data), so the rows split into ``plan.world`` equal blocks in
-    rank order and rank ``r`` takes block ``r``; ``loss_mask`` and ``segments`` are cut
-    the same way. The ranks' losses and gradients together equal one process's step on
-    the whole batch.
+    The ``dp x ep`` row blocks read rows of their own (expert parallelism splits the
+    experts, not the data): the rows split into ``dp * ep`` equal blocks and a rank
+    takes the block of its ``(d, e)`` coordinates (``fmoe.parallel_dims``); the ``tp``
+    ranks of a block take the same rows. Under ``Plan.cp > 1`` each sequence of ``S``
+    positions is cut into ``2 * cp`` chunks of ``L = S / (2 cp)`` and the rank of
+    context index ``c`` takes chunks ``c`` and ``2 cp - 1 - c`` (the first and the last
+    are as costly under causal attention as two in the middle), each with the token
+    after it: its rows of ``L + 1`` tokens, two per sequence, in order (``loss_mask``'s
+    ``L`` and ``segments``' ``L + 1`` cut alike). Together the ranks' losses and
+    gradients equal one process's step on the whole batch.
 
     Arguments:
         global_batch: the dict ``fmoe.step`` would take on one process (``tokens`` and
             optionally ``loss_mask``, ``segments``).
-        plan: the Plan the ranks run (its ``world``).
+        plan: the Plan the ranks run (its ``world`` and ``dims``).
         rank: this process's rank, ``0 <= rank < plan.world``.
 
     Returns:
-        A dict with the same keys, each a view of the rank's rows.
+        A dict with the same keys: views of the rank's rows, or under ``cp`` new tensors
+        of its chunks.
 
     Raises:
-        ValueError: naming ``rank``, the key, or the row count, before anything is cut.
+        ValueError: naming ``rank``, the key, the row count or ``Plan.cp`` and the
+            sequence length, before anything is cut.
     """
-    world = plan.world
+    world, dims = plan.world, plan.dims
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"local_batch: rank={rank!r}; allowed: an int in 0..{world - 1} (Plan.world={world})")
     if not isinstance(global_batch, dict) or not isinstance(global_batch.get("tokens"), torch.Tensor):
@@ -170,16 +193,40 @@ def local_batch(global_batch: dict, plan, rank: int) -> dict:
     unknown = [k for k in global_batch if k not in BATCH_KEYS]
     if unknown:
         raise ValueError(f"local_batch: unknown key {unknown[0]!r}; allowed keys: {', '.join(map(repr, BATCH_KEYS))}")
-    rows = global_batch["tokens"].shape[0]
-    if rows % world:
-        raise ValueError(f"local_batch: batch['tokens'] has {rows} rows, which Plan.world={world} (dp x ep ranks, "
-                         f"each with rows of its own) does not divide (allowed: a multiple of {world})")
+    rows, blocks = global_batch["tokens"].shape[0], dims.dp * dims.ep
+    if rows % blocks:
+        raise ValueError(f"local_batch: batch['tokens'] has {rows} rows, which the Plan's dp * ep = {blocks} row "
+                         f"blocks (each with rows of its own) do not divide (allowed: a multiple of {blocks})")
     for key, value in global_batch.items():
         if value is not None and (not isinstance(value, torch.Tensor) or value.shape[:1] != (rows,)):
             raise ValueError(f"local_batch: batch[{key!r}] must have the {rows} rows of batch['tokens'], "
                              f"got {_describe(value)}")
-    per = rows // world
-    return {key: None if value is None else value[rank * per:(rank + 1) * per] for key, value in global_batch.items()}
+    seq = global_batch["tokens"].shape[1] - 1
+    if dims.cp > 1 and seq % (2 * dims.cp):
+        raise ValueError(f"local_batch: Plan.cp={dims.cp} cuts each sequence into 2 * cp = {2 * dims.cp} chunks, "
+                         f"which do not divide its {seq} positions (allowed: a length that is a multiple of "
+                         f"{2 * dims.cp})")
+    per, block = rows // blocks, dims.row_block(rank)
+    mine = {key: None if value is None else value[block * per:(block + 1) * per] for key, value in global_batch.items()}
+    return context_chunks(mine, plan, rank)
+
+
+def context_chunks(rows: dict, plan, rank: int) -> dict:
+    """Rank ``rank``'s two chunks of each of ``rows``' sequences under ``Plan.cp > 1``, as
+    consecutive rows (``local_batch``); ``rows`` itself under ``cp = 1``. The sequence
+    length must be a multiple of ``2 * cp`` (``local_batch`` checks it)."""
+    dims = plan.dims
+    if dims.cp == 1:
+        return rows
+    length, c = (rows["tokens"].shape[1] - 1) // (2 * dims.cp), dims.coords(rank).c
+    firsts = (c * length, (2 * dims.cp - 1 - c) * length)
+
+    def chunks(value, extra: int):  # the two chunks of each row, as consecutive rows
+        pieces = [value[:, first:first + length + extra] for first in firsts]
+        return torch.stack(pieces, dim=1).flatten(0, 1)
+
+    return {key: None if value is None else chunks(value, 0 if key == "loss_mask" else 1)
+            for key, value in rows.items()}
 
 
 def no_counted_target() -> ValueError:
@@ -188,4 +235,4 @@ def no_counted_target() -> ValueError:
                       "allowed: at least one True in loss_mask at a position whose segment continues")
 
 
-__all__ = ["BATCH_KEYS", "Batch", "IGNORE", "local_batch", "no_counted_target", "read_batch"]
+__all__ = ["BATCH_KEYS", "Batch", "IGNORE", "context_chunks", "local_batch", "no_counted_target", "read_batch"]

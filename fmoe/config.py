@@ -16,6 +16,8 @@ from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, FP8S, GATHER_BUFFERS, 
                             PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS, SHARDINGS,
                             _check_choices, choices, field_docs)
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
+from .parallel_checks import check_parallel
+from .parallel_dims import ParallelDims
 from .units import check_units
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "FP8S", "GATHER_BUFFERS", "GLU_ACTIVATIONS", "PAD_MULTIPLES",
@@ -28,7 +30,19 @@ class Plan:
 
     Arguments:
         model: the ModelConfig.
-        dp, ep: data- and expert-parallel sizes; the world is ``dp * ep`` ranks.
+        dp, ep: data- and expert-parallel sizes: the ``dp * ep`` row blocks of the global
+            batch (expert parallelism splits the experts, not the data).
+        tp: tensor parallelism: attention's heads, the dense MLPs' and the shared
+            expert's hidden width and the vocabulary (embedding and head) split over
+            ``tp`` ranks, which also split the residual stream's positions (sequence
+            parallelism of the norms, the router and the experts' input).
+        etp: the routed experts' own tensor parallelism: each expert's hidden width
+            split over ``etp`` ranks of one expert index (``fmoe.parallel_dims``).
+        cp: context parallelism: each sequence in ``2 * cp`` chunks, rank ``c`` holding
+            chunks ``c`` and ``2 * cp - 1 - c`` (``fmoe.local_batch``); attention's keys
+            and values gathered over the ``cp`` ranks.
+            The world is ``dp * ep * cp * tp`` ranks (``Plan.world``), laid out as
+            ``fmoe.parallel_dims`` says.
         sharding: ``no_shard | optim | optim_grads | optim_grads_params``.
         schedule: ``standard`` (each microbatch forward, then backward) or
             ``1f1b_overlap`` (the forward of microbatch i+1 woven into the backward of
@@ -106,12 +120,16 @@ class Plan:
     remat: str = "none"
     loss_chunk: int = 0
     fp8: str = "none"
+    # after the fields that existed before them, so that a Plan built by position keeps its meaning
+    tp: int = 1
+    etp: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         own = "Plan"
         if not isinstance(self.model, ModelConfig):
             fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
-        for name in ("dp", "ep", "microbatches"):
+        for name in ("dp", "ep", "tp", "etp", "cp", "microbatches"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         _check_choices(self, own)
         check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
@@ -128,6 +146,7 @@ class Plan:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
             fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
+        check_parallel(self.dims, self.model)
         if not isinstance(self.device, str):
             fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
         try:
@@ -166,14 +185,26 @@ class Plan:
             widths["shared_ffn"] = cfg.shared_ffn
         if self.fp8 == "tensorwise":  # its head's product is FP8 too
             widths["vocab"] = cfg.vocab
-        odd = {k: v for k, v in widths.items() if v % 16}
+        # what one rank multiplies: tensor parallelism cuts these widths (a copied key/value
+        # head stays whole), expert tensor parallelism the experts'
+        cut = {"q_width": self.tp, "kv_width": min(self.tp, cfg.num_kv_heads), "attn_out_width": self.tp,
+               "kv_up_width": self.tp, "dense_ffn": self.tp, "shared_ffn": self.tp, "vocab": self.tp,
+               "ffn": self.etp}
+        odd = {k: v // cut.get(k, 1) for k, v in widths.items() if (v // cut.get(k, 1)) % 16}
         if odd:
-            fail(own, self.fp8, f"FP8 GEMMs need every width a multiple of 16; the model has "
-                                f"{', '.join(f'{k}={v}' for k, v in odd.items())} (or use fp8='none')")
+            per_rank = " per rank" if self.tp > 1 or self.etp > 1 else ""
+            fail(own, self.fp8, f"FP8 GEMMs need every width{per_rank} a multiple of 16; the model has "
+                                f"{', '.join(f'{k}={v}' for k, v in odd.items())}{per_rank} (or use fp8='none')")
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep
+        """The ranks the plan runs on: ``dp * ep * cp * tp``."""
+        return self.dims.world
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees as one value (``fmoe.parallel_dims``)."""
+        return ParallelDims(self.dp, self.ep, self.cp, self.tp, self.etp)
 
     @property
     def unit_groups(self) -> tuple:

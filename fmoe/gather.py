@@ -17,8 +17,9 @@ def gather_full(tree, plan: Plan):
     """Full tensors for a pytree laid out like ``fmoe.init(plan)`` (params, grads, or
     an optimizer moment). Every rank must call it; every rank gets the same result.
 
-    Row shards are gathered over the ranks that split them; under expert
-    parallelism each rank's experts are then gathered over the EP group.
+    Row shards are gathered over the ranks that split them; tensor-parallel pieces
+    over the ``tp`` (or, for the experts, ``etp``) group and put back together; under
+    expert parallelism each rank's experts are then gathered over the EP group.
 
     Arguments:
         tree: this rank's pytree in the plan's layout.
@@ -61,6 +62,13 @@ def iter_full(named: dict, plan: Plan) -> Iterator[dict]:
                 views = full_views(out, layout)
             else:
                 views = {s.path: named[s.path] for s in layout.slots}
+            for path in [p for p in views if spec.cuts(p)]:
+                leaf = spec.table[path]
+                group = mesh.etp if leaf.domain == Domain.EXPERT else mesh.tp
+                local = views[path].contiguous()
+                every = local.new_empty((group.size,) + tuple(local.shape))
+                group.all_gather(every.view(-1), local.view(-1)).wait()
+                views[path] = leaf.split.assemble(list(every.unbind(0)), group.size)
             if domain == Domain.EXPERT and plan.ep > 1:
                 for path, local in views.items():
                     every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))

@@ -40,6 +40,7 @@ import optree
 import torch
 
 from .config import ModelConfig
+from .tensor_split import Split, split_of
 
 
 def param_specs(cfg: ModelConfig) -> dict:
@@ -155,10 +156,14 @@ def trainable(name: str) -> bool:
 
 class Domain(enum.StrEnum):
     """Where a parameter's buffers live: ``EXPERT`` (the routed experts, split over the
-    EP ranks, sharded over the expert-data-parallel group) or ``DENSE`` (everything else,
-    sharded over the world)."""
+    EP ranks and cut by ``Plan.etp``, sharded over the expert-data-parallel group),
+    ``DENSE`` (everything else, sharded over the world) or, under ``Plan.tp > 1``,
+    ``TENSOR`` (the dense leaves tensor parallelism cuts, sharded over the ranks holding
+    the same slice). A Leaf's ``domain`` is ``DENSE`` or ``EXPERT``; which buffers a plan
+    puts it in is the ShardSpec's ``placement``."""
 
     DENSE = "dense"
+    TENSOR = "tensor"
     EXPERT = "expert"
 
 
@@ -187,6 +192,9 @@ class Leaf(NamedTuple):
             ``Gemms.head``): attention's ``qkv`` and ``out``, the shared expert's ``fc1``
             and ``fc2``, the ``head``. Under ``Plan.fp8='tensorwise'`` these are gathered
             already cast to FP8 (``fmoe.shard.spec.dtype_group``).
+        split: how tensor parallelism cuts it (``fmoe.tensor_split``): ``Plan.tp`` a
+            dense leaf, ``Plan.etp`` an expert leaf; None: every rank of that group
+            holds all of it.
     """
 
     path: str
@@ -202,6 +210,7 @@ class Leaf(NamedTuple):
     trainable: bool
     glu: bool
     linear: bool
+    split: Split | None = None
 
 
 # the dense products' weights, by the subtree that holds them (``Leaf.linear``)
@@ -262,7 +271,8 @@ def _describe(keys: tuple, shape: tuple, init: str, cfg: ModelConfig) -> Leaf:
                 node=node, domain=Domain.EXPERT if experts else Domain.DENSE, fp32=name in FP32_LEAVES,
                 decayed=decays(name), trainable=trainable(name),
                 glu=cfg.is_glu and name in ("fc1", "fc1_bias") and keys[-2] in ("experts", "shared", "mlp"),
-                linear=keys == ("head",) or (len(keys) > 1 and name in LINEAR_WEIGHTS.get(keys[-2], ())))
+                linear=keys == ("head",) or (len(keys) > 1 and name in LINEAR_WEIGHTS.get(keys[-2], ())),
+                split=split_of(keys, cfg))
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,6 +20,9 @@ import torch
 from .config import Plan
 from .dist.mesh import Mesh, mesh_for
 from .layers.nodes import Kernels
+from .layers.context_parallel import ContextParallel
+from .layers.parallel import Parallel
+from .layers.tensor_parallel import TensorParallel
 from .params import ParamTable
 from .schedule.actions import Action, Backward
 from .schedule.compiled import kernels_for
@@ -60,7 +63,8 @@ class Setup:
         train, eval: the Programs of a training step and of a forward-only one.
         kernels: the functions inside the nodes (``Plan.compile``, ``Plan.remat``,
             ``Plan.fp8`` and the expert backend bound in).
-        mesh: this process's groups for the plan (made at first use).
+        mesh: this process's groups for the plan (made at first use); ``parallel``:
+            those the kernels take.
     """
 
     plan: Plan
@@ -76,6 +80,19 @@ class Setup:
     @functools.cached_property
     def mesh(self) -> Mesh:
         return mesh_for(self.plan)
+
+    @functools.cached_property
+    def parallel(self) -> Parallel:
+        """The mesh's tensor-, context- and expert-tensor-parallel groups as the kernels
+        take them (``fmoe.layers.parallel``)."""
+        mesh = self.mesh
+
+        def of(group, name):
+            return TensorParallel(group.size, group.rank, group.group, name) if group.size > 1 else None
+
+        cp = mesh.cp
+        return Parallel(tp=of(mesh.tp, "tp"), cp=ContextParallel(cp.size, cp.rank, cp.group) if cp.size > 1 else None,
+                        etp=of(mesh.etp, "etp"))
 
     def program(self, train: bool) -> Program:
         return self.train if train else self.eval

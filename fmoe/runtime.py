@@ -40,10 +40,11 @@ def check_runtime(plan: Plan) -> None:
     """Raise ValueError if ``plan`` cannot run here; nothing is computed before this."""
     world = world_size()
     if plan.world != world:
+        d = plan.dims
         raise ValueError(
-            f"Plan.dp * Plan.ep = {plan.dp} * {plan.ep} = {plan.world} ranks, but this "
-            f"process sees a world of {world}: launch {plan.world} processes "
-            f"(torchrun --nproc-per-node {plan.world}) or set dp * ep = {world}"
+            f"Plan.dp * Plan.ep * Plan.cp * Plan.tp = {d.dp} * {d.ep} * {d.cp} * {d.tp} = {plan.world} ranks "
+            f"(Plan.world), but this process sees a world of {world}: launch {plan.world} processes "
+            f"(torchrun --nproc-per-node {plan.world}) or set dp * ep * cp * tp = {world}"
         )
     check_device_and_backend(plan)
 

@@ -65,7 +65,7 @@ def check_params(params, plan: Plan, setup: Setup | None = None) -> None:
 def check_batch(batch, plan: Plan) -> Batch:
     """Validate ``batch`` for ``plan`` (``fmoe.batch.read_batch``) and return it as a
     Batch on the plan's device."""
-    return read_batch(batch, plan.model.vocab, plan.microbatches, plan.device)
+    return read_batch(batch, plan.model.vocab, plan.microbatches, plan.device, plan.tp, plan.cp)
 
 
 def check_inputs(params, batch, plan: Plan) -> Batch:
@@ -148,7 +148,7 @@ def global_targets(checked: Batch, mesh) -> int:
         ValueError: none counts (every rank reads the same sum, so all raise, before
             any compute).
     """
-    total = num_targets(checked)
+    total = num_targets(checked) if mesh.tp.rank == 0 else 0  # a tp group's ranks read the same rows
     if mesh.world.size > 1:
         total = int(_sum_over_ranks(mesh.world, torch.tensor(total, device=checked.tokens.device)))
     if total == 0:

@@ -37,7 +37,7 @@ def test_a_rank_outside_the_plan_names_rank_and_the_allowed_range(rank, words):
 
 def test_rows_the_world_does_not_divide_and_mismatched_keys_are_named():
     plan = fmoe.Plan(model=PLAIN, dp=2, ep=2)
-    with pytest.raises(ValueError, match=r"6 rows, which Plan\.world=4.*multiple of 4"):
+    with pytest.raises(ValueError, match=r"6 rows, which the Plan's dp \* ep = 4 row blocks.*multiple of 4"):
         fmoe.local_batch(fine_tuning_batch(B=6), plan, 0)
     batch = fine_tuning_batch(B=8)
     with pytest.raises(ValueError, match=r"batch\['loss_mask'\] must have the 8 rows"):

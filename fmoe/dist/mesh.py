@@ -1,9 +1,14 @@
-"""The process groups of a plan: a ``dp x ep`` DeviceMesh over the world.
+"""The process groups of a plan, from DeviceMeshes over its ParallelDims.
 
-Rank ``r`` sits at ``(r // ep, r % ep)``: the ``ep`` ranks of one row hold
-different experts and exchange tokens; the ``dp`` ranks of one column hold the same
-experts (the expert-data-parallel group, "edp") and shard them between themselves.
-Dense parameters shard over the whole world.
+The plan's ranks form one DeviceMesh with named dimensions ``("dp", "ep", "cp", "tp")``
+(``tp`` innermost: ``fmoe.parallel_dims``); the groups that cut across it are two more
+views of the same ranks: ``("tensor_data", "tp")`` (the ranks sharing a tensor-parallel
+slice) and ``("edp", "ep", "etp")`` (the experts' data- and tensor-parallel groups). A
+group that is the whole world or every rank alone needs no new process group.
+
+Which groups sum which gradients: dense parameters replicated over ``tp`` (norms,
+router, ...) over the world; tensor-parallel slices over ``tensor_data``; expert
+slices over ``edp``. Each is also the group its buffers shard over.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..config import Plan
+from ..parallel_dims import ParallelDims
 from .comm import Group
 
 LOCAL = Group(1, 0, None)
@@ -24,18 +31,28 @@ class Mesh:
     """This rank's groups.
 
     Attributes:
-        world: every rank (dense parameters, the data-parallel gradient sum).
+        world: every rank (the sum of gradients replicated over ``tp``).
         ep: the ranks this rank exchanges tokens with (size ``plan.ep``).
-        edp: the ranks holding the same experts (size ``plan.dp``).
+        edp: the ranks holding the same slice of the same experts.
+        tp, cp, etp: its tensor-, context- and expert-tensor-parallel groups.
+        tensor_data: the ranks holding the same tensor-parallel slice (``world / tp``).
     """
 
     world: Group
     ep: Group
     edp: Group
+    tp: Group = LOCAL
+    cp: Group = LOCAL
+    etp: Group = LOCAL
+    tensor_data: Group | None = None
 
     def data_group(self, domain: str) -> Group:
-        """Ranks whose gradients of ``domain`` parameters must be summed."""
-        return self.world if domain == "dense" else self.edp
+        """Ranks whose gradients of ``domain`` parameters (``fmoe.params.Domain``) must be
+        summed: ``dense`` over the world, ``tensor`` over ``tensor_data``, ``expert`` over
+        ``edp``."""
+        if domain == "expert":
+            return self.edp
+        return self.tensor_data if domain == "tensor" else self.world
 
     def shard_group(self, domain: str, size: int) -> Group:
         """Ranks sharing ``domain``'s flat buffers (one rank when ``size`` is 1)."""
@@ -47,26 +64,68 @@ def _subgroup(mesh, dim: str) -> Group:
     return Group(dist.get_world_size(group), dist.get_rank(group), group)
 
 
+def _expert_ranks(dims: ParallelDims) -> torch.Tensor:
+    """World ranks as ``[edp, ep, etp]``: rank ``(g, e, j)`` is the one of expert index
+    ``e`` whose token index is ``g * etp + j``."""
+    out = torch.empty(dims.edp, dims.ep, dims.etp, dtype=torch.int64)
+    for r in range(dims.world):
+        n, e = dims.token_index(r), dims.coords(r).e
+        out[n // dims.etp, e, n % dims.etp] = r
+    return out
+
+
 @functools.lru_cache(maxsize=8)
-def _device_mesh(dp: int, ep: int, device_type: str):
+def _device_mesh(dims: ParallelDims, view: str, device_type: str):
     # The DeviceMesh refers to its groups by name; process-group objects are looked up
     # per call and never cached, so destroy_process_group() really releases them
-    # (a cached gloo group outliving it can abort the interpreter at exit).
-    from torch.distributed.device_mesh import init_device_mesh
+    # (a cached gloo group outliving it can abort the interpreter at exit). Dimensions
+    # of size 1 are left out: each would cost a collective group creation for nothing.
+    from torch.distributed.device_mesh import DeviceMesh
 
-    return init_device_mesh(device_type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    ranks = torch.arange(dims.world)
+    if view == "dense":
+        shape = {"dp": dims.dp, "ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
+        ranks = ranks.view(*shape.values())
+    elif view == "tensor":
+        shape = {"tensor_data": dims.world // dims.tp, "tp": dims.tp}
+        ranks = ranks.view(*shape.values())
+    else:
+        shape = {"edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
+        ranks = _expert_ranks(dims)
+    kept = [i for i, size in enumerate(shape.values()) if size > 1]
+    ranks = ranks.squeeze(tuple(i for i in range(len(shape)) if i not in kept))
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(list(shape)[i] for i in kept))
+
+
+def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:
+    """Which DeviceMesh (and dimension) holds group ``name``: the dense one where it is
+    one of its dimensions (``edp`` too when only ``dp`` and ``ep`` are above 1)."""
+    if name in ("tp", "cp", "ep"):
+        return "dense", name
+    if name == "tensor_data":
+        return "tensor", name
+    if name == "edp" and dims.etp == dims.cp == dims.tp == 1:
+        return "dense", "dp"
+    return "expert", name
+
+
+_GROUPS = ("tp", "cp", "ep", "tensor_data", "edp", "etp")
+
+
+def _group(dims: ParallelDims, name: str, world: Group, device_type: str) -> Group:
+    partition = dims.groups(name)
+    if len(partition) == 1:
+        return world
+    if len(partition[0]) == 1:
+        return LOCAL
+    view, dim = _view_of(dims, name)
+    return _subgroup(_device_mesh(dims, view, device_type), dim)
 
 
 def mesh_for(plan: Plan) -> Mesh:
-    """The plan's groups on this process. A mesh with one dimension of size 1 needs no
-    subgroup (the other dimension is the world); a full ``dp x ep`` mesh is created
-    once per layout."""
-    world = Group.world()
-    if plan.ep == 1:
-        return Mesh(world, LOCAL, world)
-    if plan.dp == 1:
-        return Mesh(world, world, LOCAL)
-    import torch
-
-    mesh = _device_mesh(plan.dp, plan.ep, torch.device(plan.device).type)
-    return Mesh(world, _subgroup(mesh, "ep"), _subgroup(mesh, "dp"))
+    """The plan's groups on this process (DeviceMeshes created once per layout)."""
+    dims, world = plan.dims, Group.world()
+    device_type = torch.device(plan.device).type
+    groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
+    return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
+                groups["tensor_data"])

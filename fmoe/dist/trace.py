@@ -30,7 +30,9 @@ class Event:
             host, not kernel times (use the torch profiler for those).
         nbytes: bytes sent or received by a collective.
         purpose: ``params``, ``grads`` or ``metrics`` for collectives; ``dispatch``,
-            ``combine``, ``dispatch_grad`` or ``combine_grad`` for all-to-alls.
+            ``combine``, ``dispatch_grad`` or ``combine_grad`` for all-to-alls; ``tp``,
+            ``cp`` or ``etp`` for a node's tensor-, context- or expert-tensor-parallel
+            collectives (an eager step's forward ones), each on a row of its own.
     """
 
     kind: str

@@ -21,6 +21,7 @@ from ..checkpoint.files import staged_directory, write_atomically
 from ..config import ModelConfig, Plan
 from ..params import named_leaves
 from ..runtime import check_runtime
+from ..shard.layout import rows_cols
 from ..dist.comm import Group
 from ..gather import iter_full
 from ..resolve import resolve
@@ -121,6 +122,11 @@ def load(directory, plan: Plan) -> dict:
     for path, shape in spec.table.shapes().items():
         if path not in by_path:  # expert_bias: no such tensor in these families
             leaf = spec.shard_leaf(torch.zeros(shape), path, rank)
+        elif spec.cuts(path):  # a tensor-parallel piece is columns too: the rank's experts are read whole, then cut
+            experts = spec.leaf_piece(path, shape, rank).experts
+            held = tuple(shape) if experts is None else (experts[1] - experts[0],) + tuple(shape[1:])
+            whole = read_local_leaf(files, by_path[path], cfg, held, experts, 0, rows_cols(held)[0], False)
+            leaf = spec.shard_leaf(whole, path, rank, experts_cut=True)
         else:
             piece = spec.leaf_piece(path, shape, rank)
             leaf = read_local_leaf(files, by_path[path], cfg, spec.local_full_shape(path, shape), *piece)

@@ -46,10 +46,12 @@ except ImportError:  # an older torch: return_lse
 
 from ..config import ModelConfig
 from .block_masks import Documents, row_block_mask
+from .context_parallel import ContextParallel, attend_chunks
 from .fp8 import PLAIN, Gemms
 from .norm import rms_norm
 from .precision import upcast
 from .rope import apply_rope, pairs_as_halves, rope_tables
+from .tensor_parallel import TensorParallel
 
 
 # FlexAttention's kernels need heads of at least 16 features; smaller ones take the
@@ -299,8 +301,22 @@ class KVSlot(NamedTuple):
         return self.keys_BKLd[:, :, :end], self.values_BKLd[:, :, :end]
 
 
+def _chunk_attend(q_BHLd, k_BKSd, v_BKSe, causal, q_start: int, scale, window: int, sinks_H):
+    """One context-parallel query chunk starting at position ``q_start`` over the keys
+    before its end (``attend_chunks``): SDPA under the bottom-right ``causal`` bias, or
+    with a window or sinks under the exact mask."""
+    gqa = k_BKSd.shape[1] != q_BHLd.shape[1]
+    if not window and sinks_H is None:
+        return _sdpa(q_BHLd, k_BKSd, v_BKSe, causal, gqa, scale)
+    mask = _mask(q_BHLd.shape[2], k_BKSd.shape[2], q_start, None, window, q_BHLd.device)
+    if sinks_H is None:
+        return _sdpa(q_BHLd, k_BKSd, v_BKSe, mask, gqa, scale)
+    return with_sinks(*_explicit_attend(q_BHLd, k_BKSd, v_BKSe, mask, scale), sinks_H)
+
+
 def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None = None,
-              gemms: Gemms = PLAIN, docs: Documents | None = None, window: int = 0) -> torch.Tensor:
+              gemms: Gemms = PLAIN, docs: Documents | None = None, window: int = 0,
+              cp: ContextParallel | None = None) -> torch.Tensor:
     """Causal self-attention of already-normalised ``x``; no residual.
 
     Arguments:
@@ -316,12 +332,17 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
         docs: packed documents: attention stays inside each, positions restart at
             each one's first token (not with ``kv``).
         window: the layer's sliding window (``ModelConfig.layer_window``; 0: none).
+        cp: context parallelism: ``x``'s rows are pairs of chunks of sequences
+            (``fmoe.layers.context_parallel``), rotated at their positions in the
+            sequence and attending over every rank's keys (not with ``docs`` or ``kv``).
 
     Returns:
         ``[B, S, D]``, ``attention(x) @ out``.
     """
     start = 0 if kv is None else kv.start
     positions = None if docs is None else docs.positions_BS
+    if cp is not None:
+        positions = cp.positions(x_BSD.shape[0], x_BSD.shape[1], x_BSD.device)
     project = project_latent if cfg.latent else project_qkv
     q_BHSd, k_BKLd, v_BKLd = project(p, x_BSD, cfg, start, gemms, positions)
     if kv is not None:  # L: the keys so far
@@ -329,24 +350,41 @@ def attention(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, kv: KVSlot | None 
     # the scale as a number from the config: a compiled graph that went dynamic in the
     # head size would otherwise give FlexAttention's kernel a symbolic one, which
     # inductor cannot lower (and YaRN's DeepSeek-V3 correction changes it)
-    o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"),
-                   cached=kv is not None)
+    if cp is not None:
+        o_BSQ = attend_chunks(q_BHSd, cp.sequence_keys(k_BKLd), cp.sequence_keys(v_BKLd), cp,
+                              functools.partial(_chunk_attend, scale=cfg.attention_scale, window=window,
+                                                sinks_H=p.get("sinks")))
+    else:
+        o_BSQ = attend(q_BHSd, k_BKLd, v_BKLd, start, docs, cfg.attention_scale, window, p.get("sinks"),
+                       cached=kv is not None)
     out_BSD = gemms.linear(o_BSQ, p["out"])
     return out_BSD + p["out_bias"] if "out_bias" in p else out_BSD
 
 
 def attention_half(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, docs: Documents | None = None,
-                   window: int = 0, kv: KVSlot | None = None, gemms: Gemms = PLAIN):
+                   window: int = 0, kv: KVSlot | None = None, gemms: Gemms = PLAIN,
+                   tp: TensorParallel | None = None, cp: ContextParallel | None = None):
     """A layer's first half: ``h += attn(norm(h))``, then the input norm of its MoE (or
     of its dense MLP) (``docs``, ``window``, ``kv``, ``gemms``: see ``attention``;
     ``window`` comes before ``kv`` so that the Kernels' ``attn``, called positionally,
     passes it).
 
+    ``tp``: tensor parallelism (``fmoe.layers.tensor_parallel``): ``h`` holds this rank's
+    positions, ``p`` its heads' slice and ``cfg`` its heads (``local_model``); the
+    normalised positions are gathered, the heads' partial outputs summed back into each
+    rank's positions, the output bias added once. ``cp``: context parallelism (see
+    ``attention``).
+
     Returns:
         ``(h_BSD, x_TD)``: the residual stream and the normalised tokens ``[B*S, D]``.
     """
     eps = cfg.norm_eps
-    h_BSD = h_BSD + attention(p["attn"], rms_norm(h_BSD, p["attn"]["norm"], eps), cfg, kv, gemms, docs,
-                              window)
+    x_BSD = rms_norm(h_BSD, p["attn"]["norm"], eps)
+    if tp is None:
+        h_BSD = h_BSD + attention(p["attn"], x_BSD, cfg, kv, gemms, docs, window, cp)
+    else:
+        heads = {name: w for name, w in p["attn"].items() if name != "out_bias"}
+        out_BSD = tp.scatter(attention(heads, tp.gather(x_BSD, 1), cfg, kv, gemms, docs, window, cp), 1)
+        h_BSD = h_BSD + (out_BSD + p["attn"]["out_bias"] if "out_bias" in p["attn"] else out_BSD)
     mlp = p["moe"] if "moe" in p else p["mlp"]
     return h_BSD, rms_norm(h_BSD, mlp["norm"], eps).flatten(0, 1)

@@ -50,7 +50,8 @@ class Segments(NamedTuple):
     capacity: int | None = None  # rows of every segment, when a static capacity fixes them
 
 
-def _segments(rows_E: torch.Tensor, total: int, capacity: int | None = None) -> Segments:
+def segments_of(rows_E: torch.Tensor, total: int, capacity: int | None = None) -> Segments:
+    """The Segments of ``total`` rows grouped by expert, ``rows_E`` of each."""
     experts = torch.arange(rows_E.shape[0], device=rows_E.device)
     return Segments(rows_E, torch.cumsum(rows_E, 0).to(torch.int32),
                     torch.repeat_interleave(experts, rows_E, output_size=total), capacity)
@@ -74,7 +75,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     device = rows_E.device
     if capacity is not None:
         rows = torch.full((El,), P * capacity, dtype=torch.long, device=device)
-        return Exchange(None, None, None, None, _segments(rows, El * P * capacity, P * capacity))
+        return Exchange(None, None, None, None, segments_of(rows, El * P * capacity, P * capacity))
     send_counts = rows_E.view(P, El)
     recv_counts = torch.empty_like(send_counts)
     t0 = now()
@@ -83,8 +84,17 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
     ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv_counts.numel() * 8, "dispatch"))
     total = sum(recv_splits)
-    # Received rows come source-major (src, expert); the experts want expert-major.
-    sizes = recv_counts.reshape(-1)
+    order, inverse = expert_major(recv_counts, total)
+    return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
+
+
+def expert_major(counts_PE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received source-major (``counts_PE[src, expert]`` of each) put expert-major,
+    the order the grouped GEMMs want: ``(order, inverse)``, ``expert_major_rows =
+    rows[order]`` and back ``rows = expert_major_rows[inverse]``."""
+    P, El = counts_PE.shape
+    device = counts_PE.device
+    sizes = counts_PE.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     by_expert = torch.arange(P * El, device=device).view(P, El).t().reshape(-1)
     sizes_t, starts_t = sizes[by_expert], starts[by_expert]
@@ -93,7 +103,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
                                                                          output_size=total)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(total, device=device)
-    return Exchange(send_splits, recv_splits, order, inverse, _segments(recv_counts.sum(0), total))
+    return order, inverse
 
 
 class Transfer:

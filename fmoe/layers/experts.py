@@ -10,6 +10,7 @@ from ..config import ModelConfig
 from . import triton_kernels
 from .fp8 import PLAIN, Gemms
 from .precision import upcast
+from .tensor_parallel import TensorParallel
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -249,11 +250,19 @@ def experts_with(backend: str | ExpertBackend, gemms: Gemms = PLAIN, **bound) ->
     return experts
 
 
-def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, gemms: Gemms = PLAIN) -> torch.Tensor:
+def dense_mlp(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, gemms: Gemms = PLAIN,
+              tp: TensorParallel | None = None) -> torch.Tensor:
     """The shared expert: ``act(x @ fc1) @ fc2`` with the routed experts' activation,
     times ``sigmoid(x @ gate)`` per token when it has a ``gate`` (Qwen2-MoE); fc1 and
-    fc2 through ``gemms.linear`` (the one-column gate stays a plain product)."""
-    y = gemms.linear(activation(gemms.linear(x_TD, p["fc1"]), cfg), p["fc2"])
+    fc2 through ``gemms.linear`` (the one-column gate stays a plain product).
+
+    ``tp``: tensor parallelism: ``x`` holds this rank's tokens and ``p`` its slice of the
+    hidden units; every rank's tokens are gathered and the partial outputs summed back
+    into each rank's own (``fmoe.layers.tensor_parallel``)."""
+    x_all = x_TD if tp is None else tp.gather(x_TD, 0)
+    y = gemms.linear(activation(gemms.linear(x_all, p["fc1"]), cfg), p["fc2"])
+    if tp is not None:
+        y = tp.scatter(y, 0)
     if "gate" in p:
         y = y * torch.sigmoid(x_TD @ p["gate"])
     return y

@@ -1,5 +1,7 @@
 """The head's loss: logits and the fp32 cross-entropy, whole or in pieces of tokens."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -7,13 +9,17 @@ from ..batch import IGNORE
 from .fp8 import Fp8Weight
 from .norm import rms_norm
 from .precision import upcast
+from .tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
 
 
 def cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
-                      matmul=torch.matmul) -> torch.Tensor:
+                      matmul=torch.matmul, tp: TensorParallel | None = None) -> torch.Tensor:
     """``sum_t CE(x_t @ w, target_t)`` over the targets that are not ``IGNORE``, the
     softmax in fp32 whatever x's dtype; the logits' product through ``matmul``
-    (``Gemms.head``: FP8 under ``Plan.fp8='tensorwise'``)."""
+    (``Gemms.head``: FP8 under ``Plan.fp8='tensorwise'``). ``tp``: ``w`` is this rank's
+    vocabulary columns (``vocab_parallel_cross_entropy``)."""
+    if tp is not None:
+        return vocab_parallel_cross_entropy(matmul(x_TD, w_DV), targets_T, tp)
     return F.cross_entropy(upcast(matmul(x_TD, w_DV)), targets_T, reduction="sum", ignore_index=IGNORE)
 
 
@@ -55,7 +61,7 @@ class _Chunked(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: torch.Tensor,
-                             chunk: int = 0, piece=cross_entropy_sum) -> torch.Tensor:
+                             chunk: int = 0, piece=cross_entropy_sum, tp: TensorParallel | None = None) -> torch.Tensor:
     """Summed cross-entropy of the logits ``x @ w`` (fp32 softmax), ``chunk`` tokens at a time.
 
     Arguments:
@@ -65,6 +71,7 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
         chunk: tokens per piece; 0 (or >= T): all at once, as plain autograd would.
         piece: the function each piece runs, ``cross_entropy_sum``'s signature (a
             ``torch.compile``d one under ``Plan.compile``).
+        tp: ``w`` holds this rank's vocabulary columns (passed on to ``piece``).
 
     Returns:
         A fp32 scalar (float64 for float64 inputs). In pieces the same operations run
@@ -74,6 +81,8 @@ def linear_cross_entropy_sum(x_TD: torch.Tensor, w_DV: torch.Tensor, targets_T: 
         dtype first (in bf16 that rounding is the larger part; in fp32 the gradients
         agree to ~1e-7 relative, in float64 to ~1e-15).
     """
+    if tp is not None:
+        piece = functools.partial(piece, tp=tp)
     if not chunk or chunk >= x_TD.shape[0]:
         return piece(x_TD, w_DV, targets_T)
     if isinstance(w_DV, Fp8Weight):
@@ -87,8 +96,14 @@ def head_weight(params: dict) -> torch.Tensor:
 
 
 def head_loss_sum(weights: dict, h_BSD: torch.Tensor, targets_BS: torch.Tensor, eps: float,
-                  chunk: int = 0, piece=cross_entropy_sum) -> torch.Tensor:
+                  chunk: int = 0, piece=cross_entropy_sum, tp: TensorParallel | None = None) -> torch.Tensor:
     """Final norm, logits and the fp32 cross-entropy summed over ``targets_BS``
-    (``chunk`` tokens at a time: ``Plan.loss_chunk``; each piece through ``piece``)."""
-    x_TD = rms_norm(h_BSD, weights["final_norm"], eps).flatten(0, 1)
-    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk, piece)
+    (``chunk`` tokens at a time: ``Plan.loss_chunk``; each piece through ``piece``).
+
+    ``tp``: tensor parallelism: ``h`` holds this rank's positions and the head (or the
+    tied ``embed``) its vocabulary slice; the normalised positions are gathered and
+    the loss of every target, the same on every rank, is computed without any rank
+    holding all of the vocabulary."""
+    x_BSD = rms_norm(h_BSD, weights["final_norm"], eps)
+    x_TD = (x_BSD if tp is None else tp.gather(x_BSD, 1)).flatten(0, 1)
+    return linear_cross_entropy_sum(x_TD, head_weight(weights), targets_BS.flatten(), chunk, piece, tp)

@@ -63,7 +63,7 @@ def forward(params: dict, tokens_BS: torch.Tensor, cfg: ModelConfig, backend: st
         ``(logits_BSV, stats)``: logits in the compute dtype, one MoEStats per MoE layer.
     """
     kernels = bound_kernels(gemms, bound_backend(backend))
-    h = embed_node(params, tokens_BS)
+    h = embed_node(params, tokens_BS, kernels)
     docs = None if segments_BS is None else documents(segments_BS, cfg.any_window)
     stats = []
     for i, p in enumerate(params["layers"]):

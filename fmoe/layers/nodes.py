@@ -32,6 +32,7 @@ from .fp8 import PLAIN, Gemms
 from .loss import cross_entropy_sum, head_loss_sum
 from .moe import MoEStats, Routed, moe_experts, moe_output, moe_route, moe_stats, output_probs
 from .router import route
+from .tensor_parallel import TensorParallel, embed_vocab_parallel
 
 
 class Kind(enum.StrEnum):
@@ -88,7 +89,13 @@ def layer_kinds(cfg: ModelConfig, layer: int) -> tuple[Kind, ...]:
 
 def at_any_site(fn: Callable) -> Callable:
     """``fn`` as a Kernels entry: called with a site first, which it ignores."""
-    return lambda site, *args: fn(*args)
+    return lambda site, *args, **kwargs: fn(*args, **kwargs)
+
+
+def embed_tokens(w_VD: torch.Tensor, tokens_BS: torch.Tensor, tp: TensorParallel | None = None) -> torch.Tensor:
+    """The token embedding (``tp``: from this rank's vocabulary rows, into its positions:
+    ``embed_vocab_parallel``)."""
+    return embed(w_VD, tokens_BS) if tp is None else embed_vocab_parallel(w_VD, tokens_BS, tp)
 
 
 class Kernels(NamedTuple):
@@ -114,6 +121,12 @@ class Kernels(NamedTuple):
             ``make_dispatch`` (index arithmetic only: no weights, no gradient).
         shared: ``(site, p_mlp, x_TD, cfg) -> y_TD``, as ``dense_mlp`` (the shared
             expert, and a dense layer's MLP).
+        embed: ``(site, w_VD, tokens_BS) -> h_BSD``, as ``embed`` (``site = ("embed",
+            microbatch)``).
+
+    Under tensor, context or expert-tensor parallelism ``fmoe.layers.parallel.with_parallel``
+    binds the groups in: the entries then also take ``tp=`` (``attn``, ``shared``,
+    ``head``, ``embed``) or ``etp=`` (``experts``).
 
     ``bound_kernels`` (eager) and ``fmoe.schedule.kernels_for`` bind a plan's products
     (``Plan.fp8``: ``fmoe.layers.fp8``) and expert backend in.
@@ -125,6 +138,7 @@ class Kernels(NamedTuple):
     head: Callable = at_any_site(head_loss_sum)
     dispatch: Callable = at_any_site(make_dispatch)
     shared: Callable = at_any_site(dense_mlp)
+    embed: Callable = at_any_site(embed_tokens)
 
 
 EAGER = Kernels()
@@ -166,8 +180,8 @@ class Attended(NamedTuple):
     stats: MoEStats
 
 
-def embed_node(p: dict, inputs_BS: torch.Tensor) -> torch.Tensor:
-    return embed(p["embed"], inputs_BS)
+def embed_node(p: dict, inputs_BS: torch.Tensor, kernels: Kernels = EAGER, mb: int = 0) -> torch.Tensor:
+    return kernels.embed(("embed", mb), p["embed"], inputs_BS)
 
 
 def route_node(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,

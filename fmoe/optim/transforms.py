@@ -95,19 +95,37 @@ def global_norm(tree, plan=None) -> torch.Tensor:
     setup = resolve(plan)
     spec, mesh = setup.spec, setup.mesh
     total = torch.zeros((), device=leaves[0].device)
-    for domain in (Domain.DENSE, Domain.EXPERT):
-        part = sum((q for p, q in zip(paths, sq) if _domain(spec.table, p) == domain), total * 0)
+    placed = [_placement(spec, p) for p in paths]
+    for domain in Domain:
+        part = sum((_counted_once(q, x, spec, leaf) for (domain_, leaf), q, x in zip(placed, sq, leaves)
+                    if domain_ == domain), total * 0)
         if spec.sharded(domain):
-            mesh.world.all_reduce(part).wait()  # every element lives on exactly one rank
+            mesh.world.all_reduce(part).wait()  # every element lives on one rank (copies counted once)
+        elif domain == Domain.TENSOR:
+            mesh.tp.all_reduce(part).wait()  # replicated over tensor_data, split over tp
         elif domain == Domain.EXPERT:
-            mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep
+            mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep and etp
+            mesh.etp.all_reduce(part).wait()
         total = total + part
     return total.sqrt()
 
 
-def _domain(table, path) -> str:
-    leaf = table.mirrored_by(path)
-    return Domain.DENSE if leaf is None else leaf.domain
+def _placement(spec, keys):
+    """The domain holding the leaf at ``keys`` (params or a tree mirroring them) and the
+    parameter it mirrors (None: a dense value)."""
+    leaf = spec.table.mirrored_by(keys)
+    return (Domain.DENSE, None) if leaf is None else (spec.placement(leaf), leaf)
+
+
+def _counted_once(sq: torch.Tensor, x: torch.Tensor, spec, leaf) -> torch.Tensor:
+    """``sq`` (``x``'s squared norm) with the columns other ranks hold copies of
+    (``ShardSpec.copies``) counted once over all of them."""
+    if leaf is None or not (copies := spec.copies(leaf.path)) or x.numel() == 0:
+        return sq
+    cols = x.reshape(-1, x.shape[-1]).float()
+    for lo, hi, n in copies:
+        sq = sq - (1 - 1 / n) * torch.linalg.vector_norm(cols[:, lo:hi]).square()
+    return sq
 
 
 def check_norm_scope(plan, what: str) -> None:

@@ -79,10 +79,10 @@ def _compiled_head(gemms: Gemms):
     # piece size.
     piece = functools.partial(torch.compile(cross_entropy_sum, fullgraph=True, dynamic=False), matmul=gemms.head)
 
-    def head(weights, h_BSD, targets_BS, eps, chunk=0):
+    def head(weights, h_BSD, targets_BS, eps, chunk=0, tp=None):
         if chunk and chunk < targets_BS.numel():
-            return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk, piece)
-        return compiled(weights, h_BSD, targets_BS, eps, 0, whole)
+            return head_loss_sum(weights, h_BSD, targets_BS, eps, chunk, piece, tp)
+        return compiled(weights, h_BSD, targets_BS, eps, 0, whole, tp)
 
     return head
 
@@ -134,10 +134,10 @@ def _by_documents(selective_attn, plain_attn):
     carry FlexAttention's block mask: torch 2.11's compiled selective checkpointing
     changed their forward (packed rows' loss 4.577 against 4.553, 0.5%, on an H100; plain
     rows' did not move), so those keep their activations as without remat."""
-    def attn(p, h_BSD, cfg, docs=None, window=0):
+    def attn(p, h_BSD, cfg, docs=None, window=0, **parallel):
         if docs is not None and docs.block_mask is not None:
-            return plain_attn(p, h_BSD, cfg, docs, window)
-        return selective_attn(p, h_BSD, cfg, docs, window)
+            return plain_attn(p, h_BSD, cfg, docs, window, **parallel)
+        return selective_attn(p, h_BSD, cfg, docs, window, **parallel)
     return attn
 
 

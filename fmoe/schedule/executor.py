@@ -29,6 +29,7 @@ from ..layers.block_masks import documents
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import stack_stats
 from ..layers.nodes import Kernels
+from ..layers.parallel import with_parallel
 from ..shard import lifecycle as lc
 from ..shard.shards import build_shards
 from ..shard.spec import local_leaves
@@ -105,9 +106,9 @@ def _step(state, a: Action, run: Run):
         case Forward() | Land() | Backward() | Wgrad() | Recompute():
             t0 = now()
             state = _run_node(state, a, run)
-            split = [dataclasses.replace(e, node=str(a.node), mb=a.mb) for e in run.ep_events]
+            split = [dataclasses.replace(e, node=str(a.node), mb=a.mb) for e in run.node_events]
             state = lc.record(state, *split, *run.events, Event(a.op, a.unit, str(a.node), a.mb, t0, now()))
-            run.ep_events.clear()
+            run.node_events.clear()
             run.events.clear()
             return state
     raise TypeError(f"not a program action: {a!r}")
@@ -115,16 +116,17 @@ def _step(state, a: Action, run: Run):
 
 def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> Run:
     plan, mesh = setup.plan, setup.mesh
-    ep_events: list = []
-    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, ep_events) if plan.ep > 1 else None
+    node_events: list = []
+    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events) if plan.ep > 1 else None
     cfg = plan.model
     mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents, cfg.any_window),
                           [LayerFlow() for _ in range(cfg.layers)])
            for b in batch.microbatches(plan.microbatches)]
     zero = torch.zeros((), device=batch.tokens.device)
-    return Run(setup.table, kernels, ep, cfg, cfg.tie_embeddings, plan.loss_chunk, plan.microbatches * mesh.world.size,
-               plan.delay_wgrad, train, train and plan.remat == "full", divisor, mbs, [], ep_events,
-               zero, zero.clone(), {})
+    parallel = setup.parallel if plan.compile else setup.parallel.recording(node_events)
+    return Run(setup.table, with_parallel(kernels, parallel), ep, cfg, cfg.tie_embeddings, plan.loss_chunk,
+               plan.microbatches * mesh.world.size, plan.delay_wgrad, train, train and plan.remat == "full", divisor,
+               mesh.tp.rank == 0, mbs, [], node_events, zero, zero.clone(), {})
 
 
 def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kernels: Kernels | None = None) -> Executed:

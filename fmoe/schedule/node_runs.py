@@ -43,8 +43,12 @@ class Run:
             (microbatches x ranks), ``Plan.delay_wgrad``.
         train: autograd is on; ``remat``: ``Plan.remat='full'`` and training.
         divisor: the global batch's counted targets (an int or a device scalar).
+        reports_loss: this rank adds its cross-entropy into ``ce_sum`` and ``objective``
+            (under tensor parallelism every rank of a ``tp`` group computes the same
+            loss and only the first reports it, so sums over ranks count it once).
         mbs: a MicrobatchFlow per microbatch.
-        events: exchanges that landed, for the trace; ``ep_events``: the exchange plans'.
+        events: exchanges that landed, for the trace; ``node_events``: what a node's kernels
+            recorded (exchange plans; tp, cp and etp collectives), tagged with the node after it.
         ce_sum, objective: this rank's sums so far; ``stats``: ``{mb: [MoEStats per layer]}``.
     """
 
@@ -59,9 +63,10 @@ class Run:
     train: bool
     remat: bool
     divisor: object
+    reports_loss: bool
     mbs: list[MicrobatchFlow]
     events: list
-    ep_events: list
+    node_events: list
     ce_sum: torch.Tensor
     objective: torch.Tensor
     stats: dict
@@ -130,7 +135,7 @@ def _take_grad_h(mbf: MicrobatchFlow) -> dict:
 
 def _embed_forward(run: Run, mb: int, node: Node, weights: dict):
     mbf = run.mbs[mb]
-    h = embed_node(weights, mbf.batch.inputs)
+    h = embed_node(weights, mbf.batch.inputs, run.kernels, mb)
     mbf.stream = Stream(node, h)
     run.save(mbf.tapes, Kind.EMBED, Tape({}, {"h": h}, weights))
 
@@ -370,8 +375,9 @@ def _head_forward(run: Run, mb: int, node: Node, weights: dict):
     ce_sum = run.kernels.head(("head", mb), weights, h, mbf.batch.targets, run.cfg.norm_eps, run.chunk)
     objective = ce_sum / run.divisor
     run.save(mbf.tapes, Kind.HEAD, Tape({"h": h}, {}, weights, objective))
-    run.objective += objective.detach()
-    run.ce_sum += ce_sum.detach()
+    if run.reports_loss:
+        run.objective += objective.detach()
+        run.ce_sum += ce_sum.detach()
 
 
 def _head_backward(run: Run, state, node: Node, mb: int, unit: str):

@@ -72,10 +72,10 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(_QUIET)
 def quiet_compiled(fn: Callable) -> Callable:
     """A compiled selective kernel that compiles without torch's warning (see above)."""
     @functools.wraps(fn)
-    def run(*args):
+    def run(*args, **kwargs):
         _QUIET.active += 1
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         finally:
             _QUIET.active -= 1
 
@@ -95,19 +95,19 @@ def selective(fn: Callable, name: str | None = None) -> Callable:
     Returns:
         A function with ``fn``'s signature and values.
     """
-    def named(*args):
+    def named(*args, **kwargs):
         if not torch.autograd.profiler._is_profiler_enabled:
-            return fn(*args)
+            return fn(*args, **kwargs)
         with torch.profiler.record_function(f"fmoe selective {name}"):
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     inner = fn if name is None else named
 
     @functools.wraps(fn)
-    def run(*args):
+    def run(*args, **kwargs):
         if not torch.is_grad_enabled():
-            return fn(*args)
-        return checkpoint(inner, *args, use_reentrant=False,
+            return fn(*args, **kwargs)
+        return checkpoint(inner, *args, **kwargs, use_reentrant=False,
                           context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
 
     return run

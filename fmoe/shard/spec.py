@@ -1,12 +1,15 @@
 """How a plan lays parameters out over ranks: units, buffer groups, flat layouts.
 
-A unit's parameters fall into buffer groups (``GroupKey``): the domain is ``DENSE``
-(sharded over the whole world) or ``EXPERT`` (this rank's ``E / ep`` experts, sharded
-over its expert-data-parallel group); the dtype is the plan's compute dtype, fp32
-(router and biases stay fp32 in bf16 runs) or FP8 (the dense products' weights,
-gathered in FP8 under ``fp8='tensorwise'``: ``ShardSpec.gathers_fp8``). ``shard_spec``
-derives it all once per plan (``fmoe.resolve``), so every rank derives the same layout
-without talking to the others; the ShardSpec answers every question about it.
+A unit's parameters fall into buffer groups (``GroupKey``). The domain is where a leaf
+is placed (``ShardSpec.placement``): ``DENSE`` (every rank holds all of it; sharded
+over the whole world), ``TENSOR`` (under ``Plan.tp > 1``, the leaves tensor
+parallelism cuts: each rank holds its slice, sharded over the ranks with the same
+slice) or ``EXPERT`` (this rank's ``E / ep`` experts, cut by ``Plan.etp``, sharded over
+its expert-data-parallel group). The dtype is the plan's compute dtype, fp32 (router
+and biases stay fp32 in bf16 runs) or FP8 (the dense products' weights, gathered in
+FP8 under ``fp8='tensorwise'``: ``ShardSpec.gathers_fp8``). ``shard_spec`` derives it
+all once per plan (``fmoe.resolve``), so every rank derives the same layout without
+talking to the others; the ShardSpec answers every question about it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import Plan
+from ..parallel_dims import ParallelDims
 from ..params import Domain, Leaf, ParamTable, param_table
 from ..units import unit_name
 from .layout import FlatLayout, make_layout, rows_cols
@@ -77,9 +81,11 @@ class ShardSpec:
     Attributes:
         units: the UnitSpecs in member order.
         sizes: ``{Domain: G}``, how many ranks share each domain's buffers; 1 means
-            every rank holds the whole domain (full tensors, or its own experts under EP).
+            every rank holds the whole domain (its slice of it: full tensors, its own
+            experts under EP, its tensor-parallel cut).
         experts_per_rank: ``E / ep``.
         ep: the expert-parallel degree.
+        dims: the plan's ParallelDims (which rank holds which slice).
         sharding: the strategy.
         compute_dtype: the plan's compute dtype (the ``COMPUTE`` groups').
         gathers_fp8: whether the dense products' weights are gathered already cast to
@@ -97,6 +103,45 @@ class ShardSpec:
     compute_dtype: torch.dtype
     gathers_fp8: bool
     table: ParamTable
+    dims: ParallelDims
+
+    def placement(self, leaf: Leaf) -> Domain:
+        """The domain whose buffers hold ``leaf``: ``TENSOR`` for a dense leaf that
+        ``Plan.tp > 1`` cuts, else the leaf's own."""
+        return placement(leaf, self.dims)
+
+    def degree(self, leaf: Leaf) -> int:
+        """How many ranks cut ``leaf`` (``tp`` for a dense leaf, ``etp`` for an expert's)."""
+        return self.dims.etp if leaf.domain == Domain.EXPERT else self.dims.tp
+
+    def cuts(self, path: str) -> bool:
+        """Whether ranks hold pieces of ``path``'s columns or rows beyond its experts
+        (``tp`` or ``etp`` cut it)."""
+        leaf = self.table[path]
+        return leaf.split is not None and self.degree(leaf) > 1
+
+    def split_index(self, leaf: Leaf, world_rank: int) -> int:
+        """Which piece of ``leaf``'s cut a rank holds."""
+        if leaf.domain == Domain.EXPERT:
+            return self.dims.token_index(world_rank) % self.dims.etp
+        return self.dims.coords(world_rank).t
+
+    def copies(self, path: str) -> tuple[tuple[int, int, int], ...]:
+        """Where ranks that together hold one copy of the model hold the same values
+        twice: ``(first column, end column, copies)`` of the local leaf's last axis
+        (key/value heads copied under ``tp``, an expert's ``fc2_bias`` under ``etp``);
+        empty when none do. What a global norm counts once."""
+        leaf = self.table[path]
+        degree = self.degree(leaf)
+        if degree == 1:
+            return ()
+        if leaf.split is None:
+            if leaf.domain == Domain.EXPERT:  # fc2_bias: added once per row, on every etp rank
+                return ((0, self.local_full_shape(path, leaf.shape)[-1], degree),)
+            return ()
+        last = leaf.split.axis == len(leaf.shape) - 1
+        return tuple((p.local, p.local + p.length, p.copies) for p in leaf.split.pieces(degree, 0)
+                     if p.copies > 1 and last)
 
     def sharded(self, domain: Domain) -> bool:
         """Whether ``domain``'s params/grads at rest are row shards."""
@@ -114,27 +159,34 @@ class ShardSpec:
 
     def layout_of(self, path: str) -> FlatLayout:
         leaf = self.table[path]
-        return self.unit_of_member(leaf.member).groups[group_key(leaf, self.compute_dtype, self.gathers_fp8)]
+        key = group_key(leaf, self.placement(leaf), self.compute_dtype, self.gathers_fp8)
+        return self.unit_of_member(leaf.member).groups[key]
 
     def local_full_shape(self, path: str, shape: tuple) -> tuple:
-        """The shape a rank holds before row sharding: experts cut to ``E / ep``."""
-        return _local_full_shape(self.table[path].domain, shape, self.ep)
+        """The shape a rank holds before row sharding: experts cut to ``E / ep``, then
+        its tensor-parallel piece (``Leaf.split``)."""
+        leaf = self.table[path]
+        return _local_full_shape(leaf, shape, self.ep, self.degree(leaf))
 
     def ep_index(self, world_rank: int) -> int:
-        """Which expert slice a rank holds: its column in the ``dp x ep`` mesh."""
-        return world_rank % self.ep
+        """Which expert slice a rank holds: its ``e`` coordinate."""
+        return self.dims.coords(world_rank).e
 
     def shard_rank(self, world_rank: int, domain: Domain) -> int:
         """A rank's index among those sharing ``domain``'s buffers (0 if none share):
-        its world rank for dense groups, its row (``rank // ep``) for expert groups."""
+        in the world for dense groups, in ``tensor_data`` for tensor-parallel slices, in
+        ``edp`` for expert groups."""
         if not self.sharded(domain):
             return 0
-        return world_rank if domain == Domain.DENSE else world_rank // self.ep
+        if domain == Domain.DENSE:
+            return world_rank
+        return self.dims.index("tensor_data" if domain == Domain.TENSOR else "edp", world_rank)
 
     def leaf_piece(self, path: str, shape: tuple, world_rank: int) -> "Piece":
         """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
-        its experts (under EP), then its rows (when the domain is sharded)."""
-        domain = self.table[path].domain
+        its experts (under EP), its tensor-parallel cut (``split_cut``), then its rows
+        (when its domain is sharded)."""
+        domain = self.placement(self.table[path])
         experts = None
         if domain == Domain.EXPERT and self.ep > 1:
             first = self.ep_index(world_rank) * self.experts_per_rank
@@ -147,15 +199,26 @@ class ShardSpec:
         _, first, last, _ = layout.local_slots(self.shard_rank(world_rank, domain))[index]
         return Piece(experts, first, last, True)
 
-    def shard_leaf(self, full_leaf: torch.Tensor, path: str, world_rank: int) -> torch.Tensor:
-        """This rank's part of a full parameter (see ``leaf_piece``)."""
-        piece = self.leaf_piece(path, tuple(full_leaf.shape), world_rank)
-        if piece.experts is not None:
-            full_leaf = full_leaf[piece.experts[0]:piece.experts[1]]
+    def split_cut(self, leaf_ED: torch.Tensor, path: str, world_rank: int) -> torch.Tensor:
+        """A rank's tensor-parallel piece of ``leaf_ED``, the parameter ``path`` already
+        cut to the rank's experts (itself when nothing cuts it)."""
+        leaf = self.table[path]
+        if leaf.split is None:
+            return leaf_ED
+        return leaf.split.cut(leaf_ED, self.degree(leaf), self.split_index(leaf, world_rank))
+
+    def shard_leaf(self, full_leaf: torch.Tensor, path: str, world_rank: int, experts_cut: bool = False) -> torch.Tensor:
+        """This rank's part of a full parameter (see ``leaf_piece``); ``experts_cut``:
+        ``full_leaf`` holds only the rank's experts already."""
+        piece = self.leaf_piece(path, self.table[path].shape, world_rank)
+        local = full_leaf
+        if piece.experts is not None and not experts_cut:
+            local = local[piece.experts[0]:piece.experts[1]]
+        local = self.split_cut(local, path, world_rank)
         if not piece.sharded:
-            return full_leaf.clone() if piece.experts is not None else full_leaf
-        rows, cols = rows_cols(tuple(full_leaf.shape))
-        return full_leaf.reshape(rows, cols)[piece.first:piece.last].clone()
+            return local if local is full_leaf else local.clone()  # a leaf of its own, never a view
+        rows, cols = rows_cols(tuple(local.shape))
+        return local.reshape(rows, cols)[piece.first:piece.last].clone()
 
     def local_shapes(self, world_rank: int) -> dict:
         """``{path: shape}`` of the leaves rank ``world_rank`` holds, in table order."""
@@ -168,34 +231,42 @@ class ShardSpec:
         return {leaf.path: shapes[leaf.path] for leaf in self.table.leaves}
 
 
-def _local_full_shape(domain: Domain, shape: tuple, ep: int) -> tuple:
-    if domain == Domain.EXPERT:
-        return (shape[0] // ep,) + tuple(shape[1:])
-    return tuple(shape)
+def _local_full_shape(leaf: Leaf, shape: tuple, ep: int, degree: int) -> tuple:
+    if leaf.domain == Domain.EXPERT:
+        shape = (shape[0] // ep,) + tuple(shape[1:])
+    return leaf.split.local_shape(tuple(shape), degree) if leaf.split is not None else tuple(shape)
+
+
+def placement(leaf: Leaf, dims: ParallelDims) -> Domain:
+    """``ShardSpec.placement``: ``TENSOR`` for a dense leaf cut by ``tp > 1``."""
+    if leaf.domain == Domain.DENSE and leaf.split is not None and dims.tp > 1:
+        return Domain.TENSOR
+    return leaf.domain
 
 
 GROUP_DTYPES = {GroupDtype.FLOAT32: torch.float32, GroupDtype.FP8: torch.float8_e4m3fn}  # COMPUTE: the plan's
 
 
-def group_key(leaf: Leaf, compute_dtype: torch.dtype, gathers_fp8: bool) -> GroupKey:
-    """Leaves kept in fp32 whatever the compute dtype form their own gather group, and
-    so do the dense products' weights gathered in FP8 (``ShardSpec.gathers_fp8``)."""
+def group_key(leaf: Leaf, domain: Domain, compute_dtype: torch.dtype, gathers_fp8: bool) -> GroupKey:
+    """A leaf placed in ``domain`` goes to that domain's group of its dtype: leaves kept in
+    fp32 whatever the compute dtype form their own, and so do the dense products' weights
+    gathered in FP8 (``ShardSpec.gathers_fp8``)."""
     if compute_dtype != torch.float32 and leaf.fp32:
         dtype = GroupDtype.FLOAT32
     else:
         dtype = GroupDtype.FP8 if leaf.linear and gathers_fp8 else GroupDtype.COMPUTE
-    return GroupKey(leaf.domain, dtype)
+    return GroupKey(domain, dtype)
 
 
 @functools.lru_cache(maxsize=64)
 def shard_spec(plan: Plan) -> ShardSpec:
     """The layout of ``plan``'s parameters (pure, cached per plan; ``fmoe.resolve`` asks)."""
-    table = param_table(plan.model)
+    table, dims = param_table(plan.model), plan.dims
     sharding = Sharding(plan.sharding)
     if sharding is Sharding.NO_SHARD:
-        sizes = {Domain.DENSE: 1, Domain.EXPERT: 1}
-    else:  # world / edp
-        sizes = {Domain.DENSE: plan.dp * plan.ep, Domain.EXPERT: plan.dp}
+        sizes = {Domain.DENSE: 1, Domain.TENSOR: 1, Domain.EXPERT: 1}
+    else:  # world, the ranks of one tensor-parallel slice, edp
+        sizes = {Domain.DENSE: dims.world, Domain.TENSOR: dims.world // dims.tp, Domain.EXPERT: dims.edp}
     fp8 = plan.fp8 == "tensorwise" and sizes[Domain.DENSE] > 1
     ep = plan.ep
     units = []
@@ -203,11 +274,13 @@ def shard_spec(plan: Plan) -> ShardSpec:
         by_key: dict = {}
         for leaf in table.leaves:
             if leaf.member in members:
-                shape = _local_full_shape(leaf.domain, leaf.shape, ep)
-                by_key.setdefault(group_key(leaf, plan.compute_dtype, fp8), []).append((leaf.path, shape))
+                shape = _local_full_shape(leaf, leaf.shape, ep, dims.etp if leaf.domain == Domain.EXPERT else dims.tp)
+                key = group_key(leaf, placement(leaf, dims), plan.compute_dtype, fp8)
+                by_key.setdefault(key, []).append((leaf.path, shape))
         groups = {key: make_layout(named, sizes[key.domain]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups))
-    return ShardSpec(tuple(units), sizes, plan.model.experts // ep, ep, sharding, plan.compute_dtype, fp8, table)
+    return ShardSpec(tuple(units), sizes, plan.model.experts // ep, ep, sharding, plan.compute_dtype, fp8, table,
+                     dims)
 
 
 def local_leaf(flat: torch.Tensor, layout: FlatLayout, index: int, rank: int, sharded: bool) -> torch.Tensor:

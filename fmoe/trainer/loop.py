@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
+from ..batch import context_chunks
 from ..data import corpus_unigram, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
 from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
@@ -155,7 +156,8 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     opt = adamw(schedule, weight_decay=s.weight_decay, max_grad_norm=s.clip or None, plan=plan,
                 fused=s.fused_optimizer, donate=s.fused_optimizer,
                 skip_nonfinite=s.steps + s.max_skips if s.max_skips else 0)
-    heldout = heldout_set(corpus, s.batch, s.seq, s.eval_batches, world.rank, world.size)
+    heldout = [context_chunks(b, plan, world.rank)
+               for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]
     checkpoints = Checkpoints(run)
     params, opt_state, first = checkpoints.start(opt)
     if world.is_main:  # every check has passed: now the folder changes
@@ -177,7 +179,8 @@ def _introduce(run: Run, baseline: float) -> None:
     plan, corpus = run.plan, run.corpus
     n_params = param_count(plan.model)
     run.say(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
-            f"tokens from {corpus.source}; {run.world.size} rank(s), dp={plan.dp} ep={plan.ep} "
+            f"tokens from {corpus.source}; {run.world.size} rank(s), dp={plan.dp} ep={plan.ep}"
+            f"{''.join(f' {k}={v}' for k, v in (('tp', plan.tp), ('etp', plan.etp), ('cp', plan.cp)) if v > 1)} "
             f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")
     if corpus.packed is not None:
         run.say(f"packed rows of {corpus.packed.row} positions: the loss counts the trained targets "
@@ -194,6 +197,12 @@ def _logged(step_num: int, s: RunSettings, last: int) -> bool:
             or bool(s.save_every) and step_num % s.save_every == 0)
 
 
+def row_block(plan, rank: int) -> tuple[int, int]:
+    """``(block, blocks)``: which of the global batch's ``dp * ep`` row blocks a rank
+    reads, as the data functions' ``rank, world`` (``fmoe.local_batch``'s split)."""
+    return plan.dims.row_block(rank), plan.dp * plan.ep
+
+
 def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window: Window) -> tuple[dict | None, bool]:
     """Take step ``step_num``: its batch, ``fmoe.step`` and the update, queued on the
     device (and the expert biases' update).
@@ -203,7 +212,8 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
         None; whether a signal stops the run after this step.
     """
     run, s, plan = job.run, job.run.settings, job.run.plan
-    batch = train_batch(run.corpus, s.batch, s.seq, s.seed, step_num, run.world.rank, run.world.size)
+    batch = context_chunks(train_batch(run.corpus, s.batch, s.seq, s.seed, step_num, *row_block(plan, run.world.rank)),
+                       plan, run.world.rank)
     try:
         out = job.stepper(state.params, batch)
     except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise

@@ -171,7 +171,7 @@ def _corpus_and_model(s: RunSettings, fields: dict, explicit: set) -> tuple[RunS
 
 def _derived(explicit: set) -> dict:
     """Settings the run works out rather than is given, for ``options.to_toml``."""
-    return {} if "dp" in explicit else {"dp": "from the number of processes / ep when left out"}
+    return {} if "dp" in explicit else {"dp": "from the number of processes / (ep * cp * tp) when left out"}
 
 
 def settings_file(s: RunSettings, fields: dict, explicit: set, plan: Plan) -> str:
@@ -241,18 +241,26 @@ def prepare(argv=None, adapters: Adapters | None = None, lock: bool = False) -> 
 
 def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, adapters: Adapters | None,
                     held: run_lock.RunLock | None) -> Run:
-    dp = fields["dp"] if "dp" in explicit else max(1, world.size // fields["ep"])
-    if dp * fields["ep"] != world.size:
-        raise ValueError(f"--dp={dp} x --ep={fields['ep']} must equal the number of processes "
-                         f"(WORLD_SIZE={world.size})")
+    others = fields["ep"] * fields["cp"] * fields["tp"]
+    dp = fields["dp"] if "dp" in explicit else max(1, world.size // others)
+    if dp * others != world.size:
+        raise ValueError(f"--dp={dp} x --ep={fields['ep']} x --cp={fields['cp']} x --tp={fields['tp']} must equal "
+                         f"the number of processes (WORLD_SIZE={world.size})")
     s, corpus, cfg = _corpus_and_model(s, fields, explicit)
     check_vocab(corpus, cfg.vocab)
+    if corpus.packed is not None and fields["cp"] > 1:
+        invalid("cp", fields["cp"], f"context parallelism takes one sequence per row; {corpus.source} is packed "
+             "with documents (segments): allowed --cp 1")
     load_expert_backend(fields["expert_backend"], adapters)  # a name its module registers: loaded before the Plan
     plan = options.plan_for(fields, cfg, dp=dp, device=rank_device(fields["device"], world))
-    per_rank = s.batch // world.size
-    if s.batch % world.size or per_rank % plan.microbatches:
-        invalid("batch", s.batch, f"must split into {world.size} rank(s) x --microbatches={plan.microbatches} "
-             f"equal parts (a multiple of {world.size * plan.microbatches})")
+    blocks = plan.dp * plan.ep  # the ranks reading rows of their own (fmoe.local_batch)
+    if s.batch % (blocks * plan.microbatches):
+        invalid("batch", s.batch, f"must split into dp x ep = {blocks} row block(s) x --microbatches="
+             f"{plan.microbatches} equal parts (a multiple of {blocks * plan.microbatches})")
+    chunks = 2 * plan.cp if plan.cp > 1 else 1
+    if s.seq % (chunks * plan.tp):
+        invalid("seq", s.seq, f"--cp={plan.cp} cuts each sequence into {chunks} chunk(s) and --tp={plan.tp} splits "
+             f"a chunk's positions: a multiple of {chunks * plan.tp}")
     check_device_and_backend(plan)
     check_memory(s, plan, world)
     scopes = parse_scopes(s.cuda_graph, plan, adapters)

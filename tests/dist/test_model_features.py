@@ -9,6 +9,7 @@ import torch
 
 import fmoe
 
+from ..reference import assert_trees_equal
 from .harness import run_ranks
 from .workloads import FEATURES, feature_plans, global_batch, hf_sharded_round_trip, train
 
@@ -45,7 +46,8 @@ def test_two_ranks_match_one_process(runs, feature, name):
         assert single["grads"]["layers"][0]["mlp"]["fc1"].abs().sum() > 0
 
 
-def test_hugging_face_checkpoint_loads_into_shards_and_saves_back(tmp_path):
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_hugging_face_checkpoint_loads_into_shards_and_saves_back(tmp_path, layout):
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
@@ -54,15 +56,16 @@ def test_hugging_face_checkpoint_loads_into_shards_and_saves_back(tmp_path):
                                       moe_intermediate_size=16)
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    ranks = run_ranks(2, hf_sharded_round_trip, tmp_path / "hf", tmp_path / "out")
+    ranks = run_ranks(2, hf_sharded_round_trip, tmp_path / "hf", tmp_path / "out", layout)
     single = fmoe.hf.load(tmp_path / "hf", fmoe.Plan(model=fmoe.hf.config(tmp_path / "hf")))
     for res in ranks:
-        for a, b in zip(optree.tree_leaves(res["full"]), optree.tree_leaves(single)):
-            assert torch.equal(a, b)
-    # each rank read its half: two experts of fc1, and its rows of the dense leaves
-    assert ranks[0]["shapes"]["layers.0.moe.experts.fc1"] == (2, 32, 32)
-    rows = [r["shapes"]["embed"][0] for r in ranks]
-    assert sum(rows) == 64 and 0 < rows[0] < 64
+        assert_trees_equal(res["full"], single)
+    if layout == "ep":  # each rank read its half: two experts of fc1, and its rows of the dense leaves
+        assert ranks[0]["shapes"]["layers.0.moe.experts.fc1"] == (2, 32, 32)
+        rows = [r["shapes"]["embed"][0] for r in ranks]
+        assert sum(rows) == 64 and 0 < rows[0] < 64
+    else:  # each rank read its slice: half the vocabulary, 2 of 4 query heads and 1 of 2 key/value heads
+        assert ranks[0]["shapes"]["embed"] == (32, 32) and ranks[0]["shapes"]["layers.0.attn.qkv"] == (32, 64)
     original = load_file(tmp_path / "hf" / "model.safetensors")
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert sorted(written) == sorted(original) and all(torch.equal(written[k], original[k]) for k in original)

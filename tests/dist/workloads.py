@@ -395,10 +395,11 @@ def feature_plans(rank, world, feature):
     return out
 
 
-def hf_sharded_round_trip(rank, world, hf_dir, out_dir):
-    """Load a Hugging Face checkpoint straight into ZeRO-3 x EP shards, save it back
-    (collective), and return the gathered model and this rank's shapes."""
-    plan = fmoe.Plan(model=fmoe.hf.config(hf_dir), dp=world // 2, ep=2, sharding="optim_grads_params")
+def hf_sharded_round_trip(rank, world, hf_dir, out_dir, layout="ep"):
+    """Load a Hugging Face checkpoint straight into ZeRO-3 shards (``layout``: ``ep``, of
+    EP x dp; ``tp``, of tensor-parallel slices), save it back (collective), and return
+    the gathered model and this rank's shapes."""
+    plan = fmoe.Plan(model=fmoe.hf.config(hf_dir), dp=world // 2, sharding="optim_grads_params", **{layout: 2})
     params = fmoe.hf.load(hf_dir, plan)
     fmoe.hf.save(out_dir, params, plan)
     shapes = {k: tuple(v.shape) for k, v in fmoe.params.named_leaves(params).items()}
