@@ -18,7 +18,7 @@ from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, FP8S, GATHER_BUFFERS, 
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
 from .parallel_checks import check_parallel
 from .parallel_dims import ParallelDims
-from .units import check_units
+from .units import check_stages, check_units, even_stages
 
 __all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "FP8S", "GATHER_BUFFERS", "GLU_ACTIVATIONS", "PAD_MULTIPLES",
            "PROB_PLACEMENTS", "QK_NORMS", "REMATS", "ROPE_SCALINGS", "SCHEDULES", "SCORE_FUNCS", "SHARDINGS",
@@ -41,7 +41,14 @@ class Plan:
         cp: context parallelism: each sequence in ``2 * cp`` chunks, rank ``c`` holding
             chunks ``c`` and ``2 * cp - 1 - c`` (``fmoe.local_batch``); attention's keys
             and values gathered over the ``cp`` ranks.
-            The world is ``dp * ep * cp * tp`` ranks (``Plan.world``), laid out as
+        pp: pipeline parallelism: the members (``embed``, ``layers.<i>``, ``head``) in
+            ``pp`` stages of contiguous members, each stage on a ``dp * ep * cp * tp``
+            mesh of its own, activations and their gradients sent between stages
+            (``fmoe.schedule.pipeline``).
+        pp_layout: the members of each stage, e.g. ``(("embed", "layers.0"),
+            ("layers.1", "layers.2", "head"))`` to count the embedding and head as the
+            layers they cost; None: layers split evenly, ``embed`` first, ``head`` last.
+            The world is ``pp * dp * ep * cp * tp`` ranks (``Plan.world``), laid out as
             ``fmoe.parallel_dims`` says.
         sharding: ``no_shard | optim | optim_grads | optim_grads_params``.
         schedule: ``standard`` (each microbatch forward, then backward) or
@@ -124,12 +131,14 @@ class Plan:
     tp: int = 1
     etp: int = 1
     cp: int = 1
+    pp: int = 1
+    pp_layout: tuple | None = None
 
     def __post_init__(self):
         own = "Plan"
         if not isinstance(self.model, ModelConfig):
             fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
-        for name in ("dp", "ep", "tp", "etp", "cp", "microbatches"):
+        for name in ("dp", "ep", "tp", "etp", "cp", "pp", "microbatches"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         _check_choices(self, own)
         check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
@@ -147,6 +156,11 @@ class Plan:
         if self.model.experts % self.ep:
             fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
         check_parallel(self.dims, self.model)
+        stages = check_stages(self.pp_layout, self.model, self.pp)
+        if self.pp_layout is not None:
+            object.__setattr__(self, "pp_layout", stages)
+        if self.pp > 1:
+            self._check_pipeline(stages)
         if not isinstance(self.device, str):
             fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
         try:
@@ -155,6 +169,17 @@ class Plan:
             torch.device(self.device)
         except RuntimeError:
             fail(f"{own}.device", self.device, "must be a device string such as 'cpu' or 'cuda'")
+
+    def _check_pipeline(self, stages: tuple) -> None:
+        own = "Plan.pp"
+        if self.model.tie_embeddings and self.pp > 1:
+            fail(own, self.pp, "cannot split tied embeddings (the first stage's embed is the last stage's head) "
+                               "over stages; allowed: pp=1 or model.tie_embeddings=False")
+        stage_of = {m: s for s, members in enumerate(stages) for m in members}
+        for unit in self.unit_groups:
+            if len({stage_of[m] for m in unit}) > 1:
+                fail("Plan.units", self.units, f"unit {unit} spans pipeline stages; a unit's members must share "
+                                               "a stage (Plan.pp_layout)")
 
     def _check_fp8(self) -> None:
         # What is known without touching a GPU; the device's capability is checked
@@ -204,7 +229,12 @@ class Plan:
     @property
     def dims(self) -> ParallelDims:
         """The parallel degrees as one value (``fmoe.parallel_dims``)."""
-        return ParallelDims(self.dp, self.ep, self.cp, self.tp, self.etp)
+        return ParallelDims(self.dp, self.ep, self.cp, self.tp, self.etp, self.pp)
+
+    @property
+    def stages(self) -> tuple[tuple[str, ...], ...]:
+        """The members of each pipeline stage (``pp_layout``, or an even split)."""
+        return self.pp_layout if self.pp_layout is not None else even_stages(self.model, self.pp)
 
     @property
     def unit_groups(self) -> tuple:

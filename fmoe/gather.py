@@ -19,7 +19,8 @@ def gather_full(tree, plan: Plan):
 
     Row shards are gathered over the ranks that split them; tensor-parallel pieces
     over the ``tp`` (or, for the experts, ``etp``) group and put back together; under
-    expert parallelism each rank's experts are then gathered over the EP group.
+    expert parallelism each rank's experts are then gathered over the EP group; under
+    pipeline parallelism the stage holding a unit broadcasts it to the others.
 
     Arguments:
         tree: this rank's pytree in the plan's layout.
@@ -53,25 +54,37 @@ def iter_full(named: dict, plan: Plan) -> Iterator[dict]:
     first = next(iter(named.values()))
     for u in spec.units:
         for key, layout in u.groups.items():
-            domain = key.domain
-            if spec.sharded(domain):
-                shard = torch.empty(layout.shard_size, dtype=first.dtype, device=first.device)
-                write_shard(named, layout, spec.shard_rank(mesh.world.rank, domain), shard)
-                out = torch.empty(layout.full_size, dtype=first.dtype, device=first.device)
-                mesh.shard_group(domain, spec.sizes[domain]).all_gather(out, shard).wait()
-                views = full_views(out, layout)
-            else:
-                views = {s.path: named[s.path] for s in layout.slots}
-            for path in [p for p in views if spec.cuts(p)]:
-                leaf = spec.table[path]
-                group = mesh.etp if leaf.domain == Domain.EXPERT else mesh.tp
-                local = views[path].contiguous()
-                every = local.new_empty((group.size,) + tuple(local.shape))
-                group.all_gather(every.view(-1), local.view(-1)).wait()
-                views[path] = leaf.split.assemble(list(every.unbind(0)), group.size)
-            if domain == Domain.EXPERT and plan.ep > 1:
-                for path, local in views.items():
-                    every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))
-                    mesh.ep.all_gather(every.view(-1), local.contiguous().view(-1)).wait()
-                    views[path] = every
+            views = _held_full(named, spec, mesh, plan, key, layout, first) if u.stage == setup.stage else \
+                {s.path: first.new_empty(spec.table[s.path].shape) for s in layout.slots}
+            if plan.pp > 1:  # from the stage that holds the unit to the others
+                at = plan.dims.coords(mesh.world.rank)
+                owner = plan.dims.rank_of(at.d, at.e, at.c, at.t, u.stage)
+                for path in views:
+                    views[path] = mesh.pp.broadcast(views[path].contiguous(), owner)
             yield views
+
+
+def _held_full(named: dict, spec, mesh, plan: Plan, key, layout, like: torch.Tensor) -> dict:
+    """``{path: full tensor}`` of one buffer group of a unit this rank's stage holds."""
+    domain = key.domain
+    if spec.sharded(domain):
+        shard = torch.empty(layout.shard_size, dtype=like.dtype, device=like.device)
+        write_shard(named, layout, spec.shard_rank(mesh.world.rank, domain), shard)
+        out = torch.empty(layout.full_size, dtype=like.dtype, device=like.device)
+        mesh.shard_group(domain, spec.sizes[domain]).all_gather(out, shard).wait()
+        views = full_views(out, layout)
+    else:
+        views = {s.path: named[s.path] for s in layout.slots}
+    for path in [p for p in views if spec.cuts(p)]:
+        leaf = spec.table[path]
+        group = mesh.etp if leaf.domain == Domain.EXPERT else mesh.tp
+        local = views[path].contiguous()
+        every = local.new_empty((group.size,) + tuple(local.shape))
+        group.all_gather(every.view(-1), local.view(-1)).wait()
+        views[path] = leaf.split.assemble(list(every.unbind(0)), group.size)
+    if domain == Domain.EXPERT and plan.ep > 1:
+        for path, local in views.items():
+            every = local.new_empty((plan.model.experts,) + tuple(local.shape[1:]))
+            mesh.ep.all_gather(every.view(-1), local.contiguous().view(-1)).wait()
+            views[path] = every
+    return views

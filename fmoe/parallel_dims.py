@@ -1,8 +1,12 @@
 """Where each rank sits in a plan's parallel dimensions, and which ranks form each group.
 
-The world is ``dp x ep x cp x tp`` ranks, laid out with ``tp`` innermost::
+The world is ``pp x dp x ep x cp x tp`` ranks, laid out with ``tp`` innermost::
 
-    rank = ((d * ep + e) * cp + c) * tp + t
+    rank = (((s * dp + d) * ep + e) * cp + c) * tp + t
+
+- each pipeline stage ``s`` is a whole ``dp x ep x cp x tp`` mesh of its own: every
+  group below is inside one stage, and ``pp`` ranks (same ``d, e, c, t``) hand each
+  other the activations and their gradients;
 
 - ``tp`` ranks (same ``d, e, c``) hold one tensor-parallel slice each of attention, the
   dense MLPs, the shared expert, the embedding and the head, and split the residual
@@ -28,12 +32,14 @@ from typing import NamedTuple
 
 
 class Coords(NamedTuple):
-    """A rank's place: data-parallel ``d``, expert ``e``, context ``c``, tensor ``t``."""
+    """A rank's place: data-parallel ``d``, expert ``e``, context ``c``, tensor ``t``, and
+    its pipeline stage ``s``."""
 
     d: int
     e: int
     c: int
     t: int
+    s: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,15 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     etp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
+        return self.pp * self.stage_size
+
+    @property
+    def stage_size(self) -> int:
+        """The ranks of one pipeline stage: ``dp * ep * cp * tp``."""
         return self.dp * self.ep * self.cp * self.tp
 
     @property
@@ -63,21 +75,27 @@ class ParallelDims:
     def coords(self, rank: int) -> Coords:
         rank, t = divmod(rank, self.tp)
         rank, c = divmod(rank, self.cp)
-        d, e = divmod(rank, self.ep)
-        return Coords(d, e, c, t)
+        rank, e = divmod(rank, self.ep)
+        s, d = divmod(rank, self.dp)
+        return Coords(d, e, c, t, s)
 
-    def rank_of(self, d: int, e: int, c: int, t: int) -> int:
-        return ((d * self.ep + e) * self.cp + c) * self.tp + t
+    def rank_of(self, d: int, e: int, c: int, t: int, s: int = 0) -> int:
+        return (((s * self.dp + d) * self.ep + e) * self.cp + c) * self.tp + t
 
     def token_index(self, rank: int) -> int:
-        """``n = (d * cp + c) * tp + t``: the rank among those of its expert index."""
-        d, _, c, t = self.coords(rank)
-        return (d * self.cp + c) * self.tp + t
+        """``n = (d * cp + c) * tp + t``: the rank among those of its stage and expert index."""
+        at = self.coords(rank)
+        return (at.d * self.cp + at.c) * self.tp + at.t
 
     def row_block(self, rank: int) -> int:
-        """Which of the ``dp * ep`` row blocks of the global batch the rank reads."""
-        d, e, _, _ = self.coords(rank)
-        return d * self.ep + e
+        """Which of the ``dp * ep`` row blocks of the global batch the rank reads (every
+        stage of a pipeline reads the same rows)."""
+        at = self.coords(rank)
+        return at.d * self.ep + at.e
+
+    def stage(self, rank: int) -> int:
+        """The rank's pipeline stage."""
+        return self.coords(rank).s
 
     def index(self, name: str, rank: int) -> int:
         """The rank's index inside its group ``name`` (see ``groups``)."""
@@ -86,12 +104,13 @@ class ParallelDims:
     def groups(self, name: str) -> tuple[tuple[int, ...], ...]:
         """Every group of kind ``name`` as a tuple of world ranks, in a fixed order:
 
-        - ``tp``, ``cp``, ``ep``: the ranks differing only in that coordinate;
-        - ``tensor_data``: same ``t`` (who share a tensor-parallel slice: its shards
-          and its gradient sum);
+        - ``tp``, ``cp``, ``ep``, ``pp``: the ranks differing only in that coordinate;
+        - ``stage``: the ranks of one pipeline stage (the world when ``pp`` is 1);
+        - ``tensor_data``: same stage and ``t`` (who share a tensor-parallel slice: its
+          shards and its gradient sum);
         - ``etp``, ``edp``: the experts' tensor-parallel and data-parallel groups;
-        - ``expert_model``: same edp index, every ``e`` and etp index (who together
-          hold one copy of every expert).
+        - ``expert_model``: same stage and edp index, every ``e`` and etp index (who
+          together hold one copy of the stage's experts).
         """
         return _groups(self, name)
 
@@ -103,17 +122,18 @@ def _indices(dims: ParallelDims, name: str) -> dict:
 
 @functools.lru_cache(maxsize=256)
 def _groups(dims: ParallelDims, name: str) -> tuple[tuple[int, ...], ...]:
-    if name in ("tp", "cp", "ep", "tensor_data"):
-        free = {"tp": "t", "cp": "c", "ep": "e", "tensor_data": "dec"}[name]
+    if name in ("tp", "cp", "ep", "pp", "stage", "tensor_data"):
+        free = {"tp": "t", "cp": "c", "ep": "e", "pp": "s", "stage": "dect", "tensor_data": "dec"}[name]
 
         def key(r):
             return tuple(v for k, v in dims.coords(r)._asdict().items() if k not in free)
     elif name in ("etp", "edp", "expert_model"):
         def key(r):
-            e, n = dims.coords(r).e, dims.token_index(r)
-            return {"etp": (e, n // dims.etp), "edp": (e, n % dims.etp), "expert_model": (n // dims.etp,)}[name]
+            at, n = dims.coords(r), dims.token_index(r)
+            return {"etp": (at.s, at.e, n // dims.etp), "edp": (at.s, at.e, n % dims.etp),
+                    "expert_model": (at.s, n // dims.etp)}[name]
     else:
-        raise KeyError(f"no group {name!r}; allowed: tp, cp, ep, tensor_data, etp, edp, expert_model")
+        raise KeyError(f"no group {name!r}; allowed: tp, cp, ep, pp, stage, tensor_data, etp, edp, expert_model")
     out: dict = {}
     for r in range(dims.world):
         out.setdefault(key(r), []).append(r)

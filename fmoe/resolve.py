@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Plan
+from .dist.comm import Group
 from .dist.mesh import Mesh, mesh_for
 from .layers.nodes import Kernels
 from .layers.context_parallel import ContextParallel
@@ -63,6 +64,9 @@ class Setup:
         train, eval: the Programs of a training step and of a forward-only one.
         kernels: the functions inside the nodes (``Plan.compile``, ``Plan.remat``,
             ``Plan.fp8`` and the expert backend bound in).
+        stage: this process's pipeline stage (0 without pipeline parallelism): its
+            Programs are that stage's, and it holds that stage's units
+            (``units``).
         mesh: this process's groups for the plan (made at first use); ``parallel``:
             those the kernels take.
     """
@@ -72,6 +76,7 @@ class Setup:
     train: Program
     eval: Program
     kernels: Kernels
+    stage: int = 0
 
     @property
     def table(self) -> ParamTable:
@@ -94,6 +99,11 @@ class Setup:
         return Parallel(tp=of(mesh.tp, "tp"), cp=ContextParallel(cp.size, cp.rank, cp.group) if cp.size > 1 else None,
                         etp=of(mesh.etp, "etp"))
 
+    @property
+    def units(self):
+        """The UnitSpecs this process holds: its stage's."""
+        return self.spec.stage_units(self.stage)
+
     def program(self, train: bool) -> Program:
         return self.train if train else self.eval
 
@@ -105,20 +115,23 @@ def resolve(plan: Plan) -> Setup:
         ValueError: the plan's schedule cannot run in its buffers (double buffering
             whose slots would collide), before anything runs.
     """
-    spec, train, evaluate = _programs(plan)
-    return Setup(plan, spec, train, evaluate, kernels_for(plan))
+    stage = plan.dims.stage(Group.world().rank) if plan.pp > 1 else 0
+    spec, train, evaluate = _programs(plan, stage)
+    return Setup(plan, spec, train, evaluate, kernels_for(plan), stage)
 
 
 @functools.lru_cache(maxsize=64)
-def _programs(plan: Plan) -> tuple[ShardSpec, Program, Program]:
+def _programs(plan: Plan, stage: int = 0) -> tuple[ShardSpec, Program, Program]:
     spec = shard_spec(plan)
-    programs = []
-    for train in (True, False):
-        uses = node_uses(plan, spec, train)
-        actions = build_program(plan, spec, uses)
-        programs.append(Program(actions, double_buffer_slots(plan, spec, actions),
-                                max_live_units(plan, spec, uses), train))
-    return spec, *programs
+    return spec, *(stage_program(plan, spec, stage, train) for train in (True, False))
+
+
+def stage_program(plan: Plan, spec: ShardSpec, stage: int, train: bool) -> Program:
+    """The Program pipeline stage ``stage`` of ``plan`` runs (the whole step's without
+    pipeline parallelism): a training step's, or a forward-only one's."""
+    uses = node_uses(plan, spec, train, stage)
+    actions = build_program(plan, spec, uses)
+    return Program(actions, double_buffer_slots(plan, spec, actions), max_live_units(plan, spec, uses), train)
 
 
 def check_memory(setup: Setup) -> None:
@@ -129,7 +142,7 @@ def check_memory(setup: Setup) -> None:
     if plan.gather_buffers != "persistent" or device.type != "cuda":
         return
     need = sum(layout.full_size * torch.empty((), dtype=spec.dtype(key)).element_size()
-               for u in spec.units for key, layout in u.groups.items() if spec.sharded(key.domain))
+               for u in setup.units for key, layout in u.groups.items() if spec.sharded(key.domain))
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         raise ValueError(f"Plan.gather_buffers='persistent' keeps every unit gathered: {need / 2**30:.1f} GiB, "

@@ -148,7 +148,8 @@ def global_targets(checked: Batch, mesh) -> int:
         ValueError: none counts (every rank reads the same sum, so all raise, before
             any compute).
     """
-    total = num_targets(checked) if mesh.tp.rank == 0 else 0  # a tp group's ranks read the same rows
+    # a tp group's ranks, and every pipeline stage, read the same rows: one of them counts
+    total = num_targets(checked) if mesh.tp.rank == 0 and mesh.pp.rank == 0 else 0
     if mesh.world.size > 1:
         total = int(_sum_over_ranks(mesh.world, torch.tensor(total, device=checked.tokens.device)))
     if total == 0:
@@ -192,7 +193,7 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
     total, group = prepared.total, prepared.setup.mesh.world
     run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.divisor, prepared.program, kernels)
 
-    M, world = plan.microbatches, group.size
+    M, world = plan.microbatches, prepared.setup.mesh.stage.size  # a stage's ranks see different tokens
     floats = torch.stack([run.ce_sum, run.objective,
                           sum(s.aux_loss.detach().sum() for s in run.stats),
                           sum(s.z_loss.detach().sum() for s in run.stats)]).float()
@@ -215,7 +216,8 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
         "tokens": total,
         "trace": run.state.trace,
     }
-    grads = [run.grads[p] for p in named_leaves(params)]
+    grads = [run.grads[p] if p in run.grads else leaf.new_empty(leaf.shape)  # another stage's: no rows
+             for p, leaf in named_leaves(params).items()]
     return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(params), grads), metrics)
 
 

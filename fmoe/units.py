@@ -49,3 +49,37 @@ def check_units(units, cfg) -> tuple[tuple[str, ...], ...]:
 
 def unit_name(unit: tuple[str, ...]) -> str:
     return "+".join(unit)
+
+
+def even_stages(cfg, pp: int) -> tuple[tuple[str, ...], ...]:
+    """``pp`` pipeline stages of contiguous layers, as even as they come (the first
+    stages one layer more when ``pp`` does not divide them), ``embed`` in the first and
+    ``head`` in the last."""
+    per, extra = divmod(cfg.layers, pp)
+    stages, first = [], 0
+    for s in range(pp):
+        count = per + (s < extra)
+        stages.append(tuple(f"layers.{i}" for i in range(first, first + count)))
+        first += count
+    stages[0] = ("embed",) + stages[0]
+    stages[-1] = stages[-1] + ("head",)
+    return tuple(stages)
+
+
+def check_stages(stages, cfg, pp: int) -> tuple[tuple[str, ...], ...]:
+    """Validate ``Plan.pp_layout`` (the members of each stage, in forward order) against
+    the model and ``pp``; None: ``even_stages``. Returns it as a tuple of tuples."""
+    if stages is None:
+        if pp > cfg.layers:
+            raise ValueError(f"Plan.pp={pp} is invalid: more stages than model.layers ({cfg.layers}); "
+                             f"allowed: 1..{cfg.layers}")
+        return even_stages(cfg, pp)
+    try:
+        stages = tuple(tuple(m) for m in stages)
+    except TypeError:
+        raise ValueError(f"Plan.pp_layout={stages!r} is invalid: a sequence of {pp} sequences of member names") from None
+    order = members(cfg)
+    if len(stages) != pp or any(not m for m in stages) or tuple(m for st in stages for m in st) != order:
+        raise ValueError(f"Plan.pp_layout must list every member once, in order ({', '.join(order)}), cut into "
+                         f"Plan.pp={pp} non-empty stages; got {stages!r}")
+    return stages

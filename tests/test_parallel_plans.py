@@ -15,8 +15,8 @@ CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, experts=
 
 def test_tp_is_innermost_and_groups_partition_the_world():
     dims = ParallelDims(dp=2, ep=2, cp=2, tp=2, etp=2)
-    assert dims.world == 16 and dims.coords(0) == (0, 0, 0, 0)
-    assert dims.coords(1) == (0, 0, 0, 1) and dims.coords(2) == (0, 0, 1, 0) and dims.coords(4) == (0, 1, 0, 0)
+    assert dims.world == 16 and dims.coords(0) == (0, 0, 0, 0, 0)
+    assert dims.coords(1).t == 1 and dims.coords(2).c == 1 and dims.coords(4).e == 1 and dims.coords(8).d == 1
     assert dims.groups("tp")[0] == (0, 1) and dims.groups("cp")[0] == (0, 2) and dims.groups("ep")[0] == (0, 4)
     assert dims.groups("etp")[0] == (0, 1)  # etp == tp: the tp group
     assert dims.groups("edp")[0] == (0, 2, 8, 10)  # same expert index, same etp index

@@ -70,11 +70,27 @@ class Group:
         return Pending(dist.all_to_all_single(out, inp, output_split_sizes=out_splits,
                                               input_split_sizes=in_splits, group=self.group, async_op=True))
 
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """World rank ``src``'s ``t`` on every rank of the group (in place; blocking)."""
+        if self.size > 1:
+            dist.broadcast(t, src=src, group=self.group)
+        return t
+
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> Pending:
         """In-place sum (or ``op``: ``dist.ReduceOp.MAX``...) over ranks."""
         if self.size == 1:
             return Pending(done=True)
         return Pending(dist.all_reduce(t, op=op, group=self.group, async_op=True))
+
+
+def send(t: torch.Tensor, peer: int) -> Pending:
+    """Start sending ``t`` to world rank ``peer`` (point to point)."""
+    return Pending(dist.isend(t.contiguous(), dst=peer))
+
+
+def recv(out: torch.Tensor, peer: int) -> Pending:
+    """Start receiving into ``out`` from world rank ``peer``."""
+    return Pending(dist.irecv(out, src=peer))
 
 
 def broadcast_text(text: str | None, world: Group, device) -> str | None:

@@ -1,13 +1,15 @@
 """The process groups of a plan, from DeviceMeshes over its ParallelDims.
 
-The plan's ranks form one DeviceMesh with named dimensions ``("dp", "ep", "cp", "tp")``
-(``tp`` innermost: ``fmoe.parallel_dims``); the groups that cut across it are two more
-views of the same ranks: ``("tensor_data", "tp")`` (the ranks sharing a tensor-parallel
-slice) and ``("edp", "ep", "etp")`` (the experts' data- and tensor-parallel groups). A
-group that is the whole world or every rank alone needs no new process group.
+The plan's ranks form one DeviceMesh with named dimensions ``("pp", "dp", "ep", "cp",
+"tp")`` (``tp`` innermost: ``fmoe.parallel_dims``); the groups that cut across it are
+more views of the same ranks: ``("pp", "stage")`` (a pipeline stage's ranks),
+``("pp", "tensor_data", "tp")`` (the ranks sharing a tensor-parallel slice) and
+``("pp", "edp", "ep", "etp")`` (the experts' data- and tensor-parallel groups).
+Dimensions of size 1 are left out, and a group that is the whole world or every rank
+alone needs no new process group.
 
 Which groups sum which gradients: dense parameters replicated over ``tp`` (norms,
-router, ...) over the world; tensor-parallel slices over ``tensor_data``; expert
+router, ...) over their stage; tensor-parallel slices over ``tensor_data``; expert
 slices over ``edp``. Each is also the group its buffers shard over.
 """
 
@@ -31,11 +33,14 @@ class Mesh:
     """This rank's groups.
 
     Attributes:
-        world: every rank (the sum of gradients replicated over ``tp``).
+        world: every rank (the loss, the metrics, the target count).
         ep: the ranks this rank exchanges tokens with (size ``plan.ep``).
         edp: the ranks holding the same slice of the same experts.
         tp, cp, etp: its tensor-, context- and expert-tensor-parallel groups.
-        tensor_data: the ranks holding the same tensor-parallel slice (``world / tp``).
+        tensor_data: the ranks holding the same tensor-parallel slice (``stage / tp``).
+        stage: the ranks of its pipeline stage (the world without pipeline
+            parallelism; the sum of gradients replicated over ``tp``); ``pp``: the ranks
+            of its place in every stage (who hand each other activations).
     """
 
     world: Group
@@ -45,14 +50,16 @@ class Mesh:
     cp: Group = LOCAL
     etp: Group = LOCAL
     tensor_data: Group | None = None
+    stage: Group | None = None
+    pp: Group = LOCAL
 
     def data_group(self, domain: str) -> Group:
         """Ranks whose gradients of ``domain`` parameters (``fmoe.params.Domain``) must be
-        summed: ``dense`` over the world, ``tensor`` over ``tensor_data``, ``expert`` over
+        summed: ``dense`` over the stage, ``tensor`` over ``tensor_data``, ``expert`` over
         ``edp``."""
         if domain == "expert":
             return self.edp
-        return self.tensor_data if domain == "tensor" else self.world
+        return self.tensor_data if domain == "tensor" else self.stage
 
     def shard_group(self, domain: str, size: int) -> Group:
         """Ranks sharing ``domain``'s flat buffers (one rank when ``size`` is 1)."""
@@ -65,12 +72,12 @@ def _subgroup(mesh, dim: str) -> Group:
 
 
 def _expert_ranks(dims: ParallelDims) -> torch.Tensor:
-    """World ranks as ``[edp, ep, etp]``: rank ``(g, e, j)`` is the one of expert index
-    ``e`` whose token index is ``g * etp + j``."""
-    out = torch.empty(dims.edp, dims.ep, dims.etp, dtype=torch.int64)
+    """World ranks as ``[pp, edp, ep, etp]``: rank ``(s, g, e, j)`` is the one of stage
+    ``s`` and expert index ``e`` whose token index is ``g * etp + j``."""
+    out = torch.empty(dims.pp, dims.edp, dims.ep, dims.etp, dtype=torch.int64)
     for r in range(dims.world):
-        n, e = dims.token_index(r), dims.coords(r).e
-        out[n // dims.etp, e, n % dims.etp] = r
+        at, n = dims.coords(r), dims.token_index(r)
+        out[at.s, n // dims.etp, at.e, n % dims.etp] = r
     return out
 
 
@@ -84,13 +91,16 @@ def _device_mesh(dims: ParallelDims, view: str, device_type: str):
 
     ranks = torch.arange(dims.world)
     if view == "dense":
-        shape = {"dp": dims.dp, "ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
+        shape = {"pp": dims.pp, "dp": dims.dp, "ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
+        ranks = ranks.view(*shape.values())
+    elif view == "pipeline":
+        shape = {"pp": dims.pp, "stage": dims.stage_size}
         ranks = ranks.view(*shape.values())
     elif view == "tensor":
-        shape = {"tensor_data": dims.world // dims.tp, "tp": dims.tp}
+        shape = {"pp": dims.pp, "tensor_data": dims.stage_size // dims.tp, "tp": dims.tp}
         ranks = ranks.view(*shape.values())
     else:
-        shape = {"edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
+        shape = {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
         ranks = _expert_ranks(dims)
     kept = [i for i, size in enumerate(shape.values()) if size > 1]
     ranks = ranks.squeeze(tuple(i for i in range(len(shape)) if i not in kept))
@@ -100,8 +110,10 @@ def _device_mesh(dims: ParallelDims, view: str, device_type: str):
 def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:
     """Which DeviceMesh (and dimension) holds group ``name``: the dense one where it is
     one of its dimensions (``edp`` too when only ``dp`` and ``ep`` are above 1)."""
-    if name in ("tp", "cp", "ep"):
+    if name in ("tp", "cp", "ep", "pp"):
         return "dense", name
+    if name == "stage":
+        return "pipeline", name
     if name == "tensor_data":
         return "tensor", name
     if name == "edp" and dims.etp == dims.cp == dims.tp == 1:
@@ -109,7 +121,7 @@ def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:
     return "expert", name
 
 
-_GROUPS = ("tp", "cp", "ep", "tensor_data", "edp", "etp")
+_GROUPS = ("tp", "cp", "ep", "pp", "stage", "tensor_data", "edp", "etp")
 
 
 def _group(dims: ParallelDims, name: str, world: Group, device_type: str) -> Group:
@@ -128,4 +140,4 @@ def mesh_for(plan: Plan) -> Mesh:
     device_type = torch.device(plan.device).type
     groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
     return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
-                groups["tensor_data"])
+                groups["tensor_data"], groups["stage"], groups["pp"])

@@ -120,7 +120,9 @@ def load(directory, plan: Plan) -> dict:
     local = spec.local_shapes(rank)
     leaves = []
     for path, shape in spec.table.shapes().items():
-        if path not in by_path:  # expert_bias: no such tensor in these families
+        if not spec.holds(path, rank):  # another pipeline stage's
+            leaf = torch.empty(local[path])
+        elif path not in by_path:  # expert_bias: no such tensor in these families
             leaf = spec.shard_leaf(torch.zeros(shape), path, rank)
         elif spec.cuts(path):  # a tensor-parallel piece is columns too: the rank's experts are read whole, then cut
             experts = spec.leaf_piece(path, shape, rank).experts

@@ -101,11 +101,13 @@ def global_norm(tree, plan=None) -> torch.Tensor:
                     if domain_ == domain), total * 0)
         if spec.sharded(domain):
             mesh.world.all_reduce(part).wait()  # every element lives on one rank (copies counted once)
-        elif domain == Domain.TENSOR:
-            mesh.tp.all_reduce(part).wait()  # replicated over tensor_data, split over tp
-        elif domain == Domain.EXPERT:
-            mesh.ep.all_reduce(part).wait()  # replicated over edp, split over ep and etp
-            mesh.etp.all_reduce(part).wait()
+        else:  # replicated over the data-parallel ranks, split over the others
+            if domain == Domain.TENSOR:
+                mesh.tp.all_reduce(part).wait()
+            elif domain == Domain.EXPERT:
+                mesh.ep.all_reduce(part).wait()
+                mesh.etp.all_reduce(part).wait()
+            mesh.pp.all_reduce(part).wait()  # each pipeline stage its own units
         total = total + part
     return total.sqrt()
 

@@ -1,9 +1,10 @@
 """A program's actions: small frozen values an executor interprets with ``match``.
 
-Lifecycle transitions of a unit (``Gather``, ``Wait``, ``Release``, ``Reduce``) and
-node runs for a microbatch (``Forward``, ``Land``, ``Backward``, ``Wgrad``,
-``Recompute``). Each has an ``op``, the name traces and profiles show; the executor
-never reads it to decide.
+Lifecycle transitions of a unit (``Gather``, ``Wait``, ``Release``, ``Reduce``), node
+runs for a microbatch (``Forward``, ``Land``, ``Backward``, ``Wgrad``, ``Recompute``)
+and, under pipeline parallelism, a microbatch's residual stream or its gradient sent
+to or received from the neighbouring stage (``Send``, ``Recv``). Each has an ``op``,
+the name traces and profiles show; the executor never reads it to decide.
 """
 
 from __future__ import annotations
@@ -140,6 +141,49 @@ class Recompute(_OfNode):
     op: ClassVar[str] = "recompute"
 
 
+class Boundary(NamedTuple):
+    """What crosses between pipeline stages: a microbatch's residual stream (forward,
+    to the next stage) or its gradient (backward, to the previous one)."""
+
+    gradient: bool
+
+    def __str__(self) -> str:
+        return "stream gradient" if self.gradient else "stream"
+
+
+STREAM, STREAM_GRADIENT = Boundary(False), Boundary(True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Crossing:
+    """A pipeline transfer of microbatch ``mb``'s ``boundary`` value (no unit)."""
+
+    mb: int
+    boundary: Boundary
+    unit: ClassVar[None] = None
+
+    @property
+    def node(self) -> Boundary:
+        return self.boundary
+
+
+@dataclass(frozen=True, slots=True)
+class Send(_Crossing):
+    """Start sending the value to the neighbouring stage (the next one for the stream,
+    the previous one for its gradient); it is waited for when the step ends."""
+
+    op: ClassVar[str] = "send"
+
+
+@dataclass(frozen=True, slots=True)
+class Recv(_Crossing):
+    """Receive the value from the neighbouring stage: the stream the stage's first node
+    reads, or the gradient its last node's backward takes."""
+
+    op: ClassVar[str] = "recv"
+
+
 Transition = Gather | Wait | Release | Reduce
 NodeRun = Forward | Land | Backward | Wgrad | Recompute
-Action = Transition | NodeRun
+Crossing = Send | Recv
+Action = Transition | NodeRun | Crossing

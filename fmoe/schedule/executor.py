@@ -28,14 +28,16 @@ from ..dist.trace import Event, now
 from ..layers.block_masks import documents
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import stack_stats
+from ..layers.moe import MoEStats
 from ..layers.nodes import Kernels
 from ..layers.parallel import with_parallel
 from ..shard import lifecycle as lc
 from ..shard.shards import build_shards
 from ..shard.spec import local_leaves
-from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Reduce, Release, Wait, Wgrad
+from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
+from .pipeline import Pipeline, crossing_peers, recv, send
 
 
 class Executed(NamedTuple):
@@ -103,6 +105,10 @@ def _step(state, a: Action, run: Run):
             return lc.release(state, unit)
         case Reduce(unit, mb, last):
             return lc.reduce_grads(state, unit, mb, last)
+        case Send():
+            return lc.record(state, send(run, a))
+        case Recv():
+            return lc.record(state, recv(run, a))
         case Forward() | Land() | Backward() | Wgrad() | Recompute():
             t0 = now()
             state = _run_node(state, a, run)
@@ -124,9 +130,12 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
            for b in batch.microbatches(plan.microbatches)]
     zero = torch.zeros((), device=batch.tokens.device)
     parallel = setup.parallel if plan.compile else setup.parallel.recording(node_events)
+    pipeline = Pipeline(*crossing_peers(plan.dims, mesh.world.rank), plan.compute_dtype, plan.tp) \
+        if plan.pp > 1 else None
+    # router losses are averaged over the ranks that see different tokens: one stage's
     return Run(setup.table, with_parallel(kernels, parallel), ep, cfg, cfg.tie_embeddings, plan.loss_chunk,
-               plan.microbatches * mesh.world.size, plan.delay_wgrad, train, train and plan.remat == "full", divisor,
-               mesh.tp.rank == 0, mbs, [], node_events, zero, zero.clone(), {})
+               plan.microbatches * mesh.stage.size, plan.delay_wgrad, train, train and plan.remat == "full", divisor,
+               mesh.tp.rank == 0, mbs, [], node_events, zero, zero.clone(), {}, pipeline)
 
 
 def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kernels: Kernels | None = None) -> Executed:
@@ -142,18 +151,38 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
     train = torch.is_grad_enabled()
     program = setup.program(train) if program is None else program
     spec, mesh, plan = setup.spec, setup.mesh, setup.plan
-    shards = build_shards(params_named, spec, mesh, plan.device)
+    shards = build_shards(params_named, spec, setup.units, mesh, plan.device)
     state = lc.start(spec, mesh, shards, program.max_live, program.slots, plan.device,
                      plan.gather_buffers == "dynamic", plan.microbatches)
     run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train)
     for a in program.actions:
         with _profiled(a):
             state = _step(state, a, run)
+    if run.pipeline is not None:
+        run.pipeline.finish()
     state = lc.finish(state, program.trains)
     grads = {}
-    for u in spec.units if program.trains else ():
+    for u in setup.units if program.trains else ():
         for key, layout in u.groups.items():
             grads.update(local_leaves(state.units[u.name].grad_shard[key], layout,
                                       spec.shard_rank(mesh.world.rank, key.domain), spec.sharded(key.domain)))
-    per_mb = [stack_stats(run.stats[mb]) for mb in sorted(run.stats)]
-    return Executed(run.ce_sum, run.objective, grads, per_mb, state)
+    return Executed(run.ce_sum, run.objective, grads, _layer_stats(run, plan), state)
+
+
+def _layer_stats(run: Run, plan) -> list:
+    """One MoEStats per microbatch stacked over every MoE layer of the model, in order;
+    the layers another pipeline stage runs count nothing here (zeros), so every rank's
+    sums have one shape."""
+    moe_layers, E = plan.model.moe_layers, plan.model.experts
+    device = run.ce_sum.device
+    out = []
+    for mb in range(plan.microbatches):
+        ran = run.stats.get(mb, {})
+        out.append(stack_stats([ran[i] if i in ran else _no_stats(E, device) for i in moe_layers]))
+    return out
+
+
+def _no_stats(experts: int, device) -> MoEStats:
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return MoEStats(torch.zeros(experts, dtype=torch.long, device=device), torch.zeros((), device=device),
+                    torch.zeros((), device=device), zero, zero, zero)

@@ -49,7 +49,9 @@ class Run:
         mbs: a MicrobatchFlow per microbatch.
         events: exchanges that landed, for the trace; ``node_events``: what a node's kernels
             recorded (exchange plans; tp, cp and etp collectives), tagged with the node after it.
-        ce_sum, objective: this rank's sums so far; ``stats``: ``{mb: [MoEStats per layer]}``.
+        ce_sum, objective: this rank's sums so far; ``stats``: ``{mb: {layer: MoEStats}}``.
+        pipeline: the stage's neighbours and sends in flight (None without pipeline
+            parallelism).
     """
 
     table: ParamTable
@@ -70,6 +72,7 @@ class Run:
     ce_sum: torch.Tensor
     objective: torch.Tensor
     stats: dict
+    pipeline: object = None
 
     def send(self, transfer: Transfer, node: Node, mb: int) -> Transfer:
         """Tag an exchange just issued by ``node`` for the trace."""
@@ -160,7 +163,7 @@ def _attn_forward(run: Run, mb: int, node: Node, weights: dict):
     else:
         run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, result.outputs, weights, objective, result.routed))
     layer.attended = dict(result.outputs, routed=result.routed)
-    run.stats.setdefault(mb, []).append(result.stats)
+    run.stats.setdefault(mb, {})[node.layer] = result.stats
     if objective is not None:
         run.objective += objective.detach()
 

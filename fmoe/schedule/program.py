@@ -12,7 +12,8 @@ from typing import NamedTuple
 from ..config import ModelConfig, Plan
 from ..layers.nodes import Kind, layer_kinds
 from ..shard.spec import ShardSpec
-from .actions import Action, Backward, Forward, Gather, Land, Recompute, Reduce, Release, Wait, Wgrad, Node
+from .actions import (STREAM, STREAM_GRADIENT, Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce,
+                      Release, Send, Wait, Wgrad)
 
 EMBED, HEAD = Node(Kind.EMBED), Node(Kind.HEAD)
 
@@ -24,7 +25,8 @@ def layer_nodes(cfg: ModelConfig, layer: int) -> tuple[Node, ...]:
 
 
 class Use(NamedTuple):
-    """One node run in a schedule's order: its action type, node, microbatch and unit."""
+    """One node run (or pipeline transfer) in a schedule's order: its action type, node
+    (a transfer's Boundary), microbatch and unit."""
 
     mb: int
     run: type
@@ -32,6 +34,8 @@ class Use(NamedTuple):
     unit: str | None
 
     def action(self) -> Action:
+        if self.run in (Send, Recv):
+            return self.run(self.mb, self.node)
         return self.run(self.node, self.mb, self.unit) if self.run is not Land else Land(self.node, self.mb)
 
 
@@ -54,6 +58,58 @@ def _forward(cfg: ModelConfig) -> list:
 def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> list:
     ops = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(cfg, i, delay_wgrad, remat)]
     return [(Backward, HEAD)] + ops + [(Backward, EMBED)]
+
+
+def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node]]:
+    """Stage ``stage``'s part of a pipeline-parallel step (``Plan.pp > 1``), 1F1B: its
+    nodes of each microbatch, the stream received from the stage before and sent to the
+    one after (its gradient the other way). ``P - stage - 1`` warm-up forwards, then one
+    forward and one backward in turn (under ``1f1b_overlap`` woven into each other:
+    ``_woven``), then the remaining backwards; each stage runs its microbatches in
+    order, so the arithmetic is the single process's."""
+    cfg, M, P = plan.model, plan.microbatches, plan.pp
+    members = set(plan.stages[stage])
+    forward = [(run, n) for run, n in _forward(cfg) if n.member in members]
+    backward = [(run, n) for run, n in _backward(cfg, plan.delay_wgrad, plan.remat == "full") if n.member in members]
+    first, last = stage == 0, stage == P - 1
+
+    def fwd(mb):
+        return ([] if first else [(mb, Recv, STREAM)]) + [(mb, run, n) for run, n in forward] + \
+            ([] if last else [(mb, Send, STREAM)])
+
+    def bwd(mb):
+        return ([] if last else [(mb, Recv, STREAM_GRADIENT)]) + [(mb, run, n) for run, n in backward] + \
+            ([] if first else [(mb, Send, STREAM_GRADIENT)])
+
+    if not train:
+        return [op for mb in range(M) for op in fwd(mb)]
+    overlap = plan.schedule == "1f1b_overlap" and M > 1
+    warm = min(P - stage - (0 if overlap else 1), M)
+    ops = [op for mb in range(warm) for op in fwd(mb)]
+    for i in range(M - warm):
+        ops += _woven(plan, stage, warm + i, i) if overlap else fwd(warm + i) + bwd(i)
+    return ops + [op for mb in range(M - warm, M) for op in bwd(mb)]
+
+
+def _woven(plan: Plan, stage: int, f: int, b: int) -> list[tuple[int, type, Node]]:
+    """Under ``1f1b_overlap``, a stage's steady-state pair: the forward of microbatch
+    ``f`` woven into the backward of ``b`` layer by layer (``_overlapped_layers``: each
+    all-to-all under the other microbatch's compute), as ``1f1b_overlap`` weaves them
+    without stages; ``f``'s stream is received before and sent after, ``b``'s gradient
+    the same. (Every stage runs one forward more before its first pair, so a pair never
+    holds one microbatch twice.)"""
+    cfg, P = plan.model, plan.pp
+    members = plan.stages[stage]
+    layers = [int(m.split(".")[1]) for m in members if m.startswith("layers.")]
+    first, last, delay, remat = stage == 0, stage == P - 1, plan.delay_wgrad, plan.remat == "full"
+    ops = ([] if first else [(f, Recv, STREAM)]) + ([] if last else [(b, Recv, STREAM_GRADIENT)])
+    ops += ([(f, Forward, EMBED)] if first else []) + ([(b, Backward, HEAD)] if last else [])
+    n = len(layers)
+    for j in range(n):
+        ops += [(f if who == "f" else b, run, node)
+                for who, run, node in _overlapped_layers(cfg, layers[j], layers[n - 1 - j], delay, remat)]
+    ops += ([(f, Forward, HEAD)] if last else []) + ([(b, Backward, EMBED)] if first else [])
+    return ops + ([] if last else [(f, Send, STREAM)]) + ([] if first else [(b, Send, STREAM_GRADIENT)])
 
 
 def _overlapped_layers(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
@@ -98,11 +154,13 @@ def _overlapped_with_dense(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, del
 
 def _with_landings(ops: list) -> list:
     """``ops`` with each forward ``combine``'s ``Land`` right before the node that reads
-    its output (the next layer's ``attn``, or the ``head``, of that microbatch): what
-    the schedule runs between the two overlaps the combine's all-to-all."""
+    its output (the next layer's ``attn``, or the ``head``, of that microbatch, or the
+    send of the stream to the next pipeline stage): what the schedule runs between the
+    two overlaps the combine's all-to-all."""
     out, pending = [], {}
     for mb, run, node in ops:
-        if run is Forward and node.kind in (Kind.ATTN, Kind.DENSE, Kind.HEAD) and mb in pending:
+        reads = (run is Forward and node.kind in (Kind.ATTN, Kind.DENSE, Kind.HEAD)) or (run is Send and node == STREAM)
+        if reads and mb in pending:
             out.append((mb, Land, pending.pop(mb)))
         out.append((mb, run, node))
         if run is Forward and node.kind == Kind.COMBINE:
@@ -110,7 +168,7 @@ def _with_landings(ops: list) -> list:
     return out
 
 
-def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, type, Node]]:
+def schedule_ops(plan: Plan, train: bool = True, stage: int = 0) -> list[tuple[int, type, Node]]:
     """``(mb, action type, node)`` in the order the plan's schedule runs them.
 
     ``standard``: each microbatch's forward, then its backward. ``1f1b_overlap``:
@@ -119,9 +177,10 @@ def schedule_ops(plan: Plan, train: bool = True) -> list[tuple[int, type, Node]]
     L-1-j), then the last backward runs alone. Each forward ``combine`` lands right
     before the next node of its microbatch reads its output. ``delay_wgrad`` adds a
     ``Wgrad`` per layer after its dispatch's backward; ``remat='full'`` a
-    ``Recompute`` of each layer before its backward.
+    ``Recompute`` of each layer before its backward. Under pipeline parallelism, stage
+    ``stage``'s part (``_pipeline``).
     """
-    return _with_landings(_schedule(plan, train))
+    return _with_landings(_pipeline(plan, train, stage) if plan.pp > 1 else _schedule(plan, train))
 
 
 def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
@@ -142,10 +201,11 @@ def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
     return ops + [(M - 1, run, node) for run, node in _backward(cfg, delay, remat)]
 
 
-def node_uses(plan: Plan, spec: ShardSpec, train: bool = True) -> list[Use]:
-    """The schedule's node runs with each node's FSDP unit (None for exchanges)."""
-    return [Use(mb, run, node, None if node.is_comm else spec.unit_of_member(node.member).name)
-            for mb, run, node in schedule_ops(plan, train)]
+def node_uses(plan: Plan, spec: ShardSpec, train: bool = True, stage: int = 0) -> list[Use]:
+    """The schedule's node runs (of pipeline stage ``stage``) with each node's FSDP unit
+    (None for exchanges and transfers)."""
+    return [Use(mb, run, node, None if run in (Send, Recv) or node.is_comm else spec.unit_of_member(node.member).name)
+            for mb, run, node in schedule_ops(plan, train, stage)]
 
 
 def max_live_units(plan: Plan, spec: ShardSpec, uses: list[Use]) -> int:

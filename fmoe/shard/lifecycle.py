@@ -109,10 +109,10 @@ MAX_PENDING_REDUCTIONS = 2
 
 def start(spec: ShardSpec, mesh: Mesh, shards: Shards, max_live: int, slots: dict | None, device,
           dynamic: bool, microbatches: int) -> Lifecycle:
-    """Every unit SHARDED; ``shards`` are the flat shards of the params
+    """Every unit of ``shards`` SHARDED: the flat shards of the params this rank holds
     (``fmoe.shard.shards.build_shards``); ``max_live`` and ``slots``: the program's."""
     return Lifecycle(spec, mesh, torch.device(device), dynamic, microbatches, shards.flat,
-                     {u.name: UnitState() for u in spec.units}, max_live, slots,
+                     {name: UnitState() for name in shards.flat}, max_live, slots,
                      {} if slots is not None else None, scales=shards.scales)
 
 

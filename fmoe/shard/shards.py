@@ -28,15 +28,16 @@ class Shards(NamedTuple):
     scales: dict
 
 
-def build_shards(params_named: dict, spec: ShardSpec, mesh: Mesh, device) -> Shards:
+def build_shards(params_named: dict, spec: ShardSpec, units, mesh: Mesh, device) -> Shards:
     """This rank's leaves copied into new flat shards, cast to each group's dtype on the
     way. This is the step's one pass over the params before it gathers: in a bf16 step
     it is the cast to bf16 any step pays; in an fp32 one a copy, held for the step beside
     the params. The params are plain tensors and the step never writes into them.
-    An ``fp8`` group is written in bf16 first, then cast (``_cast_to_fp8``)."""
+    An ``fp8`` group is written in bf16 first, then cast (``_cast_to_fp8``). ``units``:
+    the UnitSpecs this rank holds (its pipeline stage's)."""
     rank = mesh.world.rank
     flat, staged = {}, []
-    for u in spec.units:
+    for u in units:
         flat[u.name] = {}
         for key, layout in u.groups.items():
             r = spec.shard_rank(rank, key.domain)

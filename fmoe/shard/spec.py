@@ -67,11 +67,13 @@ class GroupKey(NamedTuple):
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One FSDP unit: its members and one flat layout per buffer group."""
+    """One FSDP unit: its members, one flat layout per buffer group, and the pipeline
+    stage that holds it."""
 
     name: str
     members: tuple[str, ...]
     groups: dict  # {GroupKey: FlatLayout}
+    stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,9 @@ class ShardSpec:
             experts under EP, its tensor-parallel cut).
         experts_per_rank: ``E / ep``.
         ep: the expert-parallel degree.
-        dims: the plan's ParallelDims (which rank holds which slice).
+        dims: the plan's ParallelDims (which rank holds which slice; under pipeline
+            parallelism a rank holds only its stage's units: the other leaves as zero
+            rows).
         sharding: the strategy.
         compute_dtype: the plan's compute dtype (the ``COMPUTE`` groups').
         gathers_fp8: whether the dense products' weights are gathered already cast to
@@ -143,6 +147,14 @@ class ShardSpec:
         return tuple((p.local, p.local + p.length, p.copies) for p in leaf.split.pieces(degree, 0)
                      if p.copies > 1 and last)
 
+    def stage_units(self, stage: int) -> tuple[UnitSpec, ...]:
+        """The units pipeline stage ``stage`` holds (every unit without pipeline parallelism)."""
+        return tuple(u for u in self.units if u.stage == stage)
+
+    def holds(self, path: str, world_rank: int) -> bool:
+        """Whether a rank's stage holds parameter ``path``."""
+        return self.unit_of_member(self.table[path].member).stage == self.dims.stage(world_rank)
+
     def sharded(self, domain: Domain) -> bool:
         """Whether ``domain``'s params/grads at rest are row shards."""
         return self.sizes[domain] > 1
@@ -178,15 +190,15 @@ class ShardSpec:
         ``edp`` for expert groups."""
         if not self.sharded(domain):
             return 0
-        if domain == Domain.DENSE:
-            return world_rank
-        return self.dims.index("tensor_data" if domain == Domain.TENSOR else "edp", world_rank)
+        return self.dims.index({Domain.DENSE: "stage", Domain.TENSOR: "tensor_data"}.get(domain, "edp"), world_rank)
 
     def leaf_piece(self, path: str, shape: tuple, world_rank: int) -> "Piece":
         """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
         its experts (under EP), its tensor-parallel cut (``split_cut``), then its rows
-        (when its domain is sharded)."""
+        (when its domain is sharded); no rows when another pipeline stage holds it."""
         domain = self.placement(self.table[path])
+        if not self.holds(path, world_rank):
+            return Piece(None, 0, 0, True)
         experts = None
         if domain == Domain.EXPERT and self.ep > 1:
             first = self.ep_index(world_rank) * self.experts_per_rank
@@ -211,6 +223,8 @@ class ShardSpec:
         """This rank's part of a full parameter (see ``leaf_piece``); ``experts_cut``:
         ``full_leaf`` holds only the rank's experts already."""
         piece = self.leaf_piece(path, self.table[path].shape, world_rank)
+        if not self.holds(path, world_rank):
+            return full_leaf.new_empty((0, rows_cols(self.local_full_shape(path, full_leaf.shape))[1]))
         local = full_leaf
         if piece.experts is not None and not experts_cut:
             local = local[piece.experts[0]:piece.experts[1]]
@@ -221,13 +235,17 @@ class ShardSpec:
         return local.reshape(rows, cols)[piece.first:piece.last].clone()
 
     def local_shapes(self, world_rank: int) -> dict:
-        """``{path: shape}`` of the leaves rank ``world_rank`` holds, in table order."""
-        shapes = {}
+        """``{path: shape}`` of the leaves rank ``world_rank`` holds, in table order (under
+        pipeline parallelism another stage's as ``(0, cols)``)."""
+        shapes, stage = {}, self.dims.stage(world_rank)
         for u in self.units:
             for key, layout in u.groups.items():
                 rank = self.shard_rank(world_rank, key.domain)
                 for slot, first, last, _ in layout.local_slots(rank):
-                    shapes[slot.path] = (last - first, slot.cols) if self.sharded(key.domain) else slot.shape
+                    if u.stage != stage:
+                        shapes[slot.path] = (0, slot.cols)
+                    else:
+                        shapes[slot.path] = (last - first, slot.cols) if self.sharded(key.domain) else slot.shape
         return {leaf.path: shapes[leaf.path] for leaf in self.table.leaves}
 
 
@@ -266,10 +284,10 @@ def shard_spec(plan: Plan) -> ShardSpec:
     if sharding is Sharding.NO_SHARD:
         sizes = {Domain.DENSE: 1, Domain.TENSOR: 1, Domain.EXPERT: 1}
     else:  # world, the ranks of one tensor-parallel slice, edp
-        sizes = {Domain.DENSE: dims.world, Domain.TENSOR: dims.world // dims.tp, Domain.EXPERT: dims.edp}
+        sizes = {Domain.DENSE: dims.stage_size, Domain.TENSOR: dims.stage_size // dims.tp, Domain.EXPERT: dims.edp}
     fp8 = plan.fp8 == "tensorwise" and sizes[Domain.DENSE] > 1
     ep = plan.ep
-    units = []
+    units, stage_of = [], {m: s for s, members in enumerate(plan.stages) for m in members}
     for members in plan.unit_groups:
         by_key: dict = {}
         for leaf in table.leaves:
@@ -278,7 +296,7 @@ def shard_spec(plan: Plan) -> ShardSpec:
                 key = group_key(leaf, placement(leaf, dims), plan.compute_dtype, fp8)
                 by_key.setdefault(key, []).append((leaf.path, shape))
         groups = {key: make_layout(named, sizes[key.domain]) for key, named in sorted(by_key.items())}
-        units.append(UnitSpec(unit_name(members), members, groups))
+        units.append(UnitSpec(unit_name(members), members, groups, stage_of[members[0]]))
     return ShardSpec(tuple(units), sizes, plan.model.experts // ep, ep, sharding, plan.compute_dtype, fp8, table,
                      dims)
 

@@ -34,9 +34,12 @@ UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded co
 LAYER_LISTS = ("dense_layers", "window_layers")  # ModelConfig's tuples of layer indices, "0,1" as settings
 
 
+MEMBER_GROUPS = ("units", "pp_layout")  # Plan's tuples of member groups, "embed+head,layers.0" as settings
+
+
 def _field_type(field) -> type:
-    if field.name == "units":
-        return str  # "embed+head,layers.0+layers.1": units separated by commas, members by +
+    if field.name in MEMBER_GROUPS:
+        return str  # "embed+head,layers.0+layers.1": groups separated by commas, members by +
     if field.name in LAYER_LISTS:
         return str  # "0,1": layer indices separated by commas
     return TYPES[str(field.type)]
@@ -154,7 +157,7 @@ def _defaults() -> dict:
     then the ``cpu`` preset."""
     settings = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
                 **{f.name: f.default for f in dataclasses.fields(Plan) if f.name != "model"}, **RUN_DEFAULTS}
-    settings["units"] = ""
+    settings.update(dict.fromkeys(MEMBER_GROUPS, ""))
     settings.update(dict.fromkeys(LAYER_LISTS, ""))
     settings.update(read_toml("cpu")[0])
     return settings
@@ -223,7 +226,8 @@ def model_config(settings: dict, **overrides) -> ModelConfig:
 
 def plan_for(settings: dict, cfg: ModelConfig, **overrides) -> Plan:
     fields = {k: settings[k] for k in PLAN_FIELDS}
-    fields["units"] = parse_units(fields["units"])
+    for name in MEMBER_GROUPS:
+        fields[name] = parse_units(fields[name])
     return Plan(model=cfg, **{**fields, **overrides})
 
 
@@ -232,7 +236,7 @@ def resolved(settings: dict, plan: Plan) -> dict:
     data, the model of ``--init-from-hf``, ``dp`` from the world (``settings.toml``)."""
     out = dict(settings, **{name: getattr(plan.model, name) for name in MODEL_FIELDS})
     out.update({name: ",".join(map(str, getattr(plan.model, name))) for name in LAYER_LISTS})
-    out.update({name: getattr(plan, name) for name in PLAN_FIELDS if name not in ("units", "device")})
+    out.update({name: getattr(plan, name) for name in PLAN_FIELDS if name not in (*MEMBER_GROUPS, "device")})
     return out
 
 
