@@ -77,7 +77,8 @@ def check_stages(stages, cfg, pp: int) -> tuple[tuple[str, ...], ...]:
     try:
         stages = tuple(tuple(m) for m in stages)
     except TypeError:
-        raise ValueError(f"Plan.pp_layout={stages!r} is invalid: a sequence of {pp} sequences of member names") from None
+        raise ValueError(f"Plan.pp_layout={stages!r} is invalid: a sequence of {pp} sequences of member "
+                         "names") from None
     order = members(cfg)
     if len(stages) != pp or any(not m for m in stages) or tuple(m for st in stages for m in st) != order:
         raise ValueError(f"Plan.pp_layout must list every member once, in order ({', '.join(order)}), cut into "

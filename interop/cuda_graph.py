@@ -76,11 +76,11 @@ def check_capturable(plan: Plan, scopes) -> None:
     if unknown or not scopes:
         raise ValueError(f"scopes={list(scopes)!r} is invalid: allowed scopes are "
                          f"{', '.join(map(repr, (*SCOPES, 'step')))} (at least one)")
-    parallel = {name: getattr(plan, name) for name in ("tp", "cp", "etp") if getattr(plan, name) > 1}
+    parallel = {name: getattr(plan, name) for name in ("tp", "cp", "etp", "pp") if getattr(plan, name) > 1}
     if parallel:
         raise ValueError("cannot capture CUDA graphs under " + ", ".join(f"Plan.{k}={v}" for k, v in parallel.items())
                          + ": the graphed scopes do not take the tensor-, context- or expert-tensor-parallel "
-                         "groups yet (allowed: tp = cp = etp = 1, or no CUDA graph)")
+                         "groups or the pipeline's transfers yet (allowed: tp = cp = etp = pp = 1, or no CUDA graph)")
     reasons = []
     if "step" in scopes:
         reasons = _expert_host_reads(plan)

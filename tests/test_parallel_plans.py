@@ -116,5 +116,36 @@ def test_the_step_refuses_batches_the_dimensions_cannot_split():
 def test_cuda_graphs_refuse_the_new_dimensions_by_name():
     from interop.cuda_graph import check_capturable
 
-    with pytest.raises(ValueError, match=r"Plan\.tp=2.*allowed: tp = cp = etp = 1"):
+    with pytest.raises(ValueError, match=r"Plan\.tp=2.*allowed: tp = cp = etp = pp = 1"):
         check_capturable(fmoe.Plan(model=CFG, tp=2), ("attn",))
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(pp=3), r"Plan\.pp=3 .*more stages than model\.layers \(2\)"),
+    (dict(pp=0), r"Plan\.pp=0 .*int >= 1"),
+    (dict(pp=2, pp_layout=(("embed", "layers.1"), ("layers.0", "head"))), r"Plan\.pp_layout must list every member once"),
+    (dict(pp=2, pp_layout=(("embed", "layers.0", "layers.1", "head"),)), r"cut into Plan\.pp=2 non-empty stages"),
+    (dict(pp=2, units=(("embed", "layers.0", "layers.1"), ("head",))), r"Plan\.units=.*spans pipeline stages"),
+])
+def test_a_pipeline_that_cannot_run_names_the_field(kw, words):
+    with pytest.raises(ValueError, match=words):
+        fmoe.Plan(model=CFG, **kw)
+
+
+def test_tied_embeddings_cannot_be_split_over_stages():
+    with pytest.raises(ValueError, match=r"Plan\.pp=2 .*tied embeddings"):
+        fmoe.Plan(model=CFG.replace(tie_embeddings=True), pp=2)
+
+
+def test_stages_default_to_even_layers_with_embed_first_and_head_last():
+    cfg = CFG.replace(layers=5)
+    assert fmoe.Plan(model=cfg, pp=2).stages == (("embed", "layers.0", "layers.1", "layers.2"),
+                                                 ("layers.3", "layers.4", "head"))
+    plan = fmoe.Plan(model=cfg, pp=2, dp=2)
+    assert plan.world == 4 and [plan.dims.stage(r) for r in range(4)] == [0, 0, 1, 1]
+    from fmoe.resolve import resolve
+
+    spec = resolve(fmoe.Plan(model=cfg, pp=2)).spec  # rank 1's stage holds layers 3, 4 and the head
+    shapes = spec.local_shapes(1)
+    assert shapes["embed"] == (0, 32) and shapes["layers.0.attn.qkv"] == (0, 64)
+    assert shapes["layers.4.attn.qkv"] == (32, 64) and shapes["head"] == (32, 64)

@@ -163,7 +163,7 @@ def test_settings_round_trip_through_print_config_and_settings_toml(tmp_path, ca
     assert done.value.code == 0
     printed = capsys.readouterr().out
     assert tomllib.loads(printed)["vocab"] == vocab != 256  # what the corpus decides
-    assert "# dp = 1  (from the number of processes / (ep * cp * tp) when left out)" in printed
+    assert "# dp = 1  (from the number of processes / (pp * ep * cp * tp) when left out)" in printed
     (tmp_path / "printed.toml").write_text(printed)
     summary = train_main(["--config", str(tmp_path / "printed.toml"), "--out", str(tmp_path / "a")])
     assert summary["steps"] == 3

@@ -97,23 +97,25 @@ def test_two_gloo_ranks_with_a_toml_config_resume_bit_for_bit(corpus, tmp_path):
     assert other.returncode != 0 and "cannot resume: --seed=1" in other.stderr
 
 
-def test_tensor_and_context_parallel_runs_train_the_same_model(corpus, tmp_path):
+def test_tensor_context_and_pipeline_parallel_runs_train_the_same_model(corpus, tmp_path):
     # --tp 2 (each rank half the heads, hidden units and vocabulary, and half the
-    # positions) and --cp 2 (each rank two chunks of every sequence) read the same
-    # global batches as one process would: the same losses up to fp32 rounding
+    # positions), --cp 2 (each rank two chunks of every sequence) and --pp 2 (each rank
+    # one layer and the embedding or the head) read the same global batches as one
+    # process would: the same losses up to fp32 rounding
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens", "--ep", 1, "--steps", 3,
               "--eval-every", 3, "--save-every", 0, "--sample-tokens", 0]
     runs = {}
-    for name, flags in (("tp", ["--tp", 2]), ("cp", ["--cp", 2])):
+    for name, flags in (("tp", ["--tp", 2]), ("cp", ["--cp", 2]), ("pp", ["--pp", 2])):
         proc = torchrun(*common, *flags, "--out", tmp_path / name)
         assert proc.returncode == 0, proc.stderr
         assert f"2 rank(s), dp=1 ep=1 {name}=2 " in proc.stdout
         runs[name] = records(tmp_path / name)
-    tp, cp = runs["tp"], runs["cp"]
-    assert len(tp) == len(cp) == 3
-    for a, b in zip(tp, cp):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    tp, cp, pp = runs["tp"], runs["cp"], runs["pp"]
+    assert len(tp) == len(cp) == len(pp) == 3
+    for a, b, c in zip(tp, cp, pp):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) == pytest.approx(c["loss"], rel=1e-4)
     assert tp[-1]["heldout_loss"] == pytest.approx(cp[-1]["heldout_loss"], rel=1e-4)
+    assert pp[-1]["heldout_loss"] == pytest.approx(cp[-1]["heldout_loss"], rel=1e-4)
 
 
 @pytest.mark.gpu
@@ -176,8 +178,8 @@ def test_run_settings_are_one_typed_frozen_value_checked_when_built():
     ("", ["--fp8", "e5m2"], "Plan.fp8='e5m2' is invalid: allowed: 'none', 'rowwise', 'tensorwise'"),
     ("", ["--fp8", "rowwise"], "Plan.fp8='rowwise' is invalid: needs a CUDA device with FP8 GEMMs"),
     ("", ["--config", "nope-small"], "no such file, nor a preset"),
-    ("", ["--ep", "2"], "--dp=1 x --ep=2 x --cp=1 x --tp=1 must equal the number of processes (WORLD_SIZE=1)"),
-    ("", ["--tp", "2"], "--dp=1 x --ep=1 x --cp=1 x --tp=2 must equal the number of processes (WORLD_SIZE=1)"),
+    ("", ["--ep", "2"], "--pp=1 x --dp=1 x --ep=2 x --cp=1 x --tp=1 must equal the number of processes (WORLD_SIZE=1)"),
+    ("", ["--tp", "2"], "--pp=1 x --dp=1 x --ep=1 x --cp=1 x --tp=2 must equal the number of processes (WORLD_SIZE=1)"),
     ("", ["--batch", "6", "--microbatches", "4"], "--batch=6 is invalid"),
     ("", ["--steps", "0"], "--steps=0 is invalid: must be an int >= 1"),
     ("", ["--log-every", "0"], "--log-every=0 is invalid: must be an int >= 1"),

@@ -171,7 +171,7 @@ def _corpus_and_model(s: RunSettings, fields: dict, explicit: set) -> tuple[RunS
 
 def _derived(explicit: set) -> dict:
     """Settings the run works out rather than is given, for ``options.to_toml``."""
-    return {} if "dp" in explicit else {"dp": "from the number of processes / (ep * cp * tp) when left out"}
+    return {} if "dp" in explicit else {"dp": "from the number of processes / (pp * ep * cp * tp) when left out"}
 
 
 def settings_file(s: RunSettings, fields: dict, explicit: set, plan: Plan) -> str:
@@ -241,11 +241,11 @@ def prepare(argv=None, adapters: Adapters | None = None, lock: bool = False) -> 
 
 def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, adapters: Adapters | None,
                     held: run_lock.RunLock | None) -> Run:
-    others = fields["ep"] * fields["cp"] * fields["tp"]
+    others = fields["pp"] * fields["ep"] * fields["cp"] * fields["tp"]
     dp = fields["dp"] if "dp" in explicit else max(1, world.size // others)
     if dp * others != world.size:
-        raise ValueError(f"--dp={dp} x --ep={fields['ep']} x --cp={fields['cp']} x --tp={fields['tp']} must equal "
-                         f"the number of processes (WORLD_SIZE={world.size})")
+        raise ValueError(f"--pp={fields['pp']} x --dp={dp} x --ep={fields['ep']} x --cp={fields['cp']} x "
+                         f"--tp={fields['tp']} must equal the number of processes (WORLD_SIZE={world.size})")
     s, corpus, cfg = _corpus_and_model(s, fields, explicit)
     check_vocab(corpus, cfg.vocab)
     if corpus.packed is not None and fields["cp"] > 1:

@@ -21,7 +21,11 @@ PLANS = {
         "tp2_standard": dict(tp=2, microbatches=4, loss_chunk=24),
         "cp2": dict(cp=2),
         "dp2_etp2": dict(dp=2, etp=2, sharding="optim_grads"),
-        "tp2_compiled_selective": dict(tp=2, compile=True, remat="selective")},
+        "tp2_compiled_selective": dict(tp=2, compile=True, remat="selective"),
+        "pp2": dict(pp=2),
+        "pp2_standard": dict(pp=2, microbatches=4),
+        "pp2_overlap": dict(pp=2, microbatches=4, schedule="1f1b_overlap", delay_wgrad=True),
+        "pp2_overlap_standard": dict(pp=2, microbatches=4, delay_wgrad=True)},
     4: {"dp2_tp2_zero3": dict(dp=2, tp=2, sharding="optim_grads_params"),
         "dp2_tp2_zero3_overlap": dict(dp=2, tp=2, sharding="optim_grads_params", schedule="1f1b_overlap",
                                       delay_wgrad=True),
@@ -30,7 +34,11 @@ PLANS = {
                              delay_wgrad=True),
         "dp2_cp2": dict(dp=2, cp=2, sharding="optim_grads_params", schedule="1f1b_overlap"),
         "cp2_tp2": dict(cp=2, tp=2, remat="full"),
-        "tp4": dict(tp=4, sharding="optim")},
+        "tp4": dict(tp=4, sharding="optim"),
+        "pp2_dp2_zero3": dict(pp=2, dp=2, sharding="optim_grads_params"),
+        "pp2_ep2_zero3_overlap": dict(pp=2, ep=2, sharding="optim_grads_params", schedule="1f1b_overlap",
+                                      delay_wgrad=True, microbatches=4),
+        "pp2_tp2": dict(pp=2, tp=2, pp_layout=(("embed", "layers.0"), ("layers.1", "layers.2", "head")))},
 }
 
 
@@ -82,14 +90,16 @@ def mesh_ranks(plan: fmoe.Plan) -> dict:
 def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
     """Every plan of ``PLANS[world]`` trained on this rank's part of the global batch;
     with ``checkpoint`` (a directory), also one saved under ``dp2_tp2_zero3`` after its
-    steps and loaded under ``ep2_tp2_etp2``, which trains on from it."""
+    steps and loaded under ``ep2_tp2_etp2``, which trains on from it, and under
+    ``pp2_dp2_zero3``; and ``pp2_dp2_zero3``'s own saved at ``checkpoint`` + ``_pp``."""
     out = {}
     for name, kw in PLANS[world].items():
         plan = plan_of(kw)
         res = train(plan, fmoe.local_batch(global_batch(), plan, rank))
         res["purposes"] = sorted({e.purpose for e in res.pop("trace")})
-        if checkpoint is not None and name == "dp2_tp2_zero3":
-            fmoe.save(checkpoint, plan, res["last"], opt_state=res["state"], step=STEPS)
+        if checkpoint is not None and name in ("dp2_tp2_zero3", "pp2_dp2_zero3"):
+            fmoe.save(f"{checkpoint}{'_pp' if plan.pp > 1 else ''}", plan, res["last"], opt_state=res["state"],
+                      step=STEPS)
         out[name] = {k: v for k, v in res.items() if k not in ("state", "last")}
     out["mesh"] = mesh_ranks(plan_of(dict(ep=2, tp=2, etp=2) if world == 4 else dict(cp=2)))
     if checkpoint is not None:
@@ -97,5 +107,7 @@ def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
         ck = fmoe.load(checkpoint, plan)
         res = train(plan, fmoe.local_batch(global_batch(), plan, rank), 2, ck.params, ck.opt_state)
         out["resumed"] = {"loaded": fmoe.gather_full(ck.params, plan), "losses": res["losses"]}
+        plan = plan_of(PLANS[4]["pp2_dp2_zero3"])  # and into pipeline stages
+        out["resumed_pp"] = {"loaded": fmoe.gather_full(fmoe.load(checkpoint, plan).params, plan)}
     return out
 
