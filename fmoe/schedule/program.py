@@ -83,12 +83,35 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
 
     if not train:
         return [op for mb in range(M) for op in fwd(mb)]
-    overlap = plan.schedule == "1f1b_overlap" and M > 1
-    warm = min(P - stage - (0 if overlap else 1), M)
+    if plan.schedule == "1f1b_overlap" and M > 1:
+        return _overlapped_pipeline(plan, stage, fwd, bwd)
+    warm = min(P - stage - 1, M)
     ops = [op for mb in range(warm) for op in fwd(mb)]
     for i in range(M - warm):
-        ops += _woven(plan, stage, warm + i, i) if overlap else fwd(warm + i) + bwd(i)
+        ops += fwd(warm + i) + bwd(i)
     return ops + [op for mb in range(M - warm, M) for op in bwd(mb)]
+
+
+def _overlapped_pipeline(plan: Plan, stage: int, fwd, bwd) -> list:
+    """Stage ``stage``'s part under ``1f1b_overlap``: forwards and backwards woven in pairs
+    (``_woven``). A pair needs its backward's gradient when it starts, so stage ``s``
+    pairs the forward of microbatch ``f`` with the backward of ``f - (2 (P - s) - 1)``,
+    whose gradient the next stage sent a pair earlier: the pairs of neighbouring stages
+    then do not wait on each other, at the price of ``2 (P - s) - 1`` microbatches in
+    flight on stage ``s`` (``P - s`` under plain 1F1B). The last stage pairs ``f`` with
+    ``f - 1``, as ``1f1b_overlap`` does without stages."""
+    M, P = plan.microbatches, plan.pp
+    warm = min(P - stage, M)
+    lag = P - 1 - stage  # pairs that hold a forward alone while the backwards are on their way
+    ops = [op for mb in range(warm) for op in fwd(mb)]
+    done = 0  # backwards run
+    for i in range(M - warm):
+        if i < lag:
+            ops += fwd(warm + i)
+        else:
+            ops += _woven(plan, stage, warm + i, done)
+            done += 1
+    return ops + [op for mb in range(done, M) for op in bwd(mb)]
 
 
 def _woven(plan: Plan, stage: int, f: int, b: int) -> list[tuple[int, type, Node]]:
@@ -96,8 +119,7 @@ def _woven(plan: Plan, stage: int, f: int, b: int) -> list[tuple[int, type, Node
     ``f`` woven into the backward of ``b`` layer by layer (``_overlapped_layers``: each
     all-to-all under the other microbatch's compute), as ``1f1b_overlap`` weaves them
     without stages; ``f``'s stream is received before and sent after, ``b``'s gradient
-    the same. (Every stage runs one forward more before its first pair, so a pair never
-    holds one microbatch twice.)"""
+    the same."""
     cfg, P = plan.model, plan.pp
     members = plan.stages[stage]
     layers = [int(m.split(".")[1]) for m in members if m.startswith("layers.")]

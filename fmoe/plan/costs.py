@@ -1,0 +1,116 @@
+"""What the planner charges for each action: compute from FLOPs, communication by an
+alpha-beta model of the links.
+
+Compute: a node's forward FLOPs on one rank (its matrices' ``2 x params`` per token,
+the experts' ``topk`` of them, attention's scores over the keys a query sees), divided
+by the GPU's peak and the node kind's efficiency; backward twice the forward (its
+dgrad and wgrad; with delayed wgrad half in ``Wgrad``). The efficiencies come from a
+``Calibration``: ``benchmarks/plan_calibration.py`` measures them on the GPU at hand
+and writes the JSON file ``--calibration`` reads; without one, the defaults below,
+which are assumptions, not measurements.
+
+Communication: ``alpha + bytes_on_the_wire / bandwidth``, the bandwidth a link's: inside
+a node (NVLink) when every rank of the group is on one node (``gpus_per_node``
+consecutive ranks), else the network's. Per collective of ``N`` bytes over ``g`` ranks:
+all-gather and reduce-scatter move ``(g - 1) / g x N``, all-reduce twice that,
+all-to-all ``(g - 1) / g`` of what a rank sends, a point-to-point send ``N``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..params import param_table
+
+DEFAULT_EFFICIENCY = {"attn": 0.45, "experts": 0.55, "dense": 0.55, "head": 0.6, "embed": 0.6}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per node kind, the fraction of ``peak_tflops`` its kernels reach.
+
+    Attributes:
+        peak_tflops: the GPU's dense bf16 peak (789: H100 / H200 SXM).
+        efficiency: ``{kind: fraction}`` for ``attn``, ``experts``, ``dense``, ``head``, ``embed``.
+        source: where the numbers come from (a device and date, or "defaults").
+    """
+
+    peak_tflops: float = 789.0
+    efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
+    source: str = "defaults (assumed, not measured)"
+
+    @classmethod
+    def read(cls, path) -> "Calibration":
+        """A calibration file (``benchmarks/plan_calibration.py`` writes one)."""
+        data = json.loads(Path(path).read_text())
+        unknown = set(data.get("efficiency", {})) - set(DEFAULT_EFFICIENCY)
+        if unknown:
+            raise ValueError(f"calibration {path}: unknown node kinds {sorted(unknown)}; allowed: "
+                             f"{', '.join(DEFAULT_EFFICIENCY)}")
+        return cls(float(data.get("peak_tflops", 789.0)), {**DEFAULT_EFFICIENCY, **data.get("efficiency", {})},
+                   str(data.get("source", path)))
+
+
+@dataclass(frozen=True)
+class Links:
+    """The alpha-beta model of the links between GPUs (defaults: H100 / H200 SXM nodes of
+    8 GPUs on NVLink 4, one 400 Gb/s InfiniBand NIC per GPU between nodes).
+
+    Attributes:
+        gpus_per_node: ranks ``k * gpus_per_node ..`` share a node.
+        nvlink_gbps: GB/s a GPU moves in NCCL collectives inside a node (NVLink 4's
+            450 GB/s per direction, of which NCCL reaches about 80%).
+        network_gbps: GB/s per GPU between nodes (400 Gb/s = 50 GB/s, about 90% reached).
+        nvlink_us, network_us: the fixed cost of one collective or send (latency).
+    """
+
+    gpus_per_node: int = 8
+    nvlink_gbps: float = 360.0
+    network_gbps: float = 45.0
+    nvlink_us: float = 10.0
+    network_us: float = 25.0
+
+    def seconds(self, kind: str, nbytes: float, ranks: tuple) -> float:
+        """Seconds of collective ``kind`` (``all_gather``, ``reduce_scatter``,
+        ``all_reduce``, ``all_to_all``, ``send``) of ``nbytes`` over world ``ranks``."""
+        g = len(ranks)
+        if g <= 1 or nbytes <= 0:
+            return 0.0
+        inside = len({r // self.gpus_per_node for r in ranks}) == 1
+        gbps, us = (self.nvlink_gbps, self.nvlink_us) if inside else (self.network_gbps, self.network_us)
+        share = {"all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g, "all_reduce": 2 * (g - 1) / g,
+                 "all_to_all": (g - 1) / g, "send": 1.0}[kind]
+        return us * 1e-6 + share * nbytes / (gbps * 1e9)
+
+
+def node_flops(cfg, kind: str, layer: int | None, tokens: float, seq: int) -> float:
+    """Forward FLOPs of node ``kind`` of ``layer`` for ``tokens`` tokens of sequences of
+    ``seq`` positions (the whole node, before any tensor parallelism divides it)."""
+    table = param_table(cfg)
+    matrices = [leaf for leaf in table.leaves if leaf.layer == layer and len(leaf.shape) >= 2
+                and (leaf.node == kind or (kind == "head" and leaf.path == "head"))]
+    if kind == "experts":
+        per_expert = sum(math.prod(leaf.shape) for leaf in matrices) / cfg.experts
+        return 2.0 * tokens * cfg.topk * per_expert
+    if kind == "embed":
+        return 0.0
+    flops = 2.0 * tokens * sum(math.prod(leaf.shape) for leaf in matrices)
+    if kind in ("attn", "dense"):  # the scores and their values over the keys a query sees
+        window = cfg.layer_window(layer)
+        keys = seq / 2 if not window or window >= seq else window - window * window / (2 * seq)
+        flops += 2.0 * tokens * cfg.heads * (cfg.head_dim + cfg.v_head_dim) * keys
+    return flops
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Calibration and links together: what one action costs a rank."""
+
+    calibration: Calibration = field(default_factory=Calibration)
+    links: Links = field(default_factory=Links)
+
+    def compute_seconds(self, flops: float, kind: str) -> float:
+        return flops / (self.calibration.peak_tflops * 1e12 * self.calibration.efficiency.get(kind, 0.5))

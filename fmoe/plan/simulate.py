@@ -1,0 +1,305 @@
+"""Run a plan's programs without a GPU: check them together, time them with a cost model.
+
+Every rank of a pipeline stage runs the same program (``fmoe.resolve.stage_program``) and
+every group but ``pp`` lies inside one stage (``fmoe.parallel_dims``), so the ranks of a
+group enter their collectives in the same order by construction; ``simulate`` checks
+that, then runs one rank per stage (the stage's first) against its neighbours: each
+``Send`` must meet its ``Recv`` in the order sent (point-to-point messages between two
+ranks arrive in order), every ``Recv`` must be sent, and the stages must not wait on each
+other in a circle. A program that breaks this is a ``PlanError`` naming the ranks and
+the actions.
+
+Time: each stage has a compute clock and one communication stream. Compute nodes cost
+their FLOPs (``costs.node_flops`` on the rank's tokens and slice) and the tensor-,
+context- and expert-tensor-parallel collectives inside them (blocking); a gather or
+reduction of a unit and the expert all-to-alls run on the stream, waited for where the
+program waits (a unit's ``Wait``; the node that reads an exchange's rows; a combine's
+``Land``); a send arrives after its link's time. The step ends when every stage's
+clock and stream are done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import Plan
+from ..layers.nodes import Kind
+from ..params import Domain
+from ..resolve import stage_program
+from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
+                                Wgrad)
+from ..shard.spec import shard_spec
+from .costs import CostModel, node_flops
+
+
+class PlanError(ValueError):
+    """The plan's programs cannot run together (a deadlock, or transfers out of order)."""
+
+
+@dataclass
+class Span:
+    """One timed piece of a stage's program: ``lane`` (``compute``, ``comm``, ``p2p``),
+    ``start`` and ``end`` seconds, the action's ``label`` and its microbatch."""
+
+    lane: str
+    start: float
+    end: float
+    label: str
+    mb: int = -1
+    forward: bool = True
+
+
+@dataclass
+class StageRun:
+    """One stage's simulated step (its first rank's)."""
+
+    stage: int
+    rank: int
+    spans: list = field(default_factory=list)
+    busy: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class Simulation:
+    """What ``simulate`` found.
+
+    Attributes:
+        plan: the Plan; ``rows``, ``seq``: the global batch.
+        stages: a StageRun per pipeline stage.
+        step_seconds: the step's estimated time.
+        bubble: per stage, the share of the step its compute is idle.
+        tokens_per_second: global tokens per step over ``step_seconds``.
+        mfu: the model FLOPs (``fmoe.train_flops_per_token``) per second per GPU over the peak.
+        costs: the CostModel used.
+    """
+
+    plan: Plan
+    rows: int
+    seq: int
+    stages: list
+    step_seconds: float
+    bubble: list
+    tokens_per_second: float
+    mfu: float
+    costs: CostModel
+
+
+def _sizes(plan: Plan, rows: int, seq: int) -> dict:
+    """A rank's token counts for one microbatch: its rows, the positions its attention
+    sees (``rows x seq / cp``) and the positions its stream holds (``/ tp``)."""
+    blocks = plan.dp * plan.ep
+    if rows % (blocks * plan.microbatches):
+        raise ValueError(f"simulate: {rows} rows do not split into dp * ep = {blocks} row blocks x "
+                         f"{plan.microbatches} microbatches")
+    rows_mb = rows // blocks // plan.microbatches
+    seen = rows_mb * seq / plan.cp
+    return {"rows": rows_mb, "seen": seen, "held": seen / plan.tp}
+
+
+class _Charge:
+    """What each action costs a stage's representative rank."""
+
+    def __init__(self, plan: Plan, rows: int, seq: int, costs: CostModel, rank: int):
+        self.plan, self.seq, self.costs, self.rank = plan, seq, costs, rank
+        self.cfg, self.dims, self.spec = plan.model, plan.dims, shard_spec(plan)
+        self.size = _sizes(plan, rows, seq)
+        self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
+        self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
+                       for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
+
+    def comm(self, kind: str, nbytes: float, group: str) -> float:
+        return self.costs.links.seconds(kind, nbytes, self.groups[group])
+
+    def node(self, kind: Kind, layer, phase: str) -> tuple[float, float]:
+        """``(compute seconds, blocking collective seconds)`` of a node run;
+        ``phase``: ``forward``, ``backward`` (its dgrad and wgrad, or its dgrad alone
+        under delayed wgrad for the experts), ``wgrad`` or ``recompute``."""
+        cfg, size, tp = self.cfg, self.size, self.plan.tp
+        if kind == Kind.LAYER:  # a recompute: the layer's forward again
+            kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.EXPERTS)
+            parts = [self.node(k, layer, "forward") for k in kinds]
+            return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        if kind in (Kind.DISPATCH, Kind.COMBINE):
+            return 0.0, 0.0
+        tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
+        flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
+        scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
+                 "backward": 1.0 if kind == Kind.EXPERTS and self.plan.delay_wgrad else 2.0}[phase]
+        comm = 0.0
+        if tp > 1 and kind in (Kind.ATTN, Kind.DENSE, Kind.HEAD, Kind.EMBED):
+            pairs = {Kind.ATTN: 1 + bool(cfg.shared_ffn), Kind.DENSE: 2, Kind.HEAD: 0.5, Kind.EMBED: 0.5}[kind]
+            comm += pairs * 2 * self.comm("all_gather", self.act * tp, "tp")
+        if self.plan.cp > 1 and kind in (Kind.ATTN, Kind.DENSE):
+            kv = 2 * size["seen"] * cfg.num_kv_heads * cfg.head_dim * self.plan.compute_dtype.itemsize / tp
+            comm += self.comm("all_gather", kv * self.plan.cp, "cp")
+        if self.plan.etp > 1 and kind == Kind.EXPERTS:
+            rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
+            comm += 2 * self.comm("all_to_all", rows * self.plan.etp, "etp")
+        if phase == "wgrad":
+            comm = 0.0
+        return self.costs.compute_seconds(flops * scale, kind.value), comm
+
+    def exchange(self) -> float:
+        """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
+        rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
+        return self.comm("all_to_all", rows, "ep")
+
+    def unit(self, name: str, gather: bool) -> float:
+        """A unit's gather (compute dtype) or gradient reduction (fp32)."""
+        seconds = 0.0
+        for key, layout in self.spec.unit(name).groups.items():
+            group = {Domain.DENSE: "stage", Domain.TENSOR: "tensor_data", Domain.EXPERT: "edp"}[key.domain]
+            sharded = self.spec.sharded(key.domain)
+            if gather and sharded:
+                seconds += self.comm("all_gather", layout.full_size * self.spec.dtype(key).itemsize, group)
+            elif not gather:
+                kind = "reduce_scatter" if sharded else "all_reduce"
+                seconds += self.comm(kind, layout.full_size * 4, group)
+        return seconds
+
+
+def _label(a) -> str:
+    node = getattr(a, "node", None)
+    return f"{a.op} {node or a.unit}" + (f" mb{a.mb}" if getattr(a, "mb", -1) >= 0 else "")
+
+
+def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, programs: dict | None = None,
+             train: bool = True) -> Simulation:
+    """Check and time ``plan``'s step on a global batch of ``rows`` sequences of ``seq``.
+
+    Arguments:
+        plan: any Plan (its world need not exist here).
+        rows, seq: the global batch.
+        costs: the CostModel (default: the default calibration and links).
+        programs: ``{stage: actions}`` to run instead of the plan's (a test's mis-ordered one).
+        train: a training step (else forward only).
+
+    Returns:
+        A Simulation.
+
+    Raises:
+        PlanError: a deadlock, a transfer out of order or never received, naming the
+            ranks and the actions.
+    """
+    costs = CostModel() if costs is None else costs
+    dims = plan.dims
+    spec = shard_spec(plan)
+    for name in ("tp", "cp", "ep", "etp", "edp", "tensor_data", "stage"):
+        for group in dims.groups(name):  # the premise: every rank of a group runs one program
+            if len({dims.stage(r) for r in group}) > 1:
+                raise PlanError(f"group {name} {group} spans pipeline stages")
+    programs = programs if programs is not None else \
+        {s: stage_program(plan, spec, s, train).actions for s in range(plan.pp)}
+    reps = [dims.rank_of(0, 0, 0, 0, s) for s in range(plan.pp)]
+    charges = [_Charge(plan, rows, seq, costs, r) for r in reps]
+    runs = [StageRun(s, r) for s, r in enumerate(reps)]
+    _run(plan, programs, charges, runs, costs)
+    step = max(r.end for r in runs)
+    tokens = rows * seq
+    from ..params import train_flops_per_token
+
+    model_flops = train_flops_per_token(plan.model, seq) * tokens
+    return Simulation(plan, rows, seq, runs, step, [1 - r.busy / step for r in runs], tokens / step,
+                      model_flops / step / dims.world / (costs.calibration.peak_tflops * 1e12), costs)
+
+
+@dataclass
+class _Clock:
+    t: float = 0.0
+    comm: float = 0.0
+    ready: dict = field(default_factory=dict)  # what a later action waits for: key -> time
+    reductions: list = field(default_factory=list)
+
+
+_WAITS = {(Forward, Kind.EXPERTS): (Forward, Kind.DISPATCH), (Backward, Kind.EXPERTS): (Backward, Kind.COMBINE),
+          (Backward, Kind.ATTN): (Backward, Kind.DISPATCH)}
+"""A node run and the exchange whose rows it reads (issued by an earlier action)."""
+
+
+def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel) -> None:
+    P = plan.pp
+    pcs, clocks = [0] * P, [_Clock() for _ in range(P)]
+    channels = {(a, b): deque() for a in range(P) for b in range(P) if abs(a - b) == 1}
+    ep = plan.ep > 1
+
+    def step_one(s: int) -> bool:
+        a = programs[s][pcs[s]]
+        clock, charge, run = clocks[s], charges[s], runs[s]
+        match a:
+            case Gather(unit):
+                start = max(clock.t, clock.comm)
+                clock.comm = start + charge.unit(unit, gather=True)
+                clock.ready[("gather", unit)] = clock.comm
+                run.spans.append(Span("comm", start, clock.comm, _label(a)))
+            case Wait(unit):
+                clock.t = max(clock.t, clock.ready.pop(("gather", unit), clock.t))
+            case Release():
+                pass
+            case Reduce(unit):
+                start = max(clock.t, clock.comm)
+                clock.comm = start + charge.unit(unit, gather=False)
+                clock.reductions.append(clock.comm)
+                run.spans.append(Span("comm", start, clock.comm, _label(a)))
+            case Send(mb, boundary):
+                peer = s - 1 if boundary.gradient else s + 1
+                if not 0 <= peer < P:
+                    raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to go to")
+                arrive = clock.t + costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
+                channels[(s, peer)].append((mb, boundary, arrive, pcs[s]))
+                run.spans.append(Span("p2p", clock.t, arrive, _label(a), mb, not boundary.gradient))
+            case Recv(mb, boundary):
+                peer = s + 1 if boundary.gradient else s - 1
+                if not 0 <= peer < P:
+                    raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to come from")
+                queue = channels[(peer, s)]
+                if not queue:
+                    return False  # blocked until the peer sends
+                got_mb, got, arrive, at = queue[0]
+                if (got_mb, got) != (mb, boundary):
+                    raise PlanError(f"rank {run.rank} (stage {s}) receives {boundary} of microbatch {mb} from rank "
+                                    f"{runs[peer].rank} (stage {peer}), which sent {got} of microbatch {got_mb} "
+                                    f"first (its action {at}: {_label(programs[peer][at])}): point-to-point "
+                                    "messages arrive in the order sent")
+                queue.popleft()
+                clock.t = max(clock.t, arrive)
+            case Land(node, mb):
+                clock.t = max(clock.t, clock.ready.pop((Forward, Kind.COMBINE, node.layer, mb), clock.t))
+            case Forward(node, mb) | Backward(node, mb) | Wgrad(node, mb) | Recompute(node, mb):
+                run_type = type(a)
+                if ep and node.kind in (Kind.DISPATCH, Kind.COMBINE):
+                    start = max(clock.t, clock.comm)
+                    clock.comm = start + charge.exchange()
+                    clock.ready[(run_type, node.kind, node.layer, mb)] = clock.comm
+                    run.spans.append(Span("comm", start, clock.comm, _label(a), mb, run_type is Forward))
+                else:
+                    if ep and (run_type, node.kind) in _WAITS:
+                        clock.t = max(clock.t, clock.ready.pop((*_WAITS[(run_type, node.kind)], node.layer, mb),
+                                                               clock.t))
+                    phase = {Forward: "forward", Backward: "backward", Wgrad: "wgrad", Recompute: "recompute"}[run_type]
+                    compute, blocking = charge.node(node.kind, node.layer, phase)
+                    start, clock.t = clock.t, clock.t + compute + blocking
+                    run.busy += compute
+                    run.spans.append(Span("compute", start, clock.t, _label(a), mb, run_type in (Forward, Recompute)))
+        pcs[s] += 1
+        return True
+
+    while any(pcs[s] < len(programs[s]) for s in range(P)):
+        moved = False
+        for s in range(P):
+            while pcs[s] < len(programs[s]) and step_one(s):
+                moved = True
+        if not moved:
+            blocked = [f"rank {runs[s].rank} (stage {s}) at action {pcs[s]}: {_label(programs[s][pcs[s]])}"
+                       for s in range(P) if pcs[s] < len(programs[s])]
+            raise PlanError("deadlock: every stage waits for another; " + "; ".join(blocked))
+    for (src, dst), queue in channels.items():
+        if queue:
+            mb, boundary, _, at = queue[0]
+            raise PlanError(f"rank {runs[src].rank} (stage {src}) sends {boundary} of microbatch {mb} (its action "
+                            f"{at}: {_label(programs[src][at])}) that rank {runs[dst].rank} (stage {dst}) never "
+                            "receives")
+    for s in range(P):
+        clock = clocks[s]
+        runs[s].end = max([clock.t, clock.comm, *clock.reductions])
