@@ -122,13 +122,14 @@ def resolve(plan: Plan) -> Setup:
 
 @functools.lru_cache(maxsize=64)
 def _programs(plan: Plan, stage: int = 0) -> tuple[ShardSpec, Program, Program]:
-    spec = shard_spec(plan)
-    return spec, *(stage_program(plan, spec, stage, train) for train in (True, False))
+    return shard_spec(plan), *(stage_program(plan, stage, train) for train in (True, False))
 
 
-def stage_program(plan: Plan, spec: ShardSpec, stage: int, train: bool) -> Program:
+@functools.lru_cache(maxsize=256)
+def stage_program(plan: Plan, stage: int, train: bool) -> Program:
     """The Program pipeline stage ``stage`` of ``plan`` runs (the whole step's without
-    pipeline parallelism): a training step's, or a forward-only one's."""
+    pipeline parallelism): a training step's, or a forward-only one's (pure, cached)."""
+    spec = shard_spec(plan)
     uses = node_uses(plan, spec, train, stage)
     actions = build_program(plan, spec, uses)
     return Program(actions, double_buffer_slots(plan, spec, actions), max_live_units(plan, spec, uses), train)

@@ -18,6 +18,7 @@ all-to-all ``(g - 1) / g`` of what a rank sends, a point-to-point send ``N``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -86,18 +87,21 @@ class Links:
         return us * 1e-6 + share * nbytes / (gbps * 1e9)
 
 
+@functools.lru_cache(maxsize=4096)
+def _matrix_elements(cfg, kind: str, layer: int | None) -> int:
+    """Elements of the matrices node ``kind`` of ``layer`` multiplies by."""
+    return sum(math.prod(leaf.shape) for leaf in param_table(cfg).leaves
+               if leaf.layer == layer and len(leaf.shape) >= 2 and leaf.node == kind)
+
+
 def node_flops(cfg, kind: str, layer: int | None, tokens: float, seq: int) -> float:
     """Forward FLOPs of node ``kind`` of ``layer`` for ``tokens`` tokens of sequences of
     ``seq`` positions (the whole node, before any tensor parallelism divides it)."""
-    table = param_table(cfg)
-    matrices = [leaf for leaf in table.leaves if leaf.layer == layer and len(leaf.shape) >= 2
-                and (leaf.node == kind or (kind == "head" and leaf.path == "head"))]
     if kind == "experts":
-        per_expert = sum(math.prod(leaf.shape) for leaf in matrices) / cfg.experts
-        return 2.0 * tokens * cfg.topk * per_expert
+        return 2.0 * tokens * cfg.topk * _matrix_elements(cfg, kind, layer) / cfg.experts
     if kind == "embed":
         return 0.0
-    flops = 2.0 * tokens * sum(math.prod(leaf.shape) for leaf in matrices)
+    flops = 2.0 * tokens * _matrix_elements(cfg, kind, layer)
     if kind in ("attn", "dense"):  # the scores and their values over the keys a query sees
         window = cfg.layer_window(layer)
         keys = seq / 2 if not window or window >= seq else window - window * window / (2 * seq)

@@ -20,6 +20,7 @@ clock and stream are done.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -40,14 +41,18 @@ class PlanError(ValueError):
 @dataclass
 class Span:
     """One timed piece of a stage's program: ``lane`` (``compute``, ``comm``, ``p2p``),
-    ``start`` and ``end`` seconds, the action's ``label`` and its microbatch."""
+    ``start`` and ``end`` seconds, the ``action`` and its microbatch."""
 
     lane: str
     start: float
     end: float
-    label: str
+    action: object
     mb: int = -1
     forward: bool = True
+
+    @property
+    def label(self) -> str:
+        return _label(self.action)
 
 
 @dataclass
@@ -112,6 +117,7 @@ class _Charge:
     def comm(self, kind: str, nbytes: float, group: str) -> float:
         return self.costs.links.seconds(kind, nbytes, self.groups[group])
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019  (one _Charge per simulation)
     def node(self, kind: Kind, layer, phase: str) -> tuple[float, float]:
         """``(compute seconds, blocking collective seconds)`` of a node run;
         ``phase``: ``forward``, ``backward`` (its dgrad and wgrad, or its dgrad alone
@@ -141,11 +147,13 @@ class _Charge:
             comm = 0.0
         return self.costs.compute_seconds(flops * scale, kind.value), comm
 
+    @functools.cached_property
     def exchange(self) -> float:
         """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
         rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
         return self.comm("all_to_all", rows, "ep")
 
+    @functools.lru_cache(maxsize=None)  # noqa: B019
     def unit(self, name: str, gather: bool) -> float:
         """A unit's gather (compute dtype) or gradient reduction (fp32)."""
         seconds = 0.0
@@ -191,7 +199,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
             if len({dims.stage(r) for r in group}) > 1:
                 raise PlanError(f"group {name} {group} spans pipeline stages")
     programs = programs if programs is not None else \
-        {s: stage_program(plan, spec, s, train).actions for s in range(plan.pp)}
+        {s: stage_program(plan, s, train).actions for s in range(plan.pp)}
     reps = [dims.rank_of(0, 0, 0, 0, s) for s in range(plan.pp)]
     charges = [_Charge(plan, rows, seq, costs, r) for r in reps]
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
@@ -232,7 +240,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 start = max(clock.t, clock.comm)
                 clock.comm = start + charge.unit(unit, gather=True)
                 clock.ready[("gather", unit)] = clock.comm
-                run.spans.append(Span("comm", start, clock.comm, _label(a)))
+                run.spans.append(Span("comm", start, clock.comm, a))
             case Wait(unit):
                 clock.t = max(clock.t, clock.ready.pop(("gather", unit), clock.t))
             case Release():
@@ -241,14 +249,14 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 start = max(clock.t, clock.comm)
                 clock.comm = start + charge.unit(unit, gather=False)
                 clock.reductions.append(clock.comm)
-                run.spans.append(Span("comm", start, clock.comm, _label(a)))
+                run.spans.append(Span("comm", start, clock.comm, a))
             case Send(mb, boundary):
                 peer = s - 1 if boundary.gradient else s + 1
                 if not 0 <= peer < P:
                     raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to go to")
                 arrive = clock.t + costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
                 channels[(s, peer)].append((mb, boundary, arrive, pcs[s]))
-                run.spans.append(Span("p2p", clock.t, arrive, _label(a), mb, not boundary.gradient))
+                run.spans.append(Span("p2p", clock.t, arrive, a, mb, not boundary.gradient))
             case Recv(mb, boundary):
                 peer = s + 1 if boundary.gradient else s - 1
                 if not 0 <= peer < P:
@@ -270,9 +278,9 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 run_type = type(a)
                 if ep and node.kind in (Kind.DISPATCH, Kind.COMBINE):
                     start = max(clock.t, clock.comm)
-                    clock.comm = start + charge.exchange()
+                    clock.comm = start + charge.exchange
                     clock.ready[(run_type, node.kind, node.layer, mb)] = clock.comm
-                    run.spans.append(Span("comm", start, clock.comm, _label(a), mb, run_type is Forward))
+                    run.spans.append(Span("comm", start, clock.comm, a, mb, run_type is Forward))
                 else:
                     if ep and (run_type, node.kind) in _WAITS:
                         clock.t = max(clock.t, clock.ready.pop((*_WAITS[(run_type, node.kind)], node.layer, mb),
@@ -281,7 +289,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                     compute, blocking = charge.node(node.kind, node.layer, phase)
                     start, clock.t = clock.t, clock.t + compute + blocking
                     run.busy += compute
-                    run.spans.append(Span("compute", start, clock.t, _label(a), mb, run_type in (Forward, Recompute)))
+                    run.spans.append(Span("compute", start, clock.t, a, mb, run_type in (Forward, Recompute)))
         pcs[s] += 1
         return True
 

@@ -1,0 +1,102 @@
+"""What one rank of each pipeline stage holds at its peak, estimated from the plan: the
+fp32 parameters, gradients and AdamW moments at rest (its shards and slices), the step's
+compute-dtype copy of them, the gathered units at their most and the fp32 gradient
+buffers accumulating before their reduction (both walked through the stage's program),
+and the activations each microbatch in flight keeps (by ``Plan.remat``; in flight: from
+its first forward on the stage to its last backward there).
+
+An estimate from shapes: the activations count each layer's kept tensors per token
+(``_layer_activations``), not the allocator's rounding or the kernels' workspaces.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+from ..config import Plan
+from ..resolve import stage_program
+from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
+from ..shard.spec import shard_spec
+from .simulate import _sizes
+
+PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
+
+
+def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat: str, ep: int) -> float:
+    """Elements one microbatch keeps for layer ``layer``'s backward (``held``: the
+    positions of the rank's stream, ``seen``: those its attention computes on)."""
+    D, K = cfg.dim, cfg.topk
+    if remat == "full":  # its input, and under expert parallelism the rows that crossed, both ways
+        return held * D + (2 * held * K * D if ep > 1 and not cfg.is_dense(layer) else 0)
+    attention = seen * (2 * cfg.q_width + 2 * cfg.kv_width) / tp + seen * D  # q, k, v, output; the input
+    if remat == "none":
+        attention += 3 * held * D  # the norms' inputs and outputs, the residual
+    if cfg.is_dense(layer):
+        hidden = cfg.fc1_width(cfg.dense_ffn) + (cfg.dense_ffn if remat == "none" else 0)
+        return attention + seen * hidden / tp + seen * D
+    F = cfg.ffn
+    experts = held * K * (2 * D + cfg.fc1_width(F) + (F if remat == "none" else 0))
+    shared = seen * (cfg.fc1_width(cfg.shared_ffn) + cfg.shared_ffn) / tp if cfg.shared_ffn else 0
+    router = held * cfg.experts * 2  # fp32 logits: two compute-dtype elements' worth each
+    return attention + experts + shared + router
+
+
+def _walk(plan: Plan, spec, stage: int, units: dict) -> tuple[float, float, int]:
+    """Through the stage's training program: the most bytes of gathered units, of fp32
+    gradient buffers, and the most microbatches in flight, at any one time."""
+    @functools.cache
+    def full(unit, fp32: bool) -> float:
+        return sum(layout.full_size * (4 if fp32 else spec.dtype(key).itemsize)
+                   for key, layout in units[unit].groups.items() if fp32 or spec.sharded(key.domain))
+
+    program = stage_program(plan, stage, True).actions
+    backwards = Counter(a.mb for a in program if isinstance(a, Backward))
+    live, accumulating, in_flight = set(), set(), set()
+    gathered = grads = 0.0
+    flight = 0
+    for a in program:
+        match a:
+            case Gather(unit):
+                live.add(unit)
+            case Release(unit):
+                live.discard(unit)
+            case Reduce(unit):
+                accumulating.discard(unit)
+            case Forward(_, mb):
+                in_flight.add(mb)
+            case Backward(_, mb, unit) | Wgrad(_, mb, unit):
+                if unit is not None:
+                    accumulating.add(unit)
+                if isinstance(a, Backward):
+                    backwards[mb] -= 1
+                    if not backwards[mb]:
+                        in_flight.discard(mb)
+        gathered = max(gathered, sum(full(u, False) for u in live))
+        grads = max(grads, sum(full(u, True) for u in accumulating))
+        flight = max(flight, len(in_flight))
+    return gathered, grads, flight
+
+
+def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
+    """``{part: bytes}`` (``PARTS`` and ``total``) one rank of pipeline stage ``stage``
+    holds at its peak, for a global batch of ``rows`` sequences of ``seq``."""
+    cfg, spec = plan.model, shard_spec(plan)
+    rank = plan.dims.rank_of(0, 0, 0, 0, stage)
+    elements = sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
+    units = {u.name: u for u in spec.stage_units(stage)}
+    gathered, grads, flight = _walk(plan, spec, stage, units)
+    sizes, itemsize = _sizes(plan, rows, seq), plan.compute_dtype.itemsize
+    members = plan.stages[stage]
+    layers = [int(m.split(".")[1]) for m in members if m.startswith("layers.")]
+    per_mb = sum(_layer_activations(cfg, i, sizes["held"], sizes["seen"], plan.tp, plan.remat, plan.ep)
+                 for i in layers) * itemsize
+    if "head" in members:  # the logits' fp32 copy, whole or a piece at a time
+        per_mb += (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
+    step_copy = sum(layout.shard_size * spec.dtype(key).itemsize for u in units.values()
+                    for key, layout in u.groups.items())
+    parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements, "step copy": step_copy,
+             "gathered": gathered, "grad buffers": grads, "activations": per_mb * flight}
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,112 @@
+"""The planner (``fmoe.plan``): every stage's program checked together without a GPU,
+the 1F1B bubble it times, the deadlocks and stray transfers it names, its memory sums
+and its command line."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+import fmoe
+from fmoe.plan import CostModel, Links, PlanError, simulate
+from fmoe.plan.memory import estimate_memory
+from fmoe.resolve import stage_program
+from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Send
+
+CFG = fmoe.ModelConfig(vocab=256, dim=64, layers=8, heads=4, experts=8, topk=2, ffn=128)
+
+
+class _EqualLayers(CostModel):
+    """Every layer's nodes cost their FLOPs, the embedding and head nothing, the links
+    nothing: the balanced pipeline the 1F1B formula describes."""
+
+    def compute_seconds(self, flops, kind):
+        return 0.0 if kind in ("head", "embed") else flops * 1e-12
+
+
+FREE = _EqualLayers(links=Links(nvlink_gbps=1e12, network_gbps=1e12, nvlink_us=0, network_us=0))
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8), (4, 4), (8, 16)])
+@pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
+def test_the_bubble_is_1f1b_s(pp, microbatches, schedule):
+    plan = fmoe.Plan(model=CFG, pp=pp, microbatches=microbatches, schedule=schedule)
+    sim = simulate(plan, rows=4 * microbatches, seq=64, costs=FREE)
+    for bubble in sim.bubble:
+        assert bubble == pytest.approx((pp - 1) / (microbatches + pp - 1), abs=1e-9)
+
+
+def test_without_stages_there_is_no_bubble():
+    sim = simulate(fmoe.Plan(model=CFG, microbatches=4), rows=16, seq=64, costs=FREE)
+    assert sim.bubble == [pytest.approx(0.0, abs=1e-12)]
+
+
+def _programs(plan):
+    return {s: list(stage_program(plan, s, True).actions) for s in range(plan.pp)}
+
+
+def test_a_mis_ordered_program_is_a_deadlock_naming_the_ranks_and_actions():
+    plan = fmoe.Plan(model=CFG, pp=2, microbatches=4, dp=2)
+    programs = _programs(plan)
+    first = programs[0]
+    # stage 0 waits for microbatch 0's gradient before it sends microbatch 0's stream
+    send = first.index(Send(0, STREAM))
+    wait = first.index(Recv(0, STREAM_GRADIENT))
+    first.insert(send, first.pop(wait))
+    with pytest.raises(PlanError, match=r"deadlock.*rank 0 \(stage 0\) at action \d+: recv stream gradient mb0.*"
+                                        r"rank 2 \(stage 1\) at action \d+: recv stream mb0"):
+        simulate(plan, rows=16, seq=64, programs=programs)
+
+
+def test_transfers_out_of_order_or_never_received_are_named():
+    plan = fmoe.Plan(model=CFG, pp=2, microbatches=4)
+    programs = _programs(plan)
+    second = programs[1]
+    a, b = second.index(Recv(0, STREAM)), second.index(Recv(1, STREAM))
+    second[a], second[b] = second[b], second[a]
+    with pytest.raises(PlanError, match=r"rank 1 \(stage 1\) receives stream of microbatch 1 from rank 0 \(stage 0\), "
+                                        r"which sent stream of microbatch 0 first"):
+        simulate(plan, rows=16, seq=64, programs=programs)
+    programs = _programs(plan)
+    programs[0].remove(Recv(3, STREAM_GRADIENT))
+    with pytest.raises(PlanError, match=r"rank 1 \(stage 1\) sends stream gradient of microbatch 3 .* that rank 0 "
+                                        r"\(stage 0\) never receives"):
+        simulate(plan, rows=16, seq=64, programs=programs)
+
+
+def test_memory_adds_up_what_a_rank_holds():
+    plan = fmoe.Plan(model=CFG, dp=2, sharding="optim_grads_params", microbatches=2)
+    parts = estimate_memory(plan, rows=8, seq=64)
+    n = sum(p.numel() for p in __import__("optree").tree_leaves(fmoe.init(plan.replace(dp=1, sharding="no_shard"))))
+    assert parts["params"] == pytest.approx(4 * n / 2, rel=0.05)  # half the elements, a row shard of each
+    assert parts["optimizer"] == 2 * parts["params"] and parts["gathered"] > 0
+    assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    full = estimate_memory(plan.replace(remat="full"), rows=8, seq=64)
+    assert full["activations"] < parts["activations"] / 4
+    # a pipeline's first stage holds more microbatches in flight than its last
+    piped = fmoe.Plan(model=CFG, pp=4, microbatches=8)
+    first, last = (estimate_memory(piped, rows=16, seq=64, stage=s)["activations"] for s in (0, 3))
+    assert first > last
+
+
+def test_step_time_counts_the_links():
+    plan = fmoe.Plan(model=CFG, pp=2, dp=4, microbatches=4, sharding="optim_grads_params")
+    fast = simulate(plan, rows=32, seq=64)
+    slow = simulate(plan, rows=32, seq=64, costs=CostModel(links=dataclasses.replace(Links(), gpus_per_node=1)))
+    assert slow.step_seconds > fast.step_seconds  # across nodes, at the network's bandwidth
+
+
+def test_the_command_line_prints_the_plan_and_ranks_plans():
+    run = lambda *args: subprocess.run([sys.executable, "-m", "fmoe.plan", *map(str, args)],  # noqa: E731
+                                       capture_output=True, text=True, timeout=300)
+    out = run("--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--pp", 2, "--microbatches", 4,
+              "--batch", 16, "--seq", 64)
+    assert out.returncode == 0, out.stderr
+    assert "pp=2 dp=2 ep=1" in out.stdout and "bubble per stage" in out.stdout and "stage  1 (rank    2) |" in out.stdout
+    searched = run("--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--search", "--memory", 1,
+                   "--batch", 16, "--seq", 64)
+    assert searched.returncode == 0, searched.stderr
+    assert "plan(s) for 4 GPUs fit 1 GiB each" in searched.stdout and "tokens/s" in searched.stdout
+    bad = run("--config", "cpu", "--gpus", 3, "--pp", 2)
+    assert bad.returncode == 2 and "--gpus=3 is not a multiple of pp * ep * cp * tp = 2" in bad.stderr
