@@ -37,11 +37,15 @@ class Calibration:
         peak_tflops: the GPU's dense bf16 peak (789: H100 / H200 SXM).
         efficiency: ``{kind: fraction}`` for ``attn``, ``experts``, ``dense``, ``head``, ``embed``.
         source: where the numbers come from (a device and date, or "defaults").
+        hbm_gbps: GB/s the memory-bound passes over the parameters reach (the step's
+            copy of them into its shards, the fused AdamW update; H100's 3.35 TB/s,
+            about 90% of it).
     """
 
     peak_tflops: float = 789.0
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     source: str = "defaults (assumed, not measured)"
+    hbm_gbps: float = 3000.0
 
     @classmethod
     def read(cls, path) -> "Calibration":
@@ -52,7 +56,7 @@ class Calibration:
             raise ValueError(f"calibration {path}: unknown node kinds {sorted(unknown)}; allowed: "
                              f"{', '.join(DEFAULT_EFFICIENCY)}")
         return cls(float(data.get("peak_tflops", 789.0)), {**DEFAULT_EFFICIENCY, **data.get("efficiency", {})},
-                   str(data.get("source", path)))
+                   str(data.get("source", path)), float(data.get("hbm_gbps", 3000.0)))
 
 
 @dataclass(frozen=True)
@@ -118,3 +122,10 @@ class CostModel:
 
     def compute_seconds(self, flops: float, kind: str) -> float:
         return flops / (self.calibration.peak_tflops * 1e12 * self.calibration.efficiency.get(kind, 0.5))
+
+    def parameter_pass_seconds(self, elements: float) -> float:
+        """The step's memory-bound passes over a rank's fp32 parameters: their copy into
+        the step's shards (read 4 bytes, write 2) and the fused AdamW update (read the
+        parameter, its gradient and both moments, write the parameter and the moments:
+        28 bytes)."""
+        return elements * (6 + 28) / (self.calibration.hbm_gbps * 1e9)

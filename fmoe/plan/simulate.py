@@ -9,7 +9,8 @@ ranks arrive in order), every ``Recv`` must be sent, and the stages must not wai
 other in a circle. A program that breaks this is a ``PlanError`` naming the ranks and
 the actions.
 
-Time: each stage has a compute clock and one communication stream. Compute nodes cost
+Time: each stage has a compute clock and one communication stream (the step's copy of the parameters and the
+optimizer's update add their memory-bound passes at the end). Compute nodes cost
 their FLOPs (``costs.node_flops`` on the rank's tokens and slice) and the tensor-,
 context- and expert-tensor-parallel collectives inside them (blocking); a gather or
 reduction of a unit and the expert all-to-alls run on the stream, waited for where the
@@ -21,6 +22,7 @@ clock and stream are done.
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -63,6 +65,7 @@ class StageRun:
     rank: int
     spans: list = field(default_factory=list)
     busy: float = 0.0
+    program_end: float = 0.0
     end: float = 0.0
 
 
@@ -74,7 +77,8 @@ class Simulation:
         plan: the Plan; ``rows``, ``seq``: the global batch.
         stages: a StageRun per pipeline stage.
         step_seconds: the step's estimated time.
-        bubble: per stage, the share of the step its compute is idle.
+        bubble: per stage, the share of the schedule's span (the step without the
+            parameter passes after it) its compute is idle.
         tokens_per_second: global tokens per step over ``step_seconds``.
         mfu: the model FLOPs (``fmoe.train_flops_per_token``) per second per GPU over the peak.
         costs: the CostModel used.
@@ -113,6 +117,12 @@ class _Charge:
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
                        for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
+
+    @functools.cached_property
+    def parameter_passes(self) -> float:
+        """The copy of the rank's parameters into the step's shards and the optimizer's update."""
+        elements = sum(math.prod(shape) for shape in self.spec.local_shapes(self.rank).values())
+        return self.costs.parameter_pass_seconds(elements)
 
     def comm(self, kind: str, nbytes: float, group: str) -> float:
         return self.costs.links.seconds(kind, nbytes, self.groups[group])
@@ -205,11 +215,12 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
     _run(plan, programs, charges, runs, costs)
     step = max(r.end for r in runs)
+    program = max(r.program_end for r in runs)  # the schedule's span: what its bubble is a share of
     tokens = rows * seq
     from ..params import train_flops_per_token
 
     model_flops = train_flops_per_token(plan.model, seq) * tokens
-    return Simulation(plan, rows, seq, runs, step, [1 - r.busy / step for r in runs], tokens / step,
+    return Simulation(plan, rows, seq, runs, step, [1 - r.busy / program for r in runs], tokens / step,
                       model_flops / step / dims.world / (costs.calibration.peak_tflops * 1e12), costs)
 
 
@@ -310,4 +321,5 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                             "receives")
     for s in range(P):
         clock = clocks[s]
-        runs[s].end = max([clock.t, clock.comm, *clock.reductions])
+        runs[s].program_end = max([clock.t, clock.comm, *clock.reductions])
+        runs[s].end = runs[s].program_end + charges[s].parameter_passes
