@@ -10,12 +10,22 @@ time of the kernels in each range, added up by node kind, against the kind's FLO
 calibration file's numbers (averaged over the shapes). Then the planner, with that
 calibration, estimates the same step's time and peak memory, printed beside the measured
 median step (step + fused AdamW) and ``torch.cuda.max_memory_allocated``.
+
+Under torchrun (several GPUs), with the calibration file one GPU wrote, it holds the
+planner against a plan of several ranks instead (rank 0 prints the table):
+
+    torchrun --nproc-per-node 2 benchmarks/plan_calibration.py --shapes coarse \
+        --calibration calibration.json --pp 2 --microbatches 8
+
+``--device cpu`` runs each shape's toy on gloo (a smoke run of this script; its
+numbers mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -30,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fmoe  # noqa: E402
 from fmoe.plan import Calibration, CostModel, node_flops, simulate  # noqa: E402
 from fmoe.plan.memory import estimate_memory  # noqa: E402
-from vs_peer import SHAPES  # noqa: E402
+from vs_peer import CPU_SHAPES, SHAPES, TOY  # noqa: E402
 
 RANGE = re.compile(r"fmoe (forward|backward|wgrad|recompute) (?:layers\.(\d+)\.)?(\w+)(?: mb\d+)?$")
 KINDS = {"attn": "attn", "experts": "experts", "dense": "dense", "head": "head", "embed": "embed"}
@@ -40,14 +50,30 @@ def _device_ms(event) -> float:
     return (getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)) / 1e3
 
 
-def measure(name: str, args) -> dict:
-    cfg = fmoe.ModelConfig(**{"aux_loss_coef": 0.0, "vocab": 32000, **SHAPES[name]()})
-    plan = fmoe.Plan(model=cfg, dtype="bfloat16", device="cuda", microbatches=args.microbatches, compile=args.compile)
+def _plan(name: str, args) -> fmoe.Plan:
+    toy = args.device == "cpu"
+    fields = {**SHAPES[name](), **TOY, **CPU_SHAPES[name]} if toy else SHAPES[name]()
+    cfg = fmoe.ModelConfig(**{"aux_loss_coef": 0.0, "vocab": 32000, **fields})
+    return fmoe.Plan(model=cfg, dtype="float32" if toy else "bfloat16", device=args.device,
+                     microbatches=args.microbatches, compile=args.compile, pp=args.pp, dp=args.dp, ep=args.ep,
+                     sharding=args.sharding, schedule=args.schedule)
+
+
+def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
+    """The shape's median step time and peak memory on this rank (and, ``profiled``, its
+    node kinds' GPU time and efficiency from one step under the profiler)."""
+    plan = _plan(name, args)
+    cfg = plan.model
     params = fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=True, donate=True)
+    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=args.device == "cuda",
+                     donate=args.device == "cuda")
     state = opt.init(params)
-    batches = [{"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1), device="cuda")}
+    generator = torch.Generator().manual_seed(0)  # every rank draws the same global batches
+    batches = [fmoe.local_batch({"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
+                                                         generator=generator)}, plan, rank)
                for _ in range(args.warmup + args.steps)]
+    batches = [{k: v.to(args.device) for k, v in b.items()} for b in batches]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def step(batch):
         nonlocal params, state
@@ -55,20 +81,26 @@ def measure(name: str, args) -> dict:
         params, state = opt.update(out.grads, state, params)
         return out
 
-    torch.cuda.reset_peak_memory_stats()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for batch in batches:
-        torch.cuda.synchronize()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        sync()
         t0 = time.perf_counter()
         step(batch)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
+    run = {"plan": plan, "median_s": statistics.median(times[args.warmup:]), "peak": peak}
+    if not profiled:
+        return run
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(batches[0])
-        torch.cuda.synchronize()
+        sync()
     ms, flops = defaultdict(float), defaultdict(float)
     tokens_mb = args.batch * args.seq / args.microbatches
     for event in prof.key_averages():
@@ -80,41 +112,78 @@ def measure(name: str, args) -> dict:
         scale = 2.0 if phase == "backward" else 1.0
         flops[kind] += event.count * scale * node_flops(cfg, kind, layer, tokens_mb, args.seq)
     efficiency = {k: flops[k] / (ms[k] / 1e3) / (args.peak * 1e12) for k in ms if ms[k] > 0 and flops[k] > 0}
-    return {"plan": plan, "median_s": statistics.median(times[args.warmup:]), "peak": peak,
-            "efficiency": efficiency, "ms": dict(ms)}
+    return {**run, "efficiency": efficiency, "ms": dict(ms)}
+
+
+def compare(runs: dict, costs: CostModel, args) -> None:
+    """The planner's step time and peak memory beside the measured ones, one row per shape."""
+    print(f"planner's calibration: {costs.calibration.source}")
+    print("| shape | plan | measured step ms | planner ms | planner / measured | measured peak GiB | planner GiB | "
+          "planner / measured |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in runs.items():
+        plan = r["plan"]
+        sim = simulate(plan, args.batch, args.seq, costs)
+        mem = max(estimate_memory(plan, args.batch, args.seq, s)["total"] for s in range(plan.pp))
+        shown = " x ".join(f"{k}{getattr(plan, k)}" for k in ("pp", "dp", "ep") if getattr(plan, k) > 1) or "1 GPU"
+        shown += f", {plan.microbatches} mb, {plan.schedule}"
+        ratio = f"{mem / r['peak']:.2f}" if r["peak"] else "-"
+        print(f"| {name} | {shown} | {r['median_s'] * 1e3:.1f} | {sim.step_seconds * 1e3:.1f} | "
+              f"{sim.step_seconds / r['median_s']:.2f} | {r['peak'] / 2**30:.2f} | {mem / 2**30:.2f} | {ratio} |")
+        if "ms" in r:
+            print("  node GPU ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["coarse"], choices=sorted(SHAPES))
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="rows of the global batch")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--sharding", default="no_shard")
+    ap.add_argument("--schedule", default="standard")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--peak", type=float, default=789.0, help="the GPU's dense bf16 TFLOP/s")
+    ap.add_argument("--calibration", help="read this calibration instead of measuring one (several ranks)")
     ap.add_argument("--out", default="calibration.json")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
-    runs = {name: measure(name, args) for name in args.shapes}
+    if args.device == "cpu":
+        args.batch, args.seq = min(args.batch, 4), min(args.seq, 64)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        if not args.calibration:
+            raise SystemExit("several ranks hold the planner against a calibration: give --calibration FILE "
+                             "(one GPU writes it: run this script without torchrun)")
+        torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        rank = torch.distributed.get_rank()
+        runs = {name: measure(name, args, rank, profiled=False) for name in args.shapes}
+        peaks = torch.tensor([float(r["peak"]) for r in runs.values()], device=args.device)
+        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)  # the fullest rank's peak
+        for r, peak in zip(runs.values(), peaks.tolist()):
+            r["peak"] = peak
+        if rank == 0:
+            compare(runs, CostModel(Calibration.read(args.calibration)), args)
+        torch.distributed.destroy_process_group()
+        return
+    runs = {name: measure(name, args, profiled=not args.calibration) for name in args.shapes}
+    if args.calibration:
+        return compare(runs, CostModel(Calibration.read(args.calibration)), args)
     kinds = sorted({k for r in runs.values() for k in r["efficiency"]})
     efficiency = {k: statistics.mean(r["efficiency"][k] for r in runs.values() if k in r["efficiency"]) for k in kinds}
-    source = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-              f"shapes {' '.join(args.shapes)}{', compiled' if args.compile else ''}")
+    source = (f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}, shapes {' '.join(args.shapes)}{', compiled' if args.compile else ''}")
     Path(args.out).write_text(json.dumps({"peak_tflops": args.peak, "efficiency": efficiency, "source": source},
                                          indent=1))
     print(f"calibration ({source}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in efficiency.items()))
-    costs = CostModel(Calibration.read(args.out))
-    print("| shape | measured step ms | planner ms | planner / measured | measured peak GiB | planner GiB | "
-          "planner / measured |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in runs.items():
-        sim = simulate(r["plan"], args.batch, args.seq, costs)
-        mem = estimate_memory(r["plan"], args.batch, args.seq)["total"]
-        print(f"| {name} | {r['median_s'] * 1e3:.1f} | {sim.step_seconds * 1e3:.1f} | "
-              f"{sim.step_seconds / r['median_s']:.2f} | {r['peak'] / 2**30:.2f} | {mem / 2**30:.2f} | "
-              f"{mem / r['peak']:.2f} |")
-        print(f"  node GPU ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()))
+    compare(runs, CostModel(Calibration.read(args.out)), args)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Tensor, expert-tensor and context parallelism on two GPUs (NCCL) against one GPU:
+"""Tensor, expert-tensor, context and pipeline parallelism on two GPUs (NCCL) against one GPU:
 fp32 eager and compiled, and a bf16 FP8-tensorwise step under tp (held to the one-GPU
 FP8 step's criterion against fp32). The gloo tests cover every combination on CPU; these check what
 only a GPU runs: NCCL's functional collectives, SDPA's bottom-right causal kernels,
-the compiled graphs with collectives inside, FP8 on each rank's slice."""
+the compiled graphs with collectives inside, FP8 on each rank's slice, NCCL's point-to-point transfers between stages."""
 
 import pytest
 import torch
@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.gpu,
 FP8_CFG = fmoe.ModelConfig(vocab=128, dim=64, layers=2, heads=4, kv_heads=2, experts=4, topk=2, ffn=32,
                            shared_ffn=64, dense_layers=(0,), dense_ffn=64)
 PLANS = {"tp2": dict(tp=2), "cp2": dict(cp=2), "dp2_etp2": dict(dp=2, etp=2, sharding="optim_grads_params"),
-         "tp2_compiled": dict(tp=2, compile=True), "cp2_compiled": dict(cp=2, compile=True)}
+         "tp2_compiled": dict(tp=2, compile=True), "cp2_compiled": dict(cp=2, compile=True),
+         "pp2": dict(pp=2), "pp2_overlap": dict(pp=2, schedule="1f1b_overlap", delay_wgrad=True),
+         "pp2_compiled": dict(pp=2, compile=True)}
 
 
 def _step(plan, batch):

@@ -1,0 +1,31 @@
+#!/bin/bash
+# One device command for issue 41 (pipeline parallelism and the planner), on 2 GPUs:
+#   source .device/setup.sh; bash benchmarks/run_pipeline_device.sh [calibrate|check|tests ...]
+# calibrate: plan_calibration.py on GPU 0 (coarse, fine, qwen3-moe-medium; 8 x 2048 tokens,
+# 2 microbatches) writes $OUT/calibration.json and holds the planner against those steps;
+# then the same calibration against steps it was not measured on (one GPU, 4 microbatches).
+# check: pp=2 on both GPUs (16 x 2048 tokens, 8 microbatches; standard and 1f1b_overlap)
+# against the planner's estimate with that calibration. tests: the 2-GPU tests (tp, cp,
+# etp, pp on NCCL against one GPU). Logs under $OUT; tables last.
+set -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+quiet() { grep -v "^W1\|Warning\|warn(" | tail -${1:-12}; }
+for stage in "${@:-calibrate check tests}"; do
+  case "$stage" in
+    calibrate)
+      (cd benchmarks && CUDA_VISIBLE_DEVICES=0 python plan_calibration.py --shapes coarse fine qwen3-moe-medium \
+        --out "$OUT/calibration.json" 2>&1 | tee "$OUT/calibrate.log" | quiet 10
+       CUDA_VISIBLE_DEVICES=0 python plan_calibration.py --shapes coarse fine qwen3-moe-medium --microbatches 4 \
+        --calibration "$OUT/calibration.json" 2>&1 | tee "$OUT/calibrate_mb4.log" | quiet 6) ;;
+    check)
+      for schedule in standard 1f1b_overlap; do
+        (cd benchmarks && torchrun --nproc-per-node 2 plan_calibration.py --shapes coarse fine --pp 2 --batch 16 \
+          --microbatches 8 --schedule $schedule --calibration "$OUT/calibration.json" 2>&1 \
+          | tee "$OUT/pp2_$schedule.log" | quiet 5)
+      done ;;
+    tests)
+      python -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_gpu_parallel_dims.py -m gpu 2>&1 \
+        | tee "$OUT/tests.log" | tail -15 ;;
+  esac
+done
