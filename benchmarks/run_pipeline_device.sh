@@ -11,7 +11,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 quiet() { grep -v "^W1\|Warning\|warn(" | tail -${1:-12}; }
-for stage in "${@:-calibrate check tests}"; do
+for stage in ${*:-calibrate check tests}; do
   case "$stage" in
     calibrate)
       (cd benchmarks && CUDA_VISIBLE_DEVICES=0 python plan_calibration.py --shapes coarse fine qwen3-moe-medium \
