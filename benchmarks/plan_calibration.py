@@ -5,11 +5,14 @@
 For each shape (``vs_peer.py``'s; bf16, one GPU, 8 x 2048 tokens in 2 microbatches, the
 plan eager or ``--compile``): a few warm-up steps, then one step under the profiler. Each
 node run of the step is a profiler range (``fmoe forward layers.3.attn mb0``...); the GPU
-time of the kernels in each range, added up by node kind, against the kind's FLOPs
-(``fmoe.plan.node_flops``, backward twice the forward) gives the kind's efficiency: the
-calibration file's numbers (averaged over the shapes). Then the planner, with that
-calibration, estimates the same step's time and peak memory, printed beside the measured
-median step (step + fused AdamW) and ``torch.cuda.max_memory_allocated``.
+time of the kernels launched inside each range, added up by node kind, against the kind's
+FLOPs (``fmoe.plan.node_flops``, backward twice the forward) gives the kind's efficiency,
+and against the bytes of the rows they permute (``tokens x topk x dim``) the speed of
+``dispatch`` and ``combine``; a few fused AdamW updates timed alone give the speed of the
+passes over the parameters. The calibration file holds these (averaged over the shapes).
+Then the planner, with that calibration, estimates the same step's time and peak memory,
+printed beside the measured median step (step + fused AdamW), the GPU's busy time in the
+profiled step and ``torch.cuda.max_memory_allocated``.
 
 Under torchrun (several GPUs), with the calibration file one GPU wrote, it holds the
 planner against a plan of several ranks instead (rank 0 prints the table):
@@ -24,6 +27,7 @@ numbers mean nothing).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -33,6 +37,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import optree
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,10 +45,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fmoe  # noqa: E402
 from fmoe.plan import Calibration, CostModel, node_flops, simulate  # noqa: E402
 from fmoe.plan.memory import estimate_memory  # noqa: E402
+from kernel_time import union  # noqa: E402
 from vs_peer import CPU_SHAPES, SHAPES, TOY  # noqa: E402
 
 RANGE = re.compile(r"fmoe (forward|backward|wgrad|recompute) (?:layers\.(\d+)\.)?(\w+)(?: mb\d+)?$")
-KINDS = {"attn": "attn", "experts": "experts", "dense": "dense", "head": "head", "embed": "embed"}
+KINDS = ("attn", "experts", "dense", "head", "embed")  # charged by FLOPs
+MOVES = ("dispatch", "combine")  # charged by the bytes of the rows they permute
 
 
 def _device_ms(event) -> float:
@@ -101,26 +108,65 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(batches[0])
         sync()
-    ms, flops = defaultdict(float), defaultdict(float)
+    ms, work = node_gpu_ms(prof), defaultdict(float)
     tokens_mb = args.batch * args.seq / args.microbatches
-    for event in prof.key_averages():
-        m = RANGE.match(event.key)
-        if not m or m[3] not in KINDS:
+    rows_bytes = tokens_mb * cfg.topk * cfg.dim * plan.compute_dtype.itemsize  # what dispatch and combine move
+    for phase, layer, kind in ms:  # each ran once per microbatch
+        if kind in MOVES:
+            work[kind] += args.microbatches * rows_bytes
+        elif kind in KINDS:
+            work[kind] += args.microbatches * (2.0 if phase == "backward" else 1.0) * \
+                node_flops(cfg, kind, layer, tokens_mb, args.seq)
+    by_kind = defaultdict(float)
+    for (_, _, kind), v in ms.items():
+        by_kind[kind] += v
+    efficiency = {k: work[k] / (by_kind[k] / 1e3) / (args.peak * 1e12) for k in KINDS
+                  if by_kind[k] > 0 and work[k] > 0}
+    move_gbps = {k: work[k] / (by_kind[k] / 1e3) / 1e9 for k in MOVES if by_kind[k] > 0}
+    busy = sum(e - s for s, e in union((k.time_range.start, k.time_range.end) for k in prof.events()
+                                       if k.device_type.name == "CUDA")) / 1e3
+    return {**run, "efficiency": efficiency, "move_gbps": move_gbps, "ms": dict(by_kind), "gpu_busy_ms": busy,
+            "hbm_gbps": _optimizer_gbps(opt, params, state, fmoe.step(params, batches[0], plan).grads, sync)}
+
+
+def node_gpu_ms(prof) -> dict:
+    """GPU milliseconds of the kernels launched inside each node run's range, by
+    ``(phase, layer, kind)``. A kernel counts for the range whose host interval holds its
+    launch: autograd launches a backward's kernels from its own thread while the range,
+    on the main thread, waits for it, so the ranges' own kernel totals would miss them."""
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end, m) for e in events
+                    if e.device_type.name == "CPU" and (m := RANGE.match(e.name)))
+    starts = [r[0] for r in ranges]
+    out = defaultdict(float)
+    for e in events:
+        if e.device_type.name != "CPU" or not e.kernels:
             continue
-        phase, layer, kind = m[1], None if m[2] is None else int(m[2]), m[3]
-        ms[kind] += _device_ms(event)
-        scale = 2.0 if phase == "backward" else 1.0
-        flops[kind] += event.count * scale * node_flops(cfg, kind, layer, tokens_mb, args.seq)
-    efficiency = {k: flops[k] / (ms[k] / 1e3) / (args.peak * 1e12) for k in ms if ms[k] > 0 and flops[k] > 0}
-    return {**run, "efficiency": efficiency, "ms": dict(ms)}
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.start <= ranges[i][1]:
+            m = ranges[i][2]
+            out[(m[1], None if m[2] is None else int(m[2]), m[3])] += sum(k.duration for k in e.kernels) / 1e3
+    return out
+
+
+def _optimizer_gbps(opt, params, state, grads, sync, repeats: int = 5) -> float:
+    """GB/s of the fused AdamW update over the fp32 parameters (28 bytes an element: the
+    parameter, its gradient and both moments read, the parameter and moments written)."""
+    elements = sum(leaf.numel() for leaf in optree.tree_leaves(params))
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        params, state = opt.update(grads, state, params)
+    sync()
+    return elements * 28 * repeats / (time.perf_counter() - t0) / 1e9
 
 
 def compare(runs: dict, costs: CostModel, args) -> None:
     """The planner's step time and peak memory beside the measured ones, one row per shape."""
     print(f"planner's calibration: {costs.calibration.source}")
-    print("| shape | plan | measured step ms | planner ms | planner / measured | measured peak GiB | planner GiB | "
-          "planner / measured |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | plan | measured step ms | GPU busy ms | planner ms | planner / measured | measured peak GiB | "
+          "planner GiB | planner / measured |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in runs.items():
         plan = r["plan"]
         sim = simulate(plan, args.batch, args.seq, costs)
@@ -128,7 +174,8 @@ def compare(runs: dict, costs: CostModel, args) -> None:
         shown = " x ".join(f"{k}{getattr(plan, k)}" for k in ("pp", "dp", "ep") if getattr(plan, k) > 1) or "1 GPU"
         shown += f", {plan.microbatches} mb, {plan.schedule}"
         ratio = f"{mem / r['peak']:.2f}" if r["peak"] else "-"
-        print(f"| {name} | {shown} | {r['median_s'] * 1e3:.1f} | {sim.step_seconds * 1e3:.1f} | "
+        busy = f"{r['gpu_busy_ms']:.1f}" if "gpu_busy_ms" in r else "-"
+        print(f"| {name} | {shown} | {r['median_s'] * 1e3:.1f} | {busy} | {sim.step_seconds * 1e3:.1f} | "
               f"{sim.step_seconds / r['median_s']:.2f} | {r['peak'] / 2**30:.2f} | {mem / 2**30:.2f} | {ratio} |")
         if "ms" in r:
             print("  node GPU ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()))
@@ -178,11 +225,16 @@ def main() -> None:
         return compare(runs, CostModel(Calibration.read(args.calibration)), args)
     kinds = sorted({k for r in runs.values() for k in r["efficiency"]})
     efficiency = {k: statistics.mean(r["efficiency"][k] for r in runs.values() if k in r["efficiency"]) for k in kinds}
+    move_gbps = {k: statistics.mean(r["move_gbps"][k] for r in runs.values() if k in r["move_gbps"])
+                 for k in sorted({k for r in runs.values() for k in r["move_gbps"]})}
+    hbm_gbps = statistics.mean(r["hbm_gbps"] for r in runs.values())
     source = (f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d')}, shapes {' '.join(args.shapes)}{', compiled' if args.compile else ''}")
-    Path(args.out).write_text(json.dumps({"peak_tflops": args.peak, "efficiency": efficiency, "source": source},
+    Path(args.out).write_text(json.dumps({"peak_tflops": args.peak, "efficiency": efficiency, "move_gbps": move_gbps,
+                                         "hbm_gbps": hbm_gbps, "source": source},
                                          indent=1))
-    print(f"calibration ({source}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in efficiency.items()))
+    print(f"calibration ({source}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in efficiency.items())
+          + "; " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in move_gbps.items()) + f"; AdamW {hbm_gbps:.0f} GB/s")
     compare(runs, CostModel(Calibration.read(args.out)), args)
 
 

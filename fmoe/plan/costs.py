@@ -4,7 +4,9 @@ alpha-beta model of the links.
 Compute: a node's forward FLOPs on one rank (its matrices' ``2 x params`` per token,
 the experts' ``topk`` of them, attention's scores over the keys a query sees), divided
 by the GPU's peak and the node kind's efficiency; backward twice the forward (its
-dgrad and wgrad; with delayed wgrad half in ``Wgrad``). The efficiencies come from a
+dgrad and wgrad; with delayed wgrad half in ``Wgrad``). ``dispatch`` and ``combine``
+(routing, the permutation of the rows and their weighting) are bound by memory: the
+bytes of the rows they move (``tokens x topk x dim``) at a calibrated speed, each way. The efficiencies come from a
 ``Calibration``: ``benchmarks/plan_calibration.py`` measures them on the GPU at hand
 and writes the JSON file ``--calibration`` reads; without one, the defaults below,
 which are assumptions, not measurements.
@@ -27,6 +29,7 @@ from pathlib import Path
 from ..params import param_table
 
 DEFAULT_EFFICIENCY = {"attn": 0.45, "experts": 0.55, "dense": 0.55, "head": 0.6, "embed": 0.6}
+DEFAULT_MOVE_GBPS = {"dispatch": 1000.0, "combine": 1000.0}
 
 
 @dataclass(frozen=True)
@@ -40,23 +43,28 @@ class Calibration:
         hbm_gbps: GB/s the memory-bound passes over the parameters reach (the step's
             copy of them into its shards, the fused AdamW update; H100's 3.35 TB/s,
             about 90% of it).
+        move_gbps: ``{kind: GB/s}`` of ``dispatch`` and ``combine``: the bytes of the
+            rows they permute over their time, each way.
     """
 
     peak_tflops: float = 789.0
     efficiency: dict = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     source: str = "defaults (assumed, not measured)"
     hbm_gbps: float = 3000.0
+    move_gbps: dict = field(default_factory=lambda: dict(DEFAULT_MOVE_GBPS))
 
     @classmethod
     def read(cls, path) -> "Calibration":
         """A calibration file (``benchmarks/plan_calibration.py`` writes one)."""
         data = json.loads(Path(path).read_text())
-        unknown = set(data.get("efficiency", {})) - set(DEFAULT_EFFICIENCY)
-        if unknown:
-            raise ValueError(f"calibration {path}: unknown node kinds {sorted(unknown)}; allowed: "
-                             f"{', '.join(DEFAULT_EFFICIENCY)}")
+        for key, allowed in (("efficiency", DEFAULT_EFFICIENCY), ("move_gbps", DEFAULT_MOVE_GBPS)):
+            unknown = set(data.get(key, {})) - set(allowed)
+            if unknown:
+                raise ValueError(f"calibration {path}: {key} has unknown node kinds {sorted(unknown)}; allowed: "
+                                 f"{', '.join(allowed)}")
         return cls(float(data.get("peak_tflops", 789.0)), {**DEFAULT_EFFICIENCY, **data.get("efficiency", {})},
-                   str(data.get("source", path)), float(data.get("hbm_gbps", 3000.0)))
+                   str(data.get("source", path)), float(data.get("hbm_gbps", 3000.0)),
+                   {**DEFAULT_MOVE_GBPS, **data.get("move_gbps", {})})
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,9 @@ class CostModel:
 
     def compute_seconds(self, flops: float, kind: str) -> float:
         return flops / (self.calibration.peak_tflops * 1e12 * self.calibration.efficiency.get(kind, 0.5))
+
+    def move_seconds(self, nbytes: float, kind: str) -> float:
+        return nbytes / (self.calibration.move_gbps.get(kind, 1000.0) * 1e9)
 
     def parameter_pass_seconds(self, elements: float) -> float:
         """The step's memory-bound passes over a rank's fp32 parameters: their copy into

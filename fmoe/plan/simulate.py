@@ -134,11 +134,12 @@ class _Charge:
         under delayed wgrad for the experts), ``wgrad`` or ``recompute``."""
         cfg, size, tp = self.cfg, self.size, self.plan.tp
         if kind == Kind.LAYER:  # a recompute: the layer's forward again
-            kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.EXPERTS)
+            kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
             parts = [self.node(k, layer, "forward") for k in kinds]
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
-        if kind in (Kind.DISPATCH, Kind.COMBINE):
-            return 0.0, 0.0
+        if kind in (Kind.DISPATCH, Kind.COMBINE):  # the local routing and permutation; exchanges are timed apart
+            rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
+            return self.costs.move_seconds(rows, kind.value), 0.0
         tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
         flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
         scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
