@@ -63,6 +63,7 @@ def _plan(name: str, args) -> fmoe.Plan:
     cfg = fmoe.ModelConfig(**{"aux_loss_coef": 0.0, "vocab": 32000, **fields})
     return fmoe.Plan(model=cfg, dtype="float32" if toy else "bfloat16", device=args.device,
                      microbatches=args.microbatches, compile=args.compile, pp=args.pp, dp=args.dp, ep=args.ep,
+                     virtual_stages=args.virtual_stages,
                      sharding=args.sharding, schedule=args.schedule)
 
 
@@ -172,6 +173,7 @@ def compare(runs: dict, costs: CostModel, args) -> None:
         sim = simulate(plan, args.batch, args.seq, costs)
         mem = max(estimate_memory(plan, args.batch, args.seq, s)["total"] for s in range(plan.pp))
         shown = " x ".join(f"{k}{getattr(plan, k)}" for k in ("pp", "dp", "ep") if getattr(plan, k) > 1) or "1 GPU"
+        shown += f" ({plan.virtual_stages} virtual)" if plan.virtual_stages > 1 else ""
         shown += f", {plan.microbatches} mb, {plan.schedule}"
         ratio = f"{mem / r['peak']:.2f}" if r["peak"] else "-"
         busy = f"{r['gpu_busy_ms']:.1f}" if "gpu_busy_ms" in r else "-"
@@ -189,6 +191,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--virtual-stages", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sharding", default="no_shard")

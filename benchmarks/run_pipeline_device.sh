@@ -4,7 +4,7 @@
 # calibrate: plan_calibration.py on GPU 0 (coarse, fine, qwen3-moe-medium; 8 x 2048 tokens,
 # 2 microbatches) writes $OUT/calibration.json and holds the planner against those steps;
 # then the same calibration against steps it was not measured on (one GPU, 4 microbatches).
-# check: pp=2 on both GPUs (16 x 2048 tokens, 8 microbatches; standard and 1f1b_overlap)
+# check: pp=2 on both GPUs (16 x 2048 tokens, 8 microbatches; standard, 1f1b_overlap, 2 virtual stages)
 # against the planner's estimate with that calibration. tests: the 2-GPU tests (tp, cp,
 # etp, pp on NCCL against one GPU). Logs under $OUT; tables last.
 set -o pipefail
@@ -19,10 +19,11 @@ for stage in ${*:-calibrate check tests}; do
        CUDA_VISIBLE_DEVICES=0 python plan_calibration.py --shapes coarse fine qwen3-moe-medium --microbatches 4 \
         --calibration "$OUT/calibration.json" 2>&1 | tee "$OUT/calibrate_mb4.log" | quiet 6) ;;
     check)
-      for schedule in standard 1f1b_overlap; do
+      for run in "standard 1" "1f1b_overlap 1" "standard 2"; do
+        set -- $run
         (cd benchmarks && torchrun --nproc-per-node 2 plan_calibration.py --shapes coarse fine --pp 2 --batch 16 \
-          --microbatches 8 --schedule $schedule --calibration "$OUT/calibration.json" 2>&1 \
-          | tee "$OUT/pp2_$schedule.log" | quiet 5)
+          --microbatches 8 --schedule $1 --virtual-stages $2 --calibration "$OUT/calibration.json" 2>&1 \
+          | tee "$OUT/pp2_$1_v$2.log" | quiet 5)
       done ;;
     tests)
       python -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_gpu_parallel_dims.py -m gpu 2>&1 \

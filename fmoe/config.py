@@ -48,8 +48,14 @@ class Plan:
         pp_layout: the members of each stage, e.g. ``(("embed", "layers.0"),
             ("layers.1", "layers.2", "head"))`` to count the embedding and head as the
             layers they cost; None: layers split evenly, ``embed`` first, ``head`` last.
+            With ``virtual_stages`` it lists ``pp * virtual_stages`` stages.
             The world is ``pp * dp * ep * cp * tp`` ranks (``Plan.world``), laid out as
             ``fmoe.parallel_dims`` says.
+        virtual_stages: interleaved pipelining: the members cut into ``pp *
+            virtual_stages`` stages, stage ``k`` on pipeline rank ``k % pp``, so each
+            rank holds ``virtual_stages`` chunks of the model and the pipeline fills
+            ``virtual_stages`` times faster (bubble ``(pp - 1) / (virtual_stages *
+            microbatches + pp - 1)``); needs ``microbatches`` a multiple of ``pp``.
         sharding: ``no_shard | optim | optim_grads | optim_grads_params``.
         schedule: ``standard`` (each microbatch forward, then backward) or
             ``1f1b_overlap`` (the forward of microbatch i+1 woven into the backward of
@@ -133,12 +139,13 @@ class Plan:
     cp: int = 1
     pp: int = 1
     pp_layout: tuple | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self):
         own = "Plan"
         if not isinstance(self.model, ModelConfig):
             fail(f"{own}.model", type(self.model).__name__, "must be a fmoe.ModelConfig")
-        for name in ("dp", "ep", "tp", "etp", "cp", "pp", "microbatches"):
+        for name in ("dp", "ep", "tp", "etp", "cp", "pp", "virtual_stages", "microbatches"):
             check_int(f"{own}.{name}", getattr(self, name), 1, builtin=True)
         _check_choices(self, own)
         check_bool(f"{own}.delay_wgrad", self.delay_wgrad)
@@ -156,7 +163,13 @@ class Plan:
         if self.model.experts % self.ep:
             fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
         check_parallel(self.dims, self.model)
-        stages = check_stages(self.pp_layout, self.model, self.pp)
+        if self.virtual_stages > 1 and self.pp == 1:
+            fail(f"{own}.virtual_stages", self.virtual_stages, "interleaves pipeline stages: needs Plan.pp > 1 "
+                                                               "(or virtual_stages=1)")
+        if self.virtual_stages > 1 and self.microbatches % self.pp:
+            fail(f"{own}.microbatches", self.microbatches, f"must be a multiple of Plan.pp={self.pp} under "
+                 f"Plan.virtual_stages={self.virtual_stages} (the interleaved schedule runs them in groups of pp)")
+        stages = check_stages(self.pp_layout, self.model, self.pp, self.virtual_stages)
         if self.pp_layout is not None:
             object.__setattr__(self, "pp_layout", stages)
         if self.pp > 1:
@@ -175,7 +188,7 @@ class Plan:
         if self.model.tie_embeddings and self.pp > 1:
             fail(own, self.pp, "cannot split tied embeddings (the first stage's embed is the last stage's head) "
                                "over stages; allowed: pp=1 or model.tie_embeddings=False")
-        stage_of = {m: s for s, members in enumerate(stages) for m in members}
+        stage_of = {m: s % self.pp for s, members in enumerate(stages) for m in members}
         for unit in self.unit_groups:
             if len({stage_of[m] for m in unit}) > 1:
                 fail("Plan.units", self.units, f"unit {unit} spans pipeline stages; a unit's members must share "
@@ -233,8 +246,18 @@ class Plan:
 
     @property
     def stages(self) -> tuple[tuple[str, ...], ...]:
-        """The members of each pipeline stage (``pp_layout``, or an even split)."""
-        return self.pp_layout if self.pp_layout is not None else even_stages(self.model, self.pp)
+        """The members of each of the ``pp * virtual_stages`` stages in forward order
+        (``pp_layout``, or an even split); stage ``k`` runs on pipeline rank ``k % pp``."""
+        return self.pp_layout if self.pp_layout is not None else \
+            even_stages(self.model, self.pp * self.virtual_stages)
+
+    def stage_chunks(self, stage: int) -> tuple[tuple[str, ...], ...]:
+        """The members of each chunk pipeline rank ``stage`` holds (one per virtual stage)."""
+        return self.stages[stage::self.pp]
+
+    def stage_members(self, stage: int) -> tuple[str, ...]:
+        """Every member pipeline rank ``stage`` holds, in forward order."""
+        return tuple(m for chunk in self.stage_chunks(stage) for m in chunk)
 
     @property
     def unit_groups(self) -> tuple:

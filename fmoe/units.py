@@ -66,21 +66,24 @@ def even_stages(cfg, pp: int) -> tuple[tuple[str, ...], ...]:
     return tuple(stages)
 
 
-def check_stages(stages, cfg, pp: int) -> tuple[tuple[str, ...], ...]:
-    """Validate ``Plan.pp_layout`` (the members of each stage, in forward order) against
-    the model and ``pp``; None: ``even_stages``. Returns it as a tuple of tuples."""
+def check_stages(stages, cfg, pp: int, virtual: int = 1) -> tuple[tuple[str, ...], ...]:
+    """Validate ``Plan.pp_layout`` (the members of each of the ``pp * virtual`` stages,
+    in forward order) against the model; None: ``even_stages``. Returns it as a tuple
+    of tuples."""
+    count = pp * virtual
+    named = f"Plan.pp={pp}" + (f" x Plan.virtual_stages={virtual}" if virtual > 1 else "")
     if stages is None:
-        if pp > cfg.layers:
-            raise ValueError(f"Plan.pp={pp} is invalid: more stages than model.layers ({cfg.layers}); "
-                             f"allowed: 1..{cfg.layers}")
-        return even_stages(cfg, pp)
+        if count > cfg.layers:
+            raise ValueError(f"{named} is invalid: {count} stages, more than model.layers ({cfg.layers}); "
+                             f"allowed: at most {cfg.layers} stages")
+        return even_stages(cfg, count)
     try:
         stages = tuple(tuple(m) for m in stages)
     except TypeError:
-        raise ValueError(f"Plan.pp_layout={stages!r} is invalid: a sequence of {pp} sequences of member "
+        raise ValueError(f"Plan.pp_layout={stages!r} is invalid: a sequence of {count} sequences of member "
                          "names") from None
     order = members(cfg)
-    if len(stages) != pp or any(not m for m in stages) or tuple(m for st in stages for m in st) != order:
+    if len(stages) != count or any(not m for m in stages) or tuple(m for st in stages for m in st) != order:
         raise ValueError(f"Plan.pp_layout must list every member once, in order ({', '.join(order)}), cut into "
-                         f"Plan.pp={pp} non-empty stages; got {stages!r}")
+                         f"{count} non-empty stages ({named}); got {stages!r}")
     return stages

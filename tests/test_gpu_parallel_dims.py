@@ -10,7 +10,7 @@ import torch
 import fmoe
 
 from .dist.harness import run_ranks
-from .dist.parallel_workloads import CFG, global_batch
+from .dist.parallel_workloads import CFG, INTERLEAVED, global_batch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -21,7 +21,8 @@ FP8_CFG = fmoe.ModelConfig(vocab=128, dim=64, layers=2, heads=4, kv_heads=2, exp
 PLANS = {"tp2": dict(tp=2), "cp2": dict(cp=2), "dp2_etp2": dict(dp=2, etp=2, sharding="optim_grads_params"),
          "tp2_compiled": dict(tp=2, compile=True), "cp2_compiled": dict(cp=2, compile=True),
          "pp2": dict(pp=2), "pp2_overlap": dict(pp=2, schedule="1f1b_overlap", delay_wgrad=True),
-         "pp2_compiled": dict(pp=2, compile=True)}
+         "pp2_compiled": dict(pp=2, compile=True),
+         "pp2_v2": dict(pp=2, virtual_stages=2, pp_layout=INTERLEAVED)}
 
 
 def _step(plan, batch):

@@ -121,11 +121,17 @@ def test_cuda_graphs_refuse_the_new_dimensions_by_name():
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(pp=3), r"Plan\.pp=3 .*more stages than model\.layers \(2\)"),
+    (dict(pp=3), r"Plan\.pp=3 .*3 stages, more than model\.layers \(2\)"),
     (dict(pp=0), r"Plan\.pp=0 .*int >= 1"),
     (dict(pp=2, pp_layout=(("embed", "layers.1"), ("layers.0", "head"))), r"Plan\.pp_layout must list every member once"),
-    (dict(pp=2, pp_layout=(("embed", "layers.0", "layers.1", "head"),)), r"cut into Plan\.pp=2 non-empty stages"),
+    (dict(pp=2, pp_layout=(("embed", "layers.0", "layers.1", "head"),)), r"cut into 2 non-empty stages \(Plan\.pp=2\)"),
     (dict(pp=2, units=(("embed", "layers.0", "layers.1"), ("head",))), r"Plan\.units=.*spans pipeline stages"),
+    (dict(virtual_stages=2), r"Plan\.virtual_stages=2 .*needs Plan\.pp > 1"),
+    (dict(pp=2, virtual_stages=2, microbatches=2), r"Plan\.pp=2 x Plan\.virtual_stages=2 .*4 stages, more than model\.layers \(2\)"),
+    (dict(pp=2, virtual_stages=2, microbatches=3, pp_layout=(("embed",), ("layers.0",), ("layers.1",), ("head",))),
+     r"Plan\.microbatches=3 .*multiple of Plan\.pp=2 under Plan\.virtual_stages=2"),
+    (dict(pp=2, virtual_stages=2, microbatches=2, pp_layout=(("embed", "layers.0"), ("layers.1", "head"))),
+     r"cut into 4 non-empty stages \(Plan\.pp=2 x Plan\.virtual_stages=2\)"),
 ])
 def test_a_pipeline_that_cannot_run_names_the_field(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -149,3 +155,16 @@ def test_stages_default_to_even_layers_with_embed_first_and_head_last():
     shapes = spec.local_shapes(1)
     assert shapes["embed"] == (0, 32) and shapes["layers.0.attn.qkv"] == (0, 64)
     assert shapes["layers.4.attn.qkv"] == (32, 64) and shapes["head"] == (32, 64)
+
+
+def test_interleaved_stages_go_round_the_ranks():
+    cfg = CFG.replace(layers=4)
+    plan = fmoe.Plan(model=cfg, pp=2, virtual_stages=2, microbatches=2)
+    assert plan.stages == (("embed", "layers.0"), ("layers.1",), ("layers.2",), ("layers.3", "head"))
+    assert plan.stage_chunks(0) == (("embed", "layers.0"), ("layers.2",))
+    assert plan.stage_members(1) == ("layers.1", "layers.3", "head")
+    from fmoe.resolve import resolve
+
+    shapes = resolve(plan).spec.local_shapes(1)
+    assert shapes["layers.0.attn.qkv"] == (0, 64) and shapes["layers.1.attn.qkv"] == (32, 64)
+    assert shapes["layers.2.attn.qkv"] == (0, 64) and shapes["head"] == (32, 64)

@@ -37,6 +37,16 @@ def test_the_bubble_is_1f1b_s(pp, microbatches, schedule):
         assert bubble == pytest.approx((pp - 1) / (microbatches + pp - 1), abs=1e-9)
 
 
+@pytest.mark.parametrize("pp, virtual, microbatches", [(2, 2, 4), (4, 2, 8), (2, 4, 2), (4, 2, 4)])
+@pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
+def test_the_interleaved_bubble_is_megatron_s(pp, virtual, microbatches, schedule):
+    # each of the pp ranks fills and drains the pipeline one chunk (1 / virtual of its layers) at a time
+    plan = fmoe.Plan(model=CFG, pp=pp, virtual_stages=virtual, microbatches=microbatches, schedule=schedule)
+    sim = simulate(plan, rows=4 * microbatches, seq=64, costs=FREE)
+    for bubble in sim.bubble:
+        assert bubble == pytest.approx((pp - 1) / (virtual * microbatches + pp - 1), abs=1e-9)
+
+
 def test_without_stages_there_is_no_bubble():
     sim = simulate(fmoe.Plan(model=CFG, microbatches=4), rows=16, seq=64, costs=FREE)
     assert sim.bubble == [pytest.approx(0.0, abs=1e-12)]

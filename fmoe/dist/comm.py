@@ -83,14 +83,14 @@ class Group:
         return Pending(dist.all_reduce(t, op=op, group=self.group, async_op=True))
 
 
-def send(t: torch.Tensor, peer: int) -> Pending:
-    """Start sending ``t`` to world rank ``peer`` (point to point)."""
-    return Pending(dist.isend(t.contiguous(), dst=peer))
+def send(t: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
+    """Start sending ``t`` to world rank ``peer`` (point to point; on ``group``, else the world)."""
+    return Pending(dist.isend(t.contiguous(), dst=peer, group=None if group is None else group.group))
 
 
-def recv(out: torch.Tensor, peer: int) -> Pending:
-    """Start receiving into ``out`` from world rank ``peer``."""
-    return Pending(dist.irecv(out, src=peer))
+def recv(out: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
+    """Start receiving into ``out`` from world rank ``peer`` (on ``group``, else the world)."""
+    return Pending(dist.irecv(out, src=peer, group=None if group is None else group.group))
 
 
 def broadcast_text(text: str | None, world: Group, device) -> str | None:

@@ -41,6 +41,10 @@ class Mesh:
         stage: the ranks of its pipeline stage (the world without pipeline
             parallelism; the sum of gradients replicated over ``tp``); ``pp``: the ranks
             of its place in every stage (who hand each other activations).
+        pp_gradients: under interleaved pipelining (``Plan.virtual_stages > 1``) a
+            second group of every rank, on which the stream's gradients travel apart
+            from the stream: both then pass between the same two ranks in the same
+            direction, and point-to-point messages on one group are matched in order.
     """
 
     world: Group
@@ -52,6 +56,7 @@ class Mesh:
     tensor_data: Group | None = None
     stage: Group | None = None
     pp: Group = LOCAL
+    pp_gradients: Group | None = None
 
     def data_group(self, domain: str) -> Group:
         """Ranks whose gradients of ``domain`` parameters (``fmoe.params.Domain``) must be
@@ -139,5 +144,8 @@ def mesh_for(plan: Plan) -> Mesh:
     dims, world = plan.dims, Group.world()
     device_type = torch.device(plan.device).type
     groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
+    gradients = None
+    if plan.pp > 1 and plan.virtual_stages > 1:
+        gradients = Group(world.size, world.rank, dist.new_group(list(range(dims.world))))
     return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
-                groups["tensor_data"], groups["stage"], groups["pp"])
+                groups["tensor_data"], groups["stage"], groups["pp"], gradients)

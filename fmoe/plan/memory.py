@@ -2,8 +2,8 @@
 fp32 parameters, gradients and AdamW moments at rest (its shards and slices), the step's
 compute-dtype copy of them, the gathered units at their most and the fp32 gradient
 buffers accumulating before their reduction (both walked through the stage's program),
-and the activations each microbatch in flight keeps (by ``Plan.remat``; in flight: from
-its first forward on the stage to its last backward there).
+and the activations each microbatch in flight keeps (by ``Plan.remat``; a layer's, from
+its first forward of the microbatch to its last backward).
 
 An estimate from shapes: the activations count each layer's kept tensors per token
 (``_layer_activations``), not the allocator's rounding or the kernels' workspaces.
@@ -43,19 +43,20 @@ def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat
     return attention + experts + shared + router
 
 
-def _walk(plan: Plan, spec, stage: int, units: dict) -> tuple[float, float, int]:
+def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float, float]:
     """Through the stage's training program: the most bytes of gathered units, of fp32
-    gradient buffers, and the most microbatches in flight, at any one time."""
+    gradient buffers, and of activations kept for backwards (``kept(member)``: what one
+    microbatch keeps for a member), at any one time. A member's activations of a
+    microbatch are held from its first forward to its last backward."""
     @functools.cache
     def full(unit, fp32: bool) -> float:
         return sum(layout.full_size * (4 if fp32 else spec.dtype(key).itemsize)
                    for key, layout in units[unit].groups.items() if fp32 or spec.sharded(key.domain))
 
     program = stage_program(plan, stage, True).actions
-    backwards = Counter(a.mb for a in program if isinstance(a, Backward))
-    live, accumulating, in_flight = set(), set(), set()
-    gathered = grads = 0.0
-    flight = 0
+    backwards = Counter((a.mb, a.node.member) for a in program if isinstance(a, Backward))
+    live, accumulating, in_flight = set(), set(), {}
+    gathered = grads = activations = 0.0
     for a in program:
         match a:
             case Gather(unit):
@@ -64,19 +65,19 @@ def _walk(plan: Plan, spec, stage: int, units: dict) -> tuple[float, float, int]
                 live.discard(unit)
             case Reduce(unit):
                 accumulating.discard(unit)
-            case Forward(_, mb):
-                in_flight.add(mb)
-            case Backward(_, mb, unit) | Wgrad(_, mb, unit):
+            case Forward(node, mb):
+                in_flight.setdefault((mb, node.member), kept(node.member))
+            case Backward(node, mb, unit) | Wgrad(node, mb, unit):
                 if unit is not None:
                     accumulating.add(unit)
                 if isinstance(a, Backward):
-                    backwards[mb] -= 1
-                    if not backwards[mb]:
-                        in_flight.discard(mb)
+                    backwards[(mb, node.member)] -= 1
+                    if not backwards[(mb, node.member)]:
+                        in_flight.pop((mb, node.member), None)
         gathered = max(gathered, sum(full(u, False) for u in live))
         grads = max(grads, sum(full(u, True) for u in accumulating))
-        flight = max(flight, len(in_flight))
-    return gathered, grads, flight
+        activations = max(activations, sum(in_flight.values()))
+    return gathered, grads, activations
 
 
 def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
@@ -86,17 +87,21 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
     rank = plan.dims.rank_of(0, 0, 0, 0, stage)
     elements = sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
     units = {u.name: u for u in spec.stage_units(stage)}
-    gathered, grads, flight = _walk(plan, spec, stage, units)
     sizes, itemsize = _sizes(plan, rows, seq), plan.compute_dtype.itemsize
-    members = plan.stages[stage]
-    layers = [int(m.split(".")[1]) for m in members if m.startswith("layers.")]
-    per_mb = sum(_layer_activations(cfg, i, sizes["held"], sizes["seen"], plan.tp, plan.remat, plan.ep)
-                 for i in layers) * itemsize
-    if "head" in members:  # the logits' fp32 copy, whole or a piece at a time
-        per_mb += (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
+
+    def kept(member: str) -> float:
+        if member == "head":  # the logits' fp32 copy, whole or a piece at a time, and the final norm's input
+            return (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
+        if member.startswith("layers."):
+            layer = int(member.split(".")[1])
+            return _layer_activations(cfg, layer, sizes["held"], sizes["seen"], plan.tp, plan.remat,
+                                      plan.ep) * itemsize
+        return 0.0
+
+    gathered, grads, activations = _walk(plan, spec, stage, units, kept)
     step_copy = sum(layout.shard_size * spec.dtype(key).itemsize for u in units.values()
                     for key, layout in u.groups.items())
     parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements, "step copy": step_copy,
-             "gathered": gathered, "grad buffers": grads, "activations": per_mb * flight}
+             "gathered": gathered, "grad buffers": grads, "activations": activations}
     parts["total"] = sum(parts.values())
     return parts

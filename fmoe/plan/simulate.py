@@ -5,8 +5,9 @@ every group but ``pp`` lies inside one stage (``fmoe.parallel_dims``), so the ra
 group enter their collectives in the same order by construction; ``simulate`` checks
 that, then runs one rank per stage (the stage's first) against its neighbours: each
 ``Send`` must meet its ``Recv`` in the order sent (point-to-point messages between two
-ranks arrive in order), every ``Recv`` must be sent, and the stages must not wait on each
-other in a circle. A program that breaks this is a ``PlanError`` naming the ranks and
+ranks arrive in order; the stream and its gradient travel on groups of their own), every
+``Recv`` must be sent, and the stages must not wait on each other in a circle (under
+interleaved stages the last stage sends on to the first). A program that breaks this is a ``PlanError`` naming the ranks and
 the actions.
 
 Time: each stage has a compute clock and one communication stream (the step's copy of the parameters and the
@@ -239,10 +240,14 @@ _WAITS = {(Forward, Kind.EXPERTS): (Forward, Kind.DISPATCH), (Backward, Kind.EXP
 
 
 def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel) -> None:
-    P = plan.pp
+    P, ring = plan.pp, plan.virtual_stages > 1  # interleaved: the last stage sends on to the first
     pcs, clocks = [0] * P, [_Clock() for _ in range(P)]
-    channels = {(a, b): deque() for a in range(P) for b in range(P) if abs(a - b) == 1}
+    # streams and their gradients travel on channels of their own (fmoe.schedule.pipeline), each in order
+    channels = {(a, b, gradient): deque() for a in range(P) for b in range(P) for gradient in (False, True)}
     ep = plan.ep > 1
+
+    def peer_of(s: int, step: int) -> int:
+        return (s + step) % P if ring else s + step
 
     def step_one(s: int) -> bool:
         a = programs[s][pcs[s]]
@@ -263,17 +268,17 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 clock.reductions.append(clock.comm)
                 run.spans.append(Span("comm", start, clock.comm, a))
             case Send(mb, boundary):
-                peer = s - 1 if boundary.gradient else s + 1
+                peer = peer_of(s, -1 if boundary.gradient else 1)
                 if not 0 <= peer < P:
                     raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to go to")
                 arrive = clock.t + costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
-                channels[(s, peer)].append((mb, boundary, arrive, pcs[s]))
+                channels[(s, peer, boundary.gradient)].append((mb, boundary, arrive, pcs[s]))
                 run.spans.append(Span("p2p", clock.t, arrive, a, mb, not boundary.gradient))
             case Recv(mb, boundary):
-                peer = s + 1 if boundary.gradient else s - 1
+                peer = peer_of(s, 1 if boundary.gradient else -1)
                 if not 0 <= peer < P:
                     raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to come from")
-                queue = channels[(peer, s)]
+                queue = channels[(peer, s, boundary.gradient)]
                 if not queue:
                     return False  # blocked until the peer sends
                 got_mb, got, arrive, at = queue[0]
@@ -314,7 +319,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
             blocked = [f"rank {runs[s].rank} (stage {s}) at action {pcs[s]}: {_label(programs[s][pcs[s]])}"
                        for s in range(P) if pcs[s] < len(programs[s])]
             raise PlanError("deadlock: every stage waits for another; " + "; ".join(blocked))
-    for (src, dst), queue in channels.items():
+    for (src, dst, _), queue in channels.items():
         if queue:
             mb, boundary, _, at = queue[0]
             raise PlanError(f"rank {runs[src].rank} (stage {src}) sends {boundary} of microbatch {mb} (its action "

@@ -27,9 +27,11 @@ class Pipeline:
 
     Attributes:
         previous, next: the world ranks of the same place in the stage before and after
-            (None at the first and last stage).
+            (None at the first and last stage; around the ring under interleaving).
         dtype: the stream's dtype (the plan's compute dtype).
         tp: the ranks that split a row's positions (the stream holds ``1 / tp`` of them).
+        gradients: the group the stream's gradients travel on (``Mesh.pp_gradients``;
+            None: the world's, as the stream's).
         sent: ``(Pending, tensor)`` of the sends in flight.
     """
 
@@ -37,6 +39,7 @@ class Pipeline:
     next: int | None
     dtype: torch.dtype
     tp: int = 1
+    gradients: object = None
     sent: list = field(default_factory=list)
 
     def finish(self) -> None:
@@ -63,7 +66,7 @@ def send(run, a: Send) -> Event:
         value = stream.h
     t0 = now()
     value = value.detach().contiguous()
-    pipe.sent.append((comm.send(value, peer), value))
+    pipe.sent.append((comm.send(value, peer, pipe.gradients if a.boundary.gradient else None), value))
     return Event("send", None, str(a.boundary), a.mb, t0, now(), value.numel() * value.element_size(), "pipeline")
 
 
@@ -74,7 +77,10 @@ def recv(run, a: Recv) -> Event:
     rows, positions = mbf.batch.inputs.shape
     out = torch.empty(rows, positions // pipe.tp, run.cfg.dim, dtype=pipe.dtype, device=mbf.batch.tokens.device)
     t0 = now()
-    comm.recv(out, pipe.next if a.boundary.gradient else pipe.previous).wait()
+    if a.boundary.gradient:
+        comm.recv(out, pipe.next, pipe.gradients).wait()
+    else:
+        comm.recv(out, pipe.previous).wait()
     if a.boundary.gradient:
         mbf.grad_h = out
     else:
@@ -82,11 +88,12 @@ def recv(run, a: Recv) -> Event:
     return Event("recv", None, str(a.boundary), a.mb, t0, now(), out.numel() * out.element_size(), "pipeline")
 
 
-def crossing_peers(dims, rank: int) -> tuple[int | None, int | None]:
-    """The world ranks at ``rank``'s place in the stage before and after it."""
-    at = dims.coords(rank)
-    previous = dims.rank_of(at.d, at.e, at.c, at.t, at.s - 1) if at.s > 0 else None
-    following = dims.rank_of(at.d, at.e, at.c, at.t, at.s + 1) if at.s < dims.pp - 1 else None
+def crossing_peers(dims, rank: int, ring: bool = False) -> tuple[int | None, int | None]:
+    """The world ranks at ``rank``'s place in the stage before and after it; ``ring``
+    (interleaved stages): the last stage's next is the first, and the other way."""
+    at, P = dims.coords(rank), dims.pp
+    previous = dims.rank_of(at.d, at.e, at.c, at.t, (at.s - 1) % P) if at.s > 0 or ring else None
+    following = dims.rank_of(at.d, at.e, at.c, at.t, (at.s + 1) % P) if at.s < P - 1 or ring else None
     return previous, following
 
 

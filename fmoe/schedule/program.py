@@ -60,78 +60,114 @@ def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> list:
     return [(Backward, HEAD)] + ops + [(Backward, EMBED)]
 
 
+class _Chunk(NamedTuple):
+    """One chunk of a pipeline rank (virtual stage ``index``): its forward and backward
+    node runs, its layers, and whether it is the model's first or last."""
+
+    index: int
+    forward: list
+    backward: list
+    layers: list
+    first: bool
+    last: bool
+
+
+def _chunks(plan: Plan, stage: int) -> list[_Chunk]:
+    cfg, P = plan.model, plan.pp
+    forward, backward = _forward(cfg), _backward(cfg, plan.delay_wgrad, plan.remat == "full")
+    out = []
+    for v, members in enumerate(plan.stage_chunks(stage)):
+        k, held = v * P + stage, set(members)
+        out.append(_Chunk(k, [(run, n) for run, n in forward if n.member in held],
+                          [(run, n) for run, n in backward if n.member in held],
+                          [int(m.split(".")[1]) for m in members if m.startswith("layers.")],
+                          k == 0, k == len(plan.stages) - 1))
+    return out
+
+
 def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node]]:
     """Stage ``stage``'s part of a pipeline-parallel step (``Plan.pp > 1``), 1F1B: its
     nodes of each microbatch, the stream received from the stage before and sent to the
     one after (its gradient the other way). ``P - stage - 1`` warm-up forwards, then one
     forward and one backward in turn (under ``1f1b_overlap`` woven into each other:
-    ``_woven``), then the remaining backwards; each stage runs its microbatches in
-    order, so the arithmetic is the single process's."""
-    cfg, M, P = plan.model, plan.microbatches, plan.pp
-    members = set(plan.stages[stage])
-    forward = [(run, n) for run, n in _forward(cfg) if n.member in members]
-    backward = [(run, n) for run, n in _backward(cfg, plan.delay_wgrad, plan.remat == "full") if n.member in members]
-    first, last = stage == 0, stage == P - 1
+    ``_woven``), then the remaining backwards.
 
-    def fwd(mb):
-        return ([] if first else [(mb, Recv, STREAM)]) + [(mb, run, n) for run, n in forward] + \
-            ([] if last else [(mb, Send, STREAM)])
+    Under ``Plan.virtual_stages = V > 1`` the rank holds ``V`` chunks and runs
+    interleaved 1F1B (Megatron's order): forwards of microbatch groups of ``P``, each
+    group through chunk 0, then chunk 1, ...; backwards the same with the chunks
+    reversed; ``2 (P - stage - 1) + (V - 1) P`` warm-up forwards. Each chunk runs its
+    microbatches in order, so the arithmetic is the single process's either way."""
+    M, P = plan.microbatches, plan.pp
+    chunks = _chunks(plan, stage)
+    V = len(chunks)
 
-    def bwd(mb):
-        return ([] if last else [(mb, Recv, STREAM_GRADIENT)]) + [(mb, run, n) for run, n in backward] + \
-            ([] if first else [(mb, Send, STREAM_GRADIENT)])
+    def fwd(mb, v):
+        c = chunks[v]
+        return ([] if c.first else [(mb, Recv, STREAM)]) + [(mb, run, n) for run, n in c.forward] + \
+            ([] if c.last else [(mb, Send, STREAM)])
 
+    def bwd(mb, v):
+        c = chunks[v]
+        return ([] if c.last else [(mb, Recv, STREAM_GRADIENT)]) + [(mb, run, n) for run, n in c.backward] + \
+            ([] if c.first else [(mb, Send, STREAM_GRADIENT)])
+
+    # the k-th forward and backward of the rank: (microbatch, chunk)
+    forwards = [((k // (P * V)) * P + k % P, (k // P) % V) for k in range(M * V)] if V > 1 else \
+        [(mb, 0) for mb in range(M)]
+    backwards = [(mb, V - 1 - v) for mb, v in forwards]
     if not train:
-        return [op for mb in range(M) for op in fwd(mb)]
+        return [op for mb, v in forwards for op in fwd(mb, v)]
     if plan.schedule == "1f1b_overlap" and M > 1:
-        return _overlapped_pipeline(plan, stage, fwd, bwd)
-    warm = min(P - stage - 1, M)
-    ops = [op for mb in range(warm) for op in fwd(mb)]
-    for i in range(M - warm):
-        ops += fwd(warm + i) + bwd(i)
-    return ops + [op for mb in range(M - warm, M) for op in bwd(mb)]
+        return _overlapped_pipeline(plan, stage, chunks, forwards, backwards, fwd, bwd)
+    warm = min(P - stage - 1 if V == 1 else 2 * (P - stage - 1) + (V - 1) * P, len(forwards))
+    ops = [op for mb, v in forwards[:warm] for op in fwd(mb, v)]
+    for i in range(len(forwards) - warm):
+        ops += fwd(*forwards[warm + i]) + bwd(*backwards[i])
+    return ops + [op for mb, v in backwards[len(forwards) - warm:] for op in bwd(mb, v)]
 
 
-def _overlapped_pipeline(plan: Plan, stage: int, fwd, bwd) -> list:
+def _overlapped_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
     """Stage ``stage``'s part under ``1f1b_overlap``: forwards and backwards woven in pairs
     (``_woven``). A pair needs its backward's gradient when it starts, so stage ``s``
     pairs the forward of microbatch ``f`` with the backward of ``f - (2 (P - s) - 1)``,
     whose gradient the next stage sent a pair earlier: the pairs of neighbouring stages
     then do not wait on each other, at the price of ``2 (P - s) - 1`` microbatches in
     flight on stage ``s`` (``P - s`` under plain 1F1B). The last stage pairs ``f`` with
-    ``f - 1``, as ``1f1b_overlap`` does without stages."""
-    M, P = plan.microbatches, plan.pp
-    warm = min(P - stage, M)
+    ``f - 1``, as ``1f1b_overlap`` does without stages. Interleaved (``V`` chunks), the
+    same with ``(V - 1) P`` more warm-up forwards, counted in chunk runs."""
+    P, V = plan.pp, len(chunks)
+    warm = min(P - stage + (V - 1) * P, len(forwards))
     lag = P - 1 - stage  # pairs that hold a forward alone while the backwards are on their way
-    ops = [op for mb in range(warm) for op in fwd(mb)]
+    ops = [op for mb, v in forwards[:warm] for op in fwd(mb, v)]
     done = 0  # backwards run
-    for i in range(M - warm):
+    for i in range(len(forwards) - warm):
         if i < lag:
-            ops += fwd(warm + i)
+            ops += fwd(*forwards[warm + i])
         else:
-            ops += _woven(plan, stage, warm + i, done)
+            (f, vf), (b, vb) = forwards[warm + i], backwards[done]
+            ops += _woven(plan, f, chunks[vf], b, chunks[vb])
             done += 1
-    return ops + [op for mb in range(done, M) for op in bwd(mb)]
+    return ops + [op for mb, v in backwards[done:] for op in bwd(mb, v)]
 
 
-def _woven(plan: Plan, stage: int, f: int, b: int) -> list[tuple[int, type, Node]]:
+def _woven(plan: Plan, f: int, forward: _Chunk, b: int, backward: _Chunk) -> list[tuple[int, type, Node]]:
     """Under ``1f1b_overlap``, a stage's steady-state pair: the forward of microbatch
-    ``f`` woven into the backward of ``b`` layer by layer (``_overlapped_layers``: each
-    all-to-all under the other microbatch's compute), as ``1f1b_overlap`` weaves them
-    without stages; ``f``'s stream is received before and sent after, ``b``'s gradient
-    the same."""
-    cfg, P = plan.model, plan.pp
-    members = plan.stages[stage]
-    layers = [int(m.split(".")[1]) for m in members if m.startswith("layers.")]
-    first, last, delay, remat = stage == 0, stage == P - 1, plan.delay_wgrad, plan.remat == "full"
-    ops = ([] if first else [(f, Recv, STREAM)]) + ([] if last else [(b, Recv, STREAM_GRADIENT)])
-    ops += ([(f, Forward, EMBED)] if first else []) + ([(b, Backward, HEAD)] if last else [])
-    n = len(layers)
-    for j in range(n):
+    ``f`` through chunk ``forward`` woven into the backward of ``b`` through chunk
+    ``backward`` layer by layer (``_overlapped_layers``: each all-to-all under the other
+    microbatch's compute), as ``1f1b_overlap`` weaves them without stages; a chunk with
+    more layers than the other runs its extra layers alone. ``f``'s stream is received
+    before and sent after, ``b``'s gradient the same."""
+    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat == "full"
+    ops = ([] if forward.first else [(f, Recv, STREAM)]) + ([] if backward.last else [(b, Recv, STREAM_GRADIENT)])
+    ops += ([(f, Forward, EMBED)] if forward.first else []) + ([(b, Backward, HEAD)] if backward.last else [])
+    fl, bl = forward.layers, backward.layers[::-1]
+    for j in range(min(len(fl), len(bl))):
         ops += [(f if who == "f" else b, run, node)
-                for who, run, node in _overlapped_layers(cfg, layers[j], layers[n - 1 - j], delay, remat)]
-    ops += ([(f, Forward, HEAD)] if last else []) + ([(b, Backward, EMBED)] if first else [])
-    return ops + ([] if last else [(f, Send, STREAM)]) + ([] if first else [(b, Send, STREAM_GRADIENT)])
+                for who, run, node in _overlapped_layers(cfg, fl[j], bl[j], delay, remat)]
+    ops += [(f, Forward, node) for i in fl[len(bl):] for node in layer_nodes(cfg, i)]
+    ops += [(b, run, node) for i in bl[len(fl):] for run, node in _layer_backward(cfg, i, delay, remat)]
+    ops += ([(f, Forward, HEAD)] if forward.last else []) + ([(b, Backward, EMBED)] if backward.first else [])
+    return ops + ([] if forward.last else [(f, Send, STREAM)]) + ([] if backward.first else [(b, Send, STREAM_GRADIENT)])
 
 
 def _overlapped_layers(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:

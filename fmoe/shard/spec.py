@@ -287,7 +287,7 @@ def shard_spec(plan: Plan) -> ShardSpec:
         sizes = {Domain.DENSE: dims.stage_size, Domain.TENSOR: dims.stage_size // dims.tp, Domain.EXPERT: dims.edp}
     fp8 = plan.fp8 == "tensorwise" and sizes[Domain.DENSE] > 1
     ep = plan.ep
-    units, stage_of = [], {m: s for s, members in enumerate(plan.stages) for m in members}
+    units, stage_of = [], {m: s % plan.pp for s, members in enumerate(plan.stages) for m in members}
     for members in plan.unit_groups:
         by_key: dict = {}
         for leaf in table.leaves:

@@ -178,7 +178,8 @@ def _introduce(run: Run, baseline: float) -> None:
     """The run's opening lines: the model, the data, the world, the baseline loss."""
     plan, corpus = run.plan, run.corpus
     n_params = param_count(plan.model)
-    more = "".join(f" {k}={getattr(plan, k)}" for k in ("tp", "etp", "cp", "pp") if getattr(plan, k) > 1)
+    more = "".join(f" {k}={getattr(plan, k)}" for k in ("tp", "etp", "cp", "pp", "virtual_stages")
+                   if getattr(plan, k) > 1)
     run.say(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
             f"tokens from {corpus.source}; {run.world.size} rank(s), dp={plan.dp} ep={plan.ep}{more} "
             f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")

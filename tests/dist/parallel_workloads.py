@@ -14,6 +14,7 @@ CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=3, heads=4, kv_heads=2, experts=
                        expert_biases=True, qkv_bias=True, out_bias=True, qk_norm="head", dense_layers=(0,),
                        dense_ffn=16)
 STEPS = 3
+INTERLEAVED = (("embed", "layers.0"), ("layers.1",), ("layers.2",), ("head",))
 
 PLANS = {
     2: {"tp2": dict(tp=2),
@@ -25,7 +26,11 @@ PLANS = {
         "pp2": dict(pp=2),
         "pp2_standard": dict(pp=2, microbatches=4),
         "pp2_overlap": dict(pp=2, microbatches=4, schedule="1f1b_overlap", delay_wgrad=True),
-        "pp2_overlap_standard": dict(pp=2, microbatches=4, delay_wgrad=True)},
+        "pp2_overlap_standard": dict(pp=2, microbatches=4, delay_wgrad=True),
+        # interleaved: 4 stages of 5 members, the last one the head alone
+        "pp2_v2": dict(pp=2, virtual_stages=2, pp_layout=INTERLEAVED),
+        "pp2_v2_overlap": dict(pp=2, virtual_stages=2, pp_layout=INTERLEAVED, microbatches=4,
+                               schedule="1f1b_overlap", delay_wgrad=True)},
     4: {"dp2_tp2_zero3": dict(dp=2, tp=2, sharding="optim_grads_params"),
         "dp2_tp2_zero3_overlap": dict(dp=2, tp=2, sharding="optim_grads_params", schedule="1f1b_overlap",
                                       delay_wgrad=True),

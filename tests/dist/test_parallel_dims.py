@@ -74,13 +74,24 @@ def test_overlap_schedule_is_bitwise_the_standard_one(two, overlap, standard):
         assert_trees_equal(a["params"], b["params"])
 
 
-def test_a_pipeline_computes_the_single_process_bitwise(two, single):
-    """Each stage runs its nodes on the microbatches in the single process's order, with
-    its arithmetic: the loss and the gradients are the same bits (the params after the
-    optimizer differ by the rounding of the gradient norm summed over the stages)."""
+@pytest.mark.parametrize("name", ["pp2", "pp2_v2"])
+def test_a_pipeline_computes_the_single_process_bitwise(two, single, name):
+    """Each stage (or chunk of interleaved stages) runs its nodes on the microbatches in
+    the single process's order, with its arithmetic: the loss and the gradients are the
+    same bits (the params after the optimizer differ by the rounding of the gradient
+    norm summed over the stages)."""
     for res in two:
-        assert torch.equal(res["pp2"]["losses"][0], single["losses"][0])
-        assert_trees_equal(res["pp2"]["grads"], single["grads"])
+        assert torch.equal(res[name]["losses"][0], single["losses"][0])
+        assert_trees_equal(res[name]["grads"], single["grads"])
+
+
+def test_interleaved_overlap_is_bitwise_the_plain_pipeline(two):
+    """Interleaved stages under the overlap schedule against two plain stages under the
+    standard one: the same first loss and gradients (4 microbatches, delayed wgrad)."""
+    for res in two:
+        a, b = res["pp2_v2_overlap"], res["pp2_overlap_standard"]
+        assert torch.equal(a["losses"][0], b["losses"][0])
+        assert_trees_equal(a["grads"], b["grads"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
