@@ -9,7 +9,9 @@ time of the kernels launched inside each range, added up by node kind, against t
 FLOPs (``fmoe.plan.node_flops``, backward twice the forward) gives the kind's efficiency,
 and against the bytes of the rows they permute (``tokens x topk x dim``) the speed of
 ``dispatch`` and ``combine``; a few fused AdamW updates timed alone give the speed of the
-passes over the parameters. The calibration file holds these (averaged over the shapes).
+passes over the parameters; the step's trace on a tiny batch gives the host's time in
+each node run (what a node costs when the GPU waits for the host: eager, small
+microbatches, a pipeline stage waiting on a receive). The calibration file holds these (averaged over the shapes).
 Then the planner, with that calibration, estimates the same step's time and peak memory,
 printed beside the measured median step (step + fused AdamW), the GPU's busy time in the
 profiled step and ``torch.cuda.max_memory_allocated``.
@@ -123,11 +125,31 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
         by_kind[kind] += v
     efficiency = {k: work[k] / (by_kind[k] / 1e3) / (args.peak * 1e12) for k in KINDS
                   if by_kind[k] > 0 and work[k] > 0}
-    move_gbps = {k: work[k] / (by_kind[k] / 1e3) / 1e9 for k in MOVES if by_kind[k] > 0}
+    # a move that launched no kernels of its own (dispatch without expert parallelism) costs nothing
+    move_gbps = {k: work[k] / (by_kind[k] / 1e3) / 1e9 if by_kind[k] > 0 else 1e9 for k in MOVES}
     busy = sum(e - s for s, e in union((k.time_range.start, k.time_range.end) for k in prof.events()
                                        if k.device_type.name == "CUDA")) / 1e3
     return {**run, "efficiency": efficiency, "move_gbps": move_gbps, "ms": dict(by_kind), "gpu_busy_ms": busy,
             "hbm_gbps": _optimizer_gbps(opt, params, state, fmoe.step(params, batches[0], plan).grads, sync)}
+
+
+def host_us(name: str, args, steps: int = 4) -> dict:
+    """Microseconds the host spends in each node run (``"forward attn"``...), from the
+    step's trace on a batch so small (one row of 128 tokens per microbatch) that the
+    GPU never holds the host up: the launch cost a node pays however little it computes."""
+    plan = _plan(name, args)
+    params = fmoe.init(plan, seed=0)
+    batch = {"tokens": torch.randint(0, plan.model.vocab, (args.microbatches, 129),
+                                     generator=torch.Generator().manual_seed(0)).to(args.device)}
+    times = defaultdict(list)
+    for i in range(3 + steps):
+        trace = fmoe.step(params, batch, plan).metrics["trace"]
+        if i < 3:
+            continue
+        for e in trace:
+            if e.kind in ("forward", "backward", "wgrad") and e.node:
+                times[f"{e.kind} {e.node.split('.')[-1]}"].append((e.end - e.start) * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def node_gpu_ms(prof) -> dict:
@@ -231,13 +253,16 @@ def main() -> None:
     move_gbps = {k: statistics.mean(r["move_gbps"][k] for r in runs.values() if k in r["move_gbps"])
                  for k in sorted({k for r in runs.values() for k in r["move_gbps"]})}
     hbm_gbps = statistics.mean(r["hbm_gbps"] for r in runs.values())
+    hosts = [host_us(name, args) for name in args.shapes]
+    host = {k: statistics.mean(h[k] for h in hosts if k in h) for k in sorted({k for h in hosts for k in h})}
     source = (f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d')}, shapes {' '.join(args.shapes)}{', compiled' if args.compile else ''}")
     Path(args.out).write_text(json.dumps({"peak_tflops": args.peak, "efficiency": efficiency, "move_gbps": move_gbps,
-                                         "hbm_gbps": hbm_gbps, "source": source},
+                                         "hbm_gbps": hbm_gbps, "host_us": host, "source": source},
                                          indent=1))
     print(f"calibration ({source}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in efficiency.items())
-          + "; " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in move_gbps.items()) + f"; AdamW {hbm_gbps:.0f} GB/s")
+          + "; " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in move_gbps.items()) + f"; AdamW {hbm_gbps:.0f} GB/s; host "
+          + ", ".join(f"{k} {v:.0f} us" for k, v in host.items()))
     compare(runs, CostModel(Calibration.read(args.out)), args)
 
 

@@ -6,7 +6,9 @@ the experts' ``topk`` of them, attention's scores over the keys a query sees), d
 by the GPU's peak and the node kind's efficiency; backward twice the forward (its
 dgrad and wgrad; with delayed wgrad half in ``Wgrad``). ``dispatch`` and ``combine``
 (routing, the permutation of the rows and their weighting) are bound by memory: the
-bytes of the rows they move (``tokens x topk x dim``) at a calibrated speed, each way. The efficiencies come from a
+bytes of the rows they move (``tokens x topk x dim``) at a calibrated speed, each way.
+A node run takes at least the host's time issuing it (calibrated per kind and phase):
+the GPU waits for an eager host on small microbatches. The efficiencies come from a
 ``Calibration``: ``benchmarks/plan_calibration.py`` measures them on the GPU at hand
 and writes the JSON file ``--calibration`` reads; without one, the defaults below,
 which are assumptions, not measurements.
@@ -45,6 +47,9 @@ class Calibration:
             about 90% of it).
         move_gbps: ``{kind: GB/s}`` of ``dispatch`` and ``combine``: the bytes of the
             rows they permute over their time, each way.
+        host_us: ``{"<phase> <kind>": microseconds}`` the host spends issuing a node run
+            (``"forward attn"``, ``"backward experts"``...); a node takes at least that
+            long, however little it computes. Missing: no host time.
     """
 
     peak_tflops: float = 789.0
@@ -52,6 +57,7 @@ class Calibration:
     source: str = "defaults (assumed, not measured)"
     hbm_gbps: float = 3000.0
     move_gbps: dict = field(default_factory=lambda: dict(DEFAULT_MOVE_GBPS))
+    host_us: dict = field(default_factory=dict)
 
     @classmethod
     def read(cls, path) -> "Calibration":
@@ -64,7 +70,7 @@ class Calibration:
                                  f"{', '.join(allowed)}")
         return cls(float(data.get("peak_tflops", 789.0)), {**DEFAULT_EFFICIENCY, **data.get("efficiency", {})},
                    str(data.get("source", path)), float(data.get("hbm_gbps", 3000.0)),
-                   {**DEFAULT_MOVE_GBPS, **data.get("move_gbps", {})})
+                   {**DEFAULT_MOVE_GBPS, **data.get("move_gbps", {})}, dict(data.get("host_us", {})))
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,10 @@ class CostModel:
 
     def compute_seconds(self, flops: float, kind: str) -> float:
         return flops / (self.calibration.peak_tflops * 1e12 * self.calibration.efficiency.get(kind, 0.5))
+
+    def host_seconds(self, phase: str, kind: str) -> float:
+        """The host's time issuing one ``phase`` (forward, backward, wgrad) run of node ``kind``."""
+        return self.calibration.host_us.get(f"{phase} {kind}", 0.0) * 1e-6
 
     def move_seconds(self, nbytes: float, kind: str) -> float:
         return nbytes / (self.calibration.move_gbps.get(kind, 1000.0) * 1e9)

@@ -12,7 +12,8 @@ the actions.
 
 Time: each stage has a compute clock and one communication stream (the step's copy of the parameters and the
 optimizer's update add their memory-bound passes at the end). Compute nodes cost
-their FLOPs (``costs.node_flops`` on the rank's tokens and slice) and the tensor-,
+their FLOPs (``costs.node_flops`` on the rank's tokens and slice; at least the host's
+time issuing them, ``costs.CostModel.host_seconds``) and the tensor-,
 context- and expert-tensor-parallel collectives inside them (blocking); a gather or
 reduction of a unit and the expert all-to-alls run on the stream, waited for where the
 program waits (a unit's ``Wait``; the node that reads an exchange's rows; a combine's
@@ -138,9 +139,10 @@ class _Charge:
             kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
             parts = [self.node(k, layer, "forward") for k in kinds]
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        host = self.costs.host_seconds("forward" if phase == "recompute" else phase, kind.value)
         if kind in (Kind.DISPATCH, Kind.COMBINE):  # the local routing and permutation; exchanges are timed apart
             rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
-            return self.costs.move_seconds(rows, kind.value), 0.0
+            return max(self.costs.move_seconds(rows, kind.value), host), 0.0
         tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
         flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
         scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
@@ -157,7 +159,7 @@ class _Charge:
             comm += 2 * self.comm("all_to_all", rows * self.plan.etp, "etp")
         if phase == "wgrad":
             comm = 0.0
-        return self.costs.compute_seconds(flops * scale, kind.value), comm
+        return max(self.costs.compute_seconds(flops * scale, kind.value), host), comm
 
     @functools.cached_property
     def exchange(self) -> float:
@@ -293,7 +295,11 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 clock.t = max(clock.t, clock.ready.pop((Forward, Kind.COMBINE, node.layer, mb), clock.t))
             case Forward(node, mb) | Backward(node, mb) | Wgrad(node, mb) | Recompute(node, mb):
                 run_type = type(a)
+                phase = {Forward: "forward", Backward: "backward", Wgrad: "wgrad", Recompute: "recompute"}[run_type]
                 if ep and node.kind in (Kind.DISPATCH, Kind.COMBINE):
+                    local, _ = charge.node(node.kind, node.layer, phase)  # the rows permuted, then sent
+                    clock.t += local
+                    run.busy += local
                     start = max(clock.t, clock.comm)
                     clock.comm = start + charge.exchange
                     clock.ready[(run_type, node.kind, node.layer, mb)] = clock.comm
@@ -302,7 +308,6 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                     if ep and (run_type, node.kind) in _WAITS:
                         clock.t = max(clock.t, clock.ready.pop((*_WAITS[(run_type, node.kind)], node.layer, mb),
                                                                clock.t))
-                    phase = {Forward: "forward", Backward: "backward", Wgrad: "wgrad", Recompute: "recompute"}[run_type]
                     compute, blocking = charge.node(node.kind, node.layer, phase)
                     start, clock.t = clock.t, clock.t + compute + blocking
                     run.busy += compute
