@@ -12,7 +12,7 @@ import fmoe
 from fmoe.plan import CostModel, Links, PlanError, simulate
 from fmoe.plan.memory import estimate_memory
 from fmoe.resolve import stage_program
-from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Send
+from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Reduce, Release, Send
 
 CFG = fmoe.ModelConfig(vocab=256, dim=64, layers=8, heads=4, experts=8, topk=2, ffn=128)
 
@@ -66,6 +66,31 @@ def test_a_mis_ordered_program_is_a_deadlock_naming_the_ranks_and_actions():
     first.insert(send, first.pop(wait))
     with pytest.raises(PlanError, match=r"deadlock.*rank 0 \(stage 0\) at action \d+: recv stream gradient mb0.*"
                                         r"rank 2 \(stage 1\) at action \d+: recv stream mb0"):
+        simulate(plan, rows=16, seq=64, programs=programs)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2, microbatches=4, sharding="optim_grads_params"),
+                                dict(pp=2, virtual_stages=2, microbatches=4, sharding="optim_grads_params",
+                                     schedule="1f1b_overlap", delay_wgrad=True, ep=2),
+                                dict(microbatches=2, sharding="optim", remat="full"),
+                                dict(pp=4, microbatches=8, sharding="optim_grads", tp=2, prefetch=2)])
+def test_the_plans_own_programs_keep_the_lifecycle(kw):
+    simulate(fmoe.Plan(model=CFG, **kw), rows=4 * kw["microbatches"] * kw.get("ep", 1), seq=64, costs=FREE)
+
+
+def test_a_program_that_breaks_the_lifecycle_is_named():
+    plan = fmoe.Plan(model=CFG, pp=2, microbatches=4, sharding="optim_grads_params")
+    programs = _programs(plan)
+    first = programs[1]
+    at = next(i for i, a in enumerate(first) if isinstance(a, Release))
+    first.insert(at + 1, first[at])  # released twice
+    with pytest.raises(PlanError, match=r"rank 1 \(stage 1\) breaks the FSDP lifecycle: action \d+ \(release "
+                                        r"layers\.\d\): unit layers\.\d is sharded, not gathered"):
+        simulate(plan, rows=16, seq=64, programs=programs)
+    programs = _programs(plan)
+    programs[0] = [a for a in programs[0] if not (isinstance(a, Reduce) and a.mb == 3 and a.unit == "embed")]
+    with pytest.raises(PlanError, match=r"unit embed: gradients reduced for microbatches \[0, 1, 2\], expected "
+                                        r"\[0, 1, 2, 3\]"):
         simulate(plan, rows=16, seq=64, programs=programs)
 
 

@@ -75,8 +75,9 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
     """``[(tokens/s, Plan, peak GiB)]`` of the plans for ``gpus`` GPUs whose every rank fits
     ``memory_gib``, best first: pipeline, expert and tensor parallel degrees (tensor
     parallelism inside a node), context parallelism at sequences of 16k and more,
-    ZeRO-1 or ZeRO-3, both schedules, no recomputation or, where that does not fit, full,
-    and the microbatch count that fills the pipeline (``4 pp`` where the rows allow)."""
+    ZeRO-1 or ZeRO-3, both schedules, one or two interleaved stages per pipeline rank, no
+    recomputation or, where that does not fit, full, and the microbatch count that fills
+    the pipeline (``4 pp`` where the rows allow)."""
     found = []
     degrees = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= gpus]
     contexts = (1, 2, 4) if seq >= 16384 else (1,)  # context parallelism pays at long sequences only
@@ -87,26 +88,35 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
         dp = gpus // (pp * ep * tp * cp)
         per_block = rows // (dp * ep)
         microbatches = next((m for m in (4 * pp, 2 * pp, pp, 1) if per_block % m == 0), 1)
-        for sharding, schedule, remat in itertools.product(("optim_grads_params", "optim"), ("standard", "1f1b_overlap"),
-                                                           ("none", "full")):
-            if schedule == "1f1b_overlap" and ep == 1:
+        virtuals = (1, 2) if pp > 1 and microbatches % pp == 0 and 2 * pp <= cfg.layers else (1,)
+        for sharding, schedule, virtual in itertools.product(("optim_grads_params", "optim"),
+                                                             ("standard", "1f1b_overlap"), virtuals):
+            if schedule == "1f1b_overlap" and ep == 1 or seq % ((2 * cp if cp > 1 else 1) * tp):
                 continue
-            try:
-                plan = Plan(model=cfg, dp=dp, ep=ep, tp=tp, cp=cp, pp=pp, sharding=sharding, schedule=schedule,
-                            remat=remat, microbatches=microbatches, dtype="bfloat16", device="cuda",
-                            compile=fields.get("compile", False))
-                if seq % ((2 * cp if cp > 1 else 1) * tp):
+            for remat in ("none", "full"):  # full recomputation only where nothing else fits
+                try:
+                    plan = Plan(model=cfg, dp=dp, ep=ep, tp=tp, cp=cp, pp=pp, virtual_stages=virtual,
+                                sharding=sharding, schedule=schedule, remat=remat, microbatches=microbatches,
+                                dtype="bfloat16", device="cuda", compile=fields.get("compile", False))
+                    peak = _fits(plan, rows, seq, memory_gib)
+                    if peak is None:
+                        continue
+                    found.append((simulate(plan, rows, seq, costs).tokens_per_second, plan, peak))
+                except (ValueError, PlanError):
                     continue
-                if estimate_memory(plan, rows, seq, 0)["total"] / GIB > memory_gib:  # the first stage holds most
-                    continue
-                peak = max(estimate_memory(plan, rows, seq, s)["total"] for s in range(pp)) / GIB
-                if peak > memory_gib:
-                    continue
-                found.append((simulate(plan, rows, seq, costs).tokens_per_second, plan, peak))
-            except (ValueError, PlanError):
-                continue
-            break  # the first remat that fits is kept: full recomputation only when it must
+                break
     return sorted(found, key=lambda f: -f[0])
+
+
+def _fits(plan: Plan, rows: int, seq: int, memory_gib: float) -> float | None:
+    """The plan's peak GiB over its stages, or None once a stage does not fit (the first
+    stage, which holds the most microbatches, is tried first)."""
+    peak = 0.0
+    for stage in range(plan.pp):
+        peak = max(peak, estimate_memory(plan, rows, seq, stage)["total"] / GIB)
+        if peak > memory_gib:
+            return None
+    return peak
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,8 @@ GIB = 2**30
 
 def describe(plan) -> str:
     dims = plan.dims
-    return (f"pp={dims.pp} dp={dims.dp} ep={dims.ep} tp={dims.tp} cp={dims.cp} etp={dims.etp} "
+    virtual = f" virtual_stages={plan.virtual_stages}" if plan.virtual_stages > 1 else ""
+    return (f"pp={dims.pp}{virtual} dp={dims.dp} ep={dims.ep} tp={dims.tp} cp={dims.cp} etp={dims.etp} "
             f"sharding={plan.sharding} schedule={plan.schedule} microbatches={plan.microbatches} "
             f"remat={plan.remat}{' delay_wgrad' if plan.delay_wgrad else ''} ({dims.world} GPUs)")
 

@@ -7,7 +7,8 @@ that, then runs one rank per stage (the stage's first) against its neighbours: e
 ``Send`` must meet its ``Recv`` in the order sent (point-to-point messages between two
 ranks arrive in order; the stream and its gradient travel on groups of their own), every
 ``Recv`` must be sent, and the stages must not wait on each other in a circle (under
-interleaved stages the last stage sends on to the first). A program that breaks this is a ``PlanError`` naming the ranks and
+interleaved stages the last stage sends on to the first); each stage's program must keep
+the FSDP lifecycle (``lifecycle_check``). A program that breaks this is a ``PlanError`` naming the ranks and
 the actions.
 
 Time: each stage has a compute clock and one communication stream (the step's copy of the parameters and the
@@ -36,6 +37,7 @@ from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv
                                 Wgrad)
 from ..shard.spec import shard_spec
 from .costs import CostModel, node_flops
+from .lifecycle_check import LifecycleViolation, check_lifecycle
 
 
 class PlanError(ValueError):
@@ -139,10 +141,9 @@ class _Charge:
             kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
             parts = [self.node(k, layer, "forward") for k in kinds]
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
-        host = self.costs.host_seconds("forward" if phase == "recompute" else phase, kind.value)
         if kind in (Kind.DISPATCH, Kind.COMBINE):  # the local routing and permutation; exchanges are timed apart
             rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
-            return max(self.costs.move_seconds(rows, kind.value), host), 0.0
+            return self.costs.move_seconds(rows, kind.value), 0.0
         tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
         flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
         scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
@@ -159,7 +160,16 @@ class _Charge:
             comm += 2 * self.comm("all_to_all", rows * self.plan.etp, "etp")
         if phase == "wgrad":
             comm = 0.0
-        return max(self.costs.compute_seconds(flops * scale, kind.value), host), comm
+        return self.costs.compute_seconds(flops * scale, kind.value), comm
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def host(self, kind: Kind, layer, phase: str) -> float:
+        """The host's seconds issuing a node run (a recompute: the layer's forwards)."""
+        if kind == Kind.LAYER:
+            kinds = (Kind.DENSE,) if self.cfg.is_dense(layer) else \
+                (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
+            return sum(self.host(k, layer, "forward") for k in kinds)
+        return self.costs.host_seconds(phase, kind.value)
 
     @functools.cached_property
     def exchange(self) -> float:
@@ -215,6 +225,11 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     programs = programs if programs is not None else \
         {s: stage_program(plan, s, train).actions for s in range(plan.pp)}
     reps = [dims.rank_of(0, 0, 0, 0, s) for s in range(plan.pp)]
+    for s in range(plan.pp):
+        try:
+            check_lifecycle(plan, stage_program(plan, s, train).with_actions(programs[s]), s)
+        except LifecycleViolation as err:
+            raise PlanError(f"rank {reps[s]} (stage {s}) breaks the FSDP lifecycle: {err}") from None
     charges = [_Charge(plan, rows, seq, costs, r) for r in reps]
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
     _run(plan, programs, charges, runs, costs)
@@ -230,8 +245,14 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
 
 @dataclass
 class _Clock:
+    """A stage's GPU compute clock ``t``, communication stream ``comm`` and ``host``:
+    the host issues each action after the one before, the GPU runs it once issued and
+    once the GPU is free, so an eager host ahead of the GPU costs nothing and one
+    behind it idles the GPU."""
+
     t: float = 0.0
     comm: float = 0.0
+    host: float = 0.0
     ready: dict = field(default_factory=dict)  # what a later action waits for: key -> time
     reductions: list = field(default_factory=list)
 
@@ -246,6 +267,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
     pcs, clocks = [0] * P, [_Clock() for _ in range(P)]
     # streams and their gradients travel on channels of their own (fmoe.schedule.pipeline), each in order
     channels = {(a, b, gradient): deque() for a in range(P) for b in range(P) for gradient in (False, True)}
+    channel_free = dict.fromkeys(channels, 0.0)
     ep = plan.ep > 1
 
     def peer_of(s: int, step: int) -> int:
@@ -256,7 +278,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
         clock, charge, run = clocks[s], charges[s], runs[s]
         match a:
             case Gather(unit):
-                start = max(clock.t, clock.comm)
+                start = max(clock.t, clock.comm, clock.host)
                 clock.comm = start + charge.unit(unit, gather=True)
                 clock.ready[("gather", unit)] = clock.comm
                 run.spans.append(Span("comm", start, clock.comm, a))
@@ -265,7 +287,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
             case Release():
                 pass
             case Reduce(unit):
-                start = max(clock.t, clock.comm)
+                start = max(clock.t, clock.comm, clock.host)
                 clock.comm = start + charge.unit(unit, gather=False)
                 clock.reductions.append(clock.comm)
                 run.spans.append(Span("comm", start, clock.comm, a))
@@ -273,9 +295,9 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 peer = peer_of(s, -1 if boundary.gradient else 1)
                 if not 0 <= peer < P:
                     raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to go to")
-                arrive = clock.t + costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
-                channels[(s, peer, boundary.gradient)].append((mb, boundary, arrive, pcs[s]))
-                run.spans.append(Span("p2p", clock.t, arrive, a, mb, not boundary.gradient))
+                link = costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
+                channels[(s, peer, boundary.gradient)].append((mb, boundary, (max(clock.t, clock.host), link),
+                                                               pcs[s]))
             case Recv(mb, boundary):
                 peer = peer_of(s, 1 if boundary.gradient else -1)
                 if not 0 <= peer < P:
@@ -283,23 +305,31 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 queue = channels[(peer, s, boundary.gradient)]
                 if not queue:
                     return False  # blocked until the peer sends
-                got_mb, got, arrive, at = queue[0]
+                got_mb, got, (ready, link), at = queue[0]
                 if (got_mb, got) != (mb, boundary):
                     raise PlanError(f"rank {run.rank} (stage {s}) receives {boundary} of microbatch {mb} from rank "
                                     f"{runs[peer].rank} (stage {peer}), which sent {got} of microbatch {got_mb} "
                                     f"first (its action {at}: {_label(programs[peer][at])}): point-to-point "
                                     "messages arrive in the order sent")
                 queue.popleft()
+                # a transfer starts once sent, received (NCCL's send waits for its receive) and the channel's
+                # transfer before it is through
+                begin = max(ready, clock.host, channel_free[(peer, s, boundary.gradient)])
+                arrive = channel_free[(peer, s, boundary.gradient)] = begin + link
+                runs[peer].spans.append(Span("p2p", begin, arrive, programs[peer][at], mb, not boundary.gradient))
                 clock.t = max(clock.t, arrive)
             case Land(node, mb):
                 clock.t = max(clock.t, clock.ready.pop((Forward, Kind.COMBINE, node.layer, mb), clock.t))
             case Forward(node, mb) | Backward(node, mb) | Wgrad(node, mb) | Recompute(node, mb):
                 run_type = type(a)
                 phase = {Forward: "forward", Backward: "backward", Wgrad: "wgrad", Recompute: "recompute"}[run_type]
+                issued, clock.host = clock.host, clock.host + charge.host(node.kind, node.layer, phase)
                 if ep and node.kind in (Kind.DISPATCH, Kind.COMBINE):
                     local, _ = charge.node(node.kind, node.layer, phase)  # the rows permuted, then sent
-                    clock.t += local
+                    clock.t = max(clock.t, issued) + local
                     run.busy += local
+                    if node.kind == Kind.DISPATCH and run_type is Forward:  # the host reads the split sizes
+                        clock.host = max(clock.host, clock.t)
                     start = max(clock.t, clock.comm)
                     clock.comm = start + charge.exchange
                     clock.ready[(run_type, node.kind, node.layer, mb)] = clock.comm
@@ -309,7 +339,8 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                         clock.t = max(clock.t, clock.ready.pop((*_WAITS[(run_type, node.kind)], node.layer, mb),
                                                                clock.t))
                     compute, blocking = charge.node(node.kind, node.layer, phase)
-                    start, clock.t = clock.t, clock.t + compute + blocking
+                    start = max(clock.t, issued)
+                    clock.t = max(start + compute + blocking, clock.host)
                     run.busy += compute
                     run.spans.append(Span("compute", start, clock.t, a, mb, run_type in (Forward, Recompute)))
         pcs[s] += 1
@@ -332,5 +363,5 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                             "receives")
     for s in range(P):
         clock = clocks[s]
-        runs[s].program_end = max([clock.t, clock.comm, *clock.reductions])
+        runs[s].program_end = max([clock.t, clock.comm, clock.host, *clock.reductions])
         runs[s].end = runs[s].program_end + charges[s].parameter_passes
