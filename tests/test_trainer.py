@@ -101,21 +101,24 @@ def test_tensor_context_and_pipeline_parallel_runs_train_the_same_model(corpus, 
     # --tp 2 (each rank half the heads, hidden units and vocabulary, and half the
     # positions), --cp 2 (each rank two chunks of every sequence) and --pp 2 (each rank
     # one layer and the embedding or the head) read the same global batches as one
-    # process would: the same losses up to fp32 rounding
+    # process would: the same losses up to fp32 rounding; so do 2 interleaved stages on
+    # each rank (--virtual-stages 2, one member a stage)
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens", "--ep", 1, "--steps", 3,
               "--eval-every", 3, "--save-every", 0, "--sample-tokens", 0]
     runs = {}
-    for name, flags in (("tp", ["--tp", 2]), ("cp", ["--cp", 2]), ("pp", ["--pp", 2])):
+    for name, flags, shown in (("tp", ["--tp", 2], "tp=2"), ("cp", ["--cp", 2], "cp=2"), ("pp", ["--pp", 2], "pp=2"),
+                               ("interleaved", ["--pp", 2, "--virtual-stages", 2, "--pp-layout",
+                                                "embed,layers.0,layers.1,head"], "pp=2 virtual_stages=2")):
         proc = torchrun(*common, *flags, "--out", tmp_path / name)
         assert proc.returncode == 0, proc.stderr
-        assert f"2 rank(s), dp=1 ep=1 {name}=2 " in proc.stdout
+        assert f"2 rank(s), dp=1 ep=1 {shown} " in proc.stdout
         runs[name] = records(tmp_path / name)
-    tp, cp, pp = runs["tp"], runs["cp"], runs["pp"]
-    assert len(tp) == len(cp) == len(pp) == 3
-    for a, b, c in zip(tp, cp, pp):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) == pytest.approx(c["loss"], rel=1e-4)
-    assert tp[-1]["heldout_loss"] == pytest.approx(cp[-1]["heldout_loss"], rel=1e-4)
-    assert pp[-1]["heldout_loss"] == pytest.approx(cp[-1]["heldout_loss"], rel=1e-4)
+    tp, cp = runs["tp"], runs["cp"]
+    assert all(len(r) == 3 for r in runs.values())
+    for name in ("cp", "pp", "interleaved"):
+        for a, b in zip(tp, runs[name]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), name
+        assert runs[name][-1]["heldout_loss"] == pytest.approx(tp[-1]["heldout_loss"], rel=1e-4), name
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ plans that fit.
     python -m fmoe.plan --config qwen3-moe-medium --gpus 2 --pp 2 --microbatches 8 --trace step.json
 
 The model and plan come from the main job's flags (``--config`` and any model or plan
-field; ``dp`` from ``--gpus`` when left out) or ``--model`` (a full-size model of
+field; ``dp`` from ``--gpus`` when left out, ``dtype`` bfloat16) or ``--model`` (a full-size model of
 ``fmoe.plan.models``); ``--batch`` and ``--seq`` are the global batch. Prints the plan,
 what was checked, the estimated step time, tokens/s and MFU, each stage's bubble and
 memory, and a timeline of one rank per stage; ``--trace`` writes it as a Chrome trace.
@@ -63,6 +63,8 @@ def _model_and_fields(rest: list, model: str | None):
 
 def _plan(fields: dict, cfg, explicit: set, gpus: int | None, **changes) -> Plan:
     fields = {**fields, **changes}
+    if "dtype" not in explicit:  # the main job's default is for the CPU; a planned run computes in bf16
+        fields["dtype"] = "bfloat16"
     if "dp" not in explicit and "dp" not in changes and gpus:
         others = fields["pp"] * fields["ep"] * fields["cp"] * fields["tp"]
         if gpus % others:
