@@ -1,7 +1,8 @@
 """The planner: a plan's whole step checked and timed before any GPU runs it.
 
 ``simulate(plan, rows, seq)`` builds every pipeline stage's program, checks them together
-(transfers met in order, no stage waiting on another in a circle) and times them with a
+(transfers met in order, no stage waiting on another in a circle, each stage's FSDP
+lifecycle kept) and times them with a
 ``CostModel``; ``estimate_memory`` adds up what a rank holds; ``python -m fmoe.plan``
 prints both, a per-stage timeline and a Chrome trace, and ``--search`` ranks the plans
 that fit a memory budget on a number of GPUs.

@@ -44,10 +44,10 @@ def summary(sim: Simulation, memory: list[dict] | None = None) -> list[str]:
     out = [f"plan: {describe(plan)}",
            f"batch: {sim.rows} x {sim.seq} tokens; calibration: {sim.costs.calibration.source}",
            f"checked: every rank's program (one per stage, {plan.pp} stage(s)) runs together: every send "
-           "received in order, no stage waiting on another in a circle",
+           "received in order, no stage waiting on another in a circle, the FSDP lifecycle kept",
            f"step: {sim.step_seconds * 1e3:,.1f} ms estimated, {sim.tokens_per_second:,.0f} tokens/s, "
            f"MFU {sim.mfu:.1%}",
-           f"bubble per stage (idle share of the step): {bubble}",
+           f"bubble per stage (idle share of its compute over the schedule): {bubble}",
            "memory per rank at its peak (GiB): stage | " + " | ".join(PARTS) + " | total"]
     for s, parts in enumerate(memory):
         out.append(f"  {s:>5} | " + " | ".join(f"{parts[p] / GIB:.2f}" for p in PARTS) + f" | {parts['total'] / GIB:.2f}")
