@@ -12,7 +12,7 @@ import fmoe
 from fmoe.plan import CostModel, Links, PlanError, simulate
 from fmoe.plan.memory import estimate_memory
 from fmoe.resolve import stage_program
-from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Reduce, Release, Send
+from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Reduce, Release, Send, Wgrad
 
 CFG = fmoe.ModelConfig(vocab=256, dim=64, layers=8, heads=4, experts=8, topk=2, ffn=128)
 
@@ -45,6 +45,19 @@ def test_the_interleaved_bubble_is_megatron_s(pp, virtual, microbatches, schedul
     sim = simulate(plan, rows=4 * microbatches, seq=64, costs=FREE)
     for bubble in sim.bubble:
         assert bubble == pytest.approx((pp - 1) / (virtual * microbatches + pp - 1), abs=1e-9)
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
+def test_delayed_wgrad_after_the_send_shrinks_the_bubble(pp, microbatches):
+    # the experts' weight GEMMs run after the gradient is sent: the stage before starts
+    # its backward sooner, and they fill the wait for the next gradient
+    plain = (pp - 1) / (microbatches + pp - 1)
+    plan = fmoe.Plan(model=CFG, pp=pp, microbatches=microbatches, delay_wgrad=True)
+    program = stage_program(plan, 1, True).actions
+    send = program.index(Send(0, STREAM_GRADIENT))
+    assert any(isinstance(a, Wgrad) and a.mb == 0 for a in program[send:])
+    for bubble in simulate(plan, rows=4 * microbatches, seq=64, costs=FREE).bubble:
+        assert bubble < plain - 0.03
 
 
 def test_without_stages_there_is_no_bubble():

@@ -96,7 +96,8 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
     interleaved 1F1B (Megatron's order): forwards of microbatch groups of ``P``, each
     group through chunk 0, then chunk 1, ...; backwards the same with the chunks
     reversed; ``2 (P - stage - 1) + (V - 1) P`` warm-up forwards. Each chunk runs its
-    microbatches in order, so the arithmetic is the single process's either way."""
+    microbatches in order, so the arithmetic is the single process's either way. Under
+    ``Plan.delay_wgrad`` a backward sends its gradient before its experts' weight GEMMs."""
     M, P = plan.microbatches, plan.pp
     chunks = _chunks(plan, stage)
     V = len(chunks)
@@ -108,8 +109,12 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
 
     def bwd(mb, v):
         c = chunks[v]
-        return ([] if c.last else [(mb, Recv, STREAM_GRADIENT)]) + [(mb, run, n) for run, n in c.backward] + \
-            ([] if c.first else [(mb, Send, STREAM_GRADIENT)])
+        ops = [(mb, run, n) for run, n in c.backward]
+        # zero-bubble style: the delayed weight GEMMs after the gradient is on its way to the stage before,
+        # which starts its backward that much sooner; they fill this stage's wait for its next gradient
+        late = [op for op in ops if op[1] is Wgrad] if not c.first else []
+        return ([] if c.last else [(mb, Recv, STREAM_GRADIENT)]) + [op for op in ops if op not in late] + \
+            ([] if c.first else [(mb, Send, STREAM_GRADIENT)]) + late
 
     # the k-th forward and backward of the rank: (microbatch, chunk)
     forwards = [((k // (P * V)) * P + k % P, (k // P) % V) for k in range(M * V)] if V > 1 else \
