@@ -7,8 +7,9 @@ by the GPU's peak and the node kind's efficiency; backward twice the forward (it
 dgrad and wgrad; with delayed wgrad half in ``Wgrad``). ``dispatch`` and ``combine``
 (routing, the permutation of the rows and their weighting) are bound by memory: the
 bytes of the rows they move (``tokens x topk x dim``) at a calibrated speed, each way.
-A node run takes at least the host's time issuing it (calibrated per kind and phase):
-the GPU waits for an eager host on small microbatches. The efficiencies come from a
+The host's time issuing each node run (calibrated per kind and phase) runs on a clock
+of its own (``simulate``): the GPU cannot start a node before it is issued, so an eager
+host behind the GPU on small microbatches idles it. The efficiencies come from a
 ``Calibration``: ``benchmarks/plan_calibration.py`` measures them on the GPU at hand
 and writes the JSON file ``--calibration`` reads; without one, the defaults below,
 which are assumptions, not measurements.
@@ -48,8 +49,7 @@ class Calibration:
         move_gbps: ``{kind: GB/s}`` of ``dispatch`` and ``combine``: the bytes of the
             rows they permute over their time, each way.
         host_us: ``{"<phase> <kind>": microseconds}`` the host spends issuing a node run
-            (``"forward attn"``, ``"backward experts"``...); a node takes at least that
-            long, however little it computes. Missing: no host time.
+            (``"forward attn"``, ``"backward experts"``...). Missing: no host time.
     """
 
     peak_tflops: float = 789.0

@@ -212,8 +212,8 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
         A Simulation.
 
     Raises:
-        PlanError: a deadlock, a transfer out of order or never received, naming the
-            ranks and the actions.
+        PlanError: a deadlock, a transfer out of order or never received, or a stage's
+            program breaking the FSDP lifecycle, naming the ranks and the actions.
     """
     costs = CostModel() if costs is None else costs
     dims = plan.dims

@@ -61,10 +61,9 @@ def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> list:
 
 
 class _Chunk(NamedTuple):
-    """One chunk of a pipeline rank (virtual stage ``index``): its forward and backward
-    node runs, its layers, and whether it is the model's first or last."""
+    """One chunk of a pipeline rank (one of its virtual stages): its forward and backward
+    node runs, its layers, and whether it is the model's first or last stage."""
 
-    index: int
     forward: list
     backward: list
     layers: list
@@ -78,7 +77,7 @@ def _chunks(plan: Plan, stage: int) -> list[_Chunk]:
     out = []
     for v, members in enumerate(plan.stage_chunks(stage)):
         k, held = v * P + stage, set(members)
-        out.append(_Chunk(k, [(run, n) for run, n in forward if n.member in held],
+        out.append(_Chunk([(run, n) for run, n in forward if n.member in held],
                           [(run, n) for run, n in backward if n.member in held],
                           [int(m.split(".")[1]) for m in members if m.startswith("layers.")],
                           k == 0, k == len(plan.stages) - 1))
