@@ -50,9 +50,9 @@ from fmoe.plan.memory import estimate_memory  # noqa: E402
 from kernel_time import union  # noqa: E402
 from vs_peer import CPU_SHAPES, SHAPES, TOY  # noqa: E402
 
-RANGE = re.compile(r"fmoe (forward|backward|wgrad|recompute) (?:layers\.(\d+)\.)?(\w+)(?: mb\d+)?$")
+RANGE = re.compile(r"fmoe (forward|backward|wgrad|recompute|land) (?:layers\.(\d+)\.)?(\w+)(?: mb\d+)?$")
 KINDS = ("attn", "experts", "dense", "head", "embed")  # charged by FLOPs
-MOVES = ("dispatch", "combine")  # charged by the bytes of the rows they permute
+MOVES = ("dispatch", "combine", "land")  # charged by the bytes of the rows they permute (land: combine's unpermute)
 
 
 def _device_ms(event) -> float:
@@ -168,7 +168,8 @@ def node_gpu_ms(prof) -> dict:
         i = bisect.bisect_right(starts, e.time_range.start) - 1
         if i >= 0 and e.time_range.start <= ranges[i][1]:
             m = ranges[i][2]
-            out[(m[1], None if m[2] is None else int(m[2]), m[3])] += sum(k.duration for k in e.kernels) / 1e3
+            kind = "land" if m[1] == "land" else m[3]  # a Land names its combine node
+            out[(m[1], None if m[2] is None else int(m[2]), kind)] += sum(k.duration for k in e.kernels) / 1e3
     return out
 
 

@@ -158,3 +158,25 @@ def test_the_command_line_prints_the_plan_and_ranks_plans():
     assert "plan(s) for 4 GPUs fit 1 GiB each" in searched.stdout and "tokens/s" in searched.stdout
     bad = run("--config", "cpu", "--gpus", 3, "--pp", 2)
     assert bad.returncode == 2 and "--gpus=3 is not a multiple of pp * ep * cp * tp = 2" in bad.stderr
+
+
+def test_a_calibration_file_sets_the_costs_it_names(tmp_path):
+    import json
+
+    from fmoe.plan import Calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"efficiency": {"attn": 0.3}, "move_gbps": {"land": 100.0},
+                                "host_us": {"forward attn": 50.0}, "source": "a test"}))
+    calibration = Calibration.read(path)
+    assert calibration.efficiency["attn"] == 0.3 and calibration.efficiency["experts"] == 0.55  # the rest default
+    plan = fmoe.Plan(model=CFG, microbatches=2)
+    plain = simulate(plan, rows=8, seq=64, costs=CostModel())
+    landed = simulate(plan, rows=8, seq=64, costs=CostModel(calibration))
+    # each Land moves 4 x 64 tokens x topk 2 x dim 64 x 4 bytes at 100 GB/s
+    lands = sum(1 for a in stage_program(plan, 0, True).actions if type(a).__name__ == "Land")
+    assert landed.step_seconds > plain.step_seconds + lands * (4 * 64 * 2 * 64 * 4) / 100e9 * 0.99
+    path.write_text(json.dumps({"move_gbps": {"permute": 1.0}}))
+    with pytest.raises(ValueError, match=r"move_gbps has unknown node kinds \['permute'\]; allowed: dispatch, "
+                                         r"combine, land"):
+        Calibration.read(path)

@@ -33,6 +33,7 @@ from ..params import param_table
 
 DEFAULT_EFFICIENCY = {"attn": 0.45, "experts": 0.55, "dense": 0.55, "head": 0.6, "embed": 0.6}
 DEFAULT_MOVE_GBPS = {"dispatch": 1000.0, "combine": 1000.0}
+MOVES = (*DEFAULT_MOVE_GBPS, "land")
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class Calibration:
         hbm_gbps: GB/s the memory-bound passes over the parameters reach (the step's
             copy of them into its shards, the fused AdamW update; H100's 3.35 TB/s,
             about 90% of it).
-        move_gbps: ``{kind: GB/s}`` of ``dispatch`` and ``combine``: the bytes of the
-            rows they permute over their time, each way.
+        move_gbps: ``{kind: GB/s}`` of ``dispatch``, ``combine`` and ``land`` (the
+            combine's unpermute and sum into the stream): the bytes of the rows they
+            permute over their time, each way. ``land`` costs nothing unless calibrated.
         host_us: ``{"<phase> <kind>": microseconds}`` the host spends issuing a node run
             (``"forward attn"``, ``"backward experts"``...). Missing: no host time.
     """
@@ -63,7 +65,7 @@ class Calibration:
     def read(cls, path) -> "Calibration":
         """A calibration file (``benchmarks/plan_calibration.py`` writes one)."""
         data = json.loads(Path(path).read_text())
-        for key, allowed in (("efficiency", DEFAULT_EFFICIENCY), ("move_gbps", DEFAULT_MOVE_GBPS)):
+        for key, allowed in (("efficiency", DEFAULT_EFFICIENCY), ("move_gbps", MOVES)):
             unknown = set(data.get(key, {})) - set(allowed)
             if unknown:
                 raise ValueError(f"calibration {path}: {key} has unknown node kinds {sorted(unknown)}; allowed: "
@@ -142,7 +144,8 @@ class CostModel:
         return self.calibration.host_us.get(f"{phase} {kind}", 0.0) * 1e-6
 
     def move_seconds(self, nbytes: float, kind: str) -> float:
-        return nbytes / (self.calibration.move_gbps.get(kind, 1000.0) * 1e9)
+        gbps = self.calibration.move_gbps.get(kind)
+        return nbytes / (gbps * 1e9) if gbps else 0.0
 
     def parameter_pass_seconds(self, elements: float) -> float:
         """The step's memory-bound passes over a rank's fp32 parameters: their copy into

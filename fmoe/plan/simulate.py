@@ -172,6 +172,12 @@ class _Charge:
         return self.costs.host_seconds(phase, kind.value)
 
     @functools.cached_property
+    def land(self) -> float:
+        """A combine's rows unpermuted and summed into the stream (``Land``)."""
+        rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
+        return self.costs.move_seconds(rows, "land")
+
+    @functools.cached_property
     def exchange(self) -> float:
         """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
         rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
@@ -319,7 +325,9 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 runs[peer].spans.append(Span("p2p", begin, arrive, programs[peer][at], mb, not boundary.gradient))
                 clock.t = max(clock.t, arrive)
             case Land(node, mb):
-                clock.t = max(clock.t, clock.ready.pop((Forward, Kind.COMBINE, node.layer, mb), clock.t))
+                clock.t = max(clock.t, clock.ready.pop((Forward, Kind.COMBINE, node.layer, mb), clock.t),
+                              clock.host) + charge.land
+                run.busy += charge.land
             case Forward(node, mb) | Backward(node, mb) | Wgrad(node, mb) | Recompute(node, mb):
                 run_type = type(a)
                 phase = {Forward: "forward", Backward: "backward", Wgrad: "wgrad", Recompute: "recompute"}[run_type]
