@@ -16,17 +16,17 @@ from ..config import Plan
 from ..layers.nodes import Kind
 from ..resolve import Program
 from ..schedule.actions import Backward, Forward, Gather, Recompute, Reduce, Release, Wait, Wgrad
-from ..shard.spec import shard_spec
+from ..shard.spec import ShardSpec
 
 
 class LifecycleViolation(ValueError):
     """A program that breaks the lifecycle (``simulate`` raises it as a PlanError)."""
 
 
-def check_lifecycle(plan: Plan, program: Program, stage: int) -> None:
+def check_lifecycle(plan: Plan, spec: ShardSpec, program: Program, stage: int) -> None:
     """Raise LifecycleViolation naming the first action of ``program`` (pipeline stage
-    ``stage``'s) that breaks the lifecycle, or the units left wrong at its end."""
-    spec = shard_spec(plan)
+    ``stage``'s, under ``spec``: the plan's ShardSpec) that breaks the lifecycle, or the
+    units left wrong at its end."""
     phase = {u.name: "sharded" for u in spec.stage_units(stage)}
     reduced = {u: set() for u in phase}
     accumulated, pending_wgrad = set(), set()

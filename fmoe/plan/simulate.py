@@ -35,7 +35,7 @@ from ..params import Domain
 from ..resolve import stage_program
 from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
                                 Wgrad)
-from ..shard.spec import shard_spec
+from ..shard.spec import ShardSpec, shard_spec
 from .costs import CostModel, node_flops
 from .lifecycle_check import LifecycleViolation, check_lifecycle
 
@@ -114,9 +114,9 @@ def _sizes(plan: Plan, rows: int, seq: int) -> dict:
 class _Charge:
     """What each action costs a stage's representative rank."""
 
-    def __init__(self, plan: Plan, rows: int, seq: int, costs: CostModel, rank: int):
+    def __init__(self, plan: Plan, spec: ShardSpec, rows: int, seq: int, costs: CostModel, rank: int):
         self.plan, self.seq, self.costs, self.rank = plan, seq, costs, rank
-        self.cfg, self.dims, self.spec = plan.model, plan.dims, shard_spec(plan)
+        self.cfg, self.dims, self.spec = plan.model, plan.dims, spec
         self.size = _sizes(plan, rows, seq)
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
@@ -233,10 +233,10 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     reps = [dims.rank_of(0, 0, 0, 0, s) for s in range(plan.pp)]
     for s in range(plan.pp):
         try:
-            check_lifecycle(plan, stage_program(plan, s, train).with_actions(programs[s]), s)
+            check_lifecycle(plan, spec, stage_program(plan, s, train).with_actions(programs[s]), s)
         except LifecycleViolation as err:
             raise PlanError(f"rank {reps[s]} (stage {s}) breaks the FSDP lifecycle: {err}") from None
-    charges = [_Charge(plan, rows, seq, costs, r) for r in reps]
+    charges = [_Charge(plan, spec, rows, seq, costs, r) for r in reps]
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
     _run(plan, programs, charges, runs, costs)
     step = max(r.end for r in runs)
