@@ -236,7 +236,7 @@ class Plan:
 
     @property
     def world(self) -> int:
-        """The ranks the plan runs on: ``dp * ep * cp * tp``."""
+        """The ranks the plan runs on: ``pp * dp * ep * cp * tp``."""
         return self.dims.world
 
     @property
