@@ -57,26 +57,32 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
     backwards = Counter((a.mb, a.node.member) for a in program if isinstance(a, Backward))
     live, accumulating, in_flight = set(), set(), {}
     gathered = grads = activations = 0.0
+    now = {"gathered": 0.0, "grads": 0.0, "activations": 0.0}  # running sums of the three
     for a in program:
         match a:
-            case Gather(unit):
+            case Gather(unit) if unit not in live:
                 live.add(unit)
-            case Release(unit):
+                now["gathered"] += full(unit, False)
+            case Release(unit) if unit in live:
                 live.discard(unit)
-            case Reduce(unit):
+                now["gathered"] -= full(unit, False)
+            case Reduce(unit) if unit in accumulating:
                 accumulating.discard(unit)
-            case Forward(node, mb):
-                in_flight.setdefault((mb, node.member), kept(node.member))
+                now["grads"] -= full(unit, True)
+            case Forward(node, mb) if (mb, node.member) not in in_flight:
+                in_flight[(mb, node.member)] = kept(node.member)
+                now["activations"] += in_flight[(mb, node.member)]
             case Backward(node, mb, unit) | Wgrad(node, mb, unit):
-                if unit is not None:
+                if unit is not None and unit not in accumulating:
                     accumulating.add(unit)
+                    now["grads"] += full(unit, True)
                 if isinstance(a, Backward):
                     backwards[(mb, node.member)] -= 1
                     if not backwards[(mb, node.member)]:
-                        in_flight.pop((mb, node.member), None)
-        gathered = max(gathered, sum(full(u, False) for u in live))
-        grads = max(grads, sum(full(u, True) for u in accumulating))
-        activations = max(activations, sum(in_flight.values()))
+                        now["activations"] -= in_flight.pop((mb, node.member), 0.0)
+        gathered = max(gathered, now["gathered"])
+        grads = max(grads, now["grads"])
+        activations = max(activations, now["activations"])
     return gathered, grads, activations
 
 

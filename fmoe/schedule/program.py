@@ -7,6 +7,7 @@ test can hand the executor a deliberately wrong one.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 from ..config import ModelConfig, Plan
@@ -50,14 +51,16 @@ def _layer_backward(cfg: ModelConfig, i: int, delay_wgrad: bool, remat: bool) ->
     return ops + [(Backward, attn)]
 
 
-def _forward(cfg: ModelConfig) -> list:
-    layers = [(Forward, n) for i in range(cfg.layers) for n in layer_nodes(cfg, i)]
-    return [(Forward, EMBED)] + layers + [(Forward, HEAD)]
+@functools.lru_cache(maxsize=64)  # every stage of every plan the planner weighs reads these
+def _forward(cfg: ModelConfig) -> tuple:
+    layers = tuple((Forward, n) for i in range(cfg.layers) for n in layer_nodes(cfg, i))
+    return ((Forward, EMBED), *layers, (Forward, HEAD))
 
 
-def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> list:
-    ops = [op for i in reversed(range(cfg.layers)) for op in _layer_backward(cfg, i, delay_wgrad, remat)]
-    return [(Backward, HEAD)] + ops + [(Backward, EMBED)]
+@functools.lru_cache(maxsize=64)
+def _backward(cfg: ModelConfig, delay_wgrad: bool, remat: bool) -> tuple:
+    ops = tuple(op for i in reversed(range(cfg.layers)) for op in _layer_backward(cfg, i, delay_wgrad, remat))
+    return ((Backward, HEAD), *ops, (Backward, EMBED))
 
 
 class _Chunk(NamedTuple):
