@@ -12,14 +12,14 @@ An estimate from shapes: the activations count each layer's kept tensors per tok
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 
 from ..config import Plan
+from ..layers.nodes import Kind
 from ..resolve import stage_program
 from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
 from ..shard.spec import shard_spec
-from .simulate import _sizes
+from .simulate import _rank_elements, _sizes
 
 PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
 
@@ -45,8 +45,8 @@ def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat
 
 def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float, float]:
     """Through the stage's training program: the most bytes of gathered units, of fp32
-    gradient buffers, and of activations kept for backwards (``kept(member)``: what one
-    microbatch keeps for a member), at any one time. A member's activations of a
+    gradient buffers, and of activations kept for backwards (``kept(node)``: what one
+    microbatch keeps for the node's member), at any one time. A member's activations of a
     microbatch are held from its first forward to its last backward."""
     @functools.cache
     def full(unit, fp32: bool) -> float:
@@ -70,7 +70,7 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
                 accumulating.discard(unit)
                 now["grads"] -= full(unit, True)
             case Forward(node, mb) if (mb, node.member) not in in_flight:
-                in_flight[(mb, node.member)] = kept(node.member)
+                in_flight[(mb, node.member)] = kept(node)
                 now["activations"] += in_flight[(mb, node.member)]
             case Backward(node, mb, unit) | Wgrad(node, mb, unit):
                 if unit is not None and unit not in accumulating:
@@ -91,16 +91,15 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
     holds at its peak, for a global batch of ``rows`` sequences of ``seq``."""
     cfg, spec = plan.model, shard_spec(plan)
     rank = plan.dims.rank_of(0, 0, 0, 0, stage)
-    elements = sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
+    elements = _rank_elements(spec, rank)
     units = {u.name: u for u in spec.stage_units(stage)}
     sizes, itemsize = _sizes(plan, rows, seq), plan.compute_dtype.itemsize
 
-    def kept(member: str) -> float:
-        if member == "head":  # the logits' fp32 copy, whole or a piece at a time, and the final norm's input
+    def kept(node) -> float:
+        if node.kind == Kind.HEAD:  # the logits' fp32 copy, whole or a piece at a time, and the final norm's input
             return (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
-        if member.startswith("layers."):
-            layer = int(member.split(".")[1])
-            return _layer_activations(cfg, layer, sizes["held"], sizes["seen"], plan.tp, plan.remat,
+        if node.layer is not None:
+            return _layer_activations(cfg, node.layer, sizes["held"], sizes["seen"], plan.tp, plan.remat,
                                       plan.ep) * itemsize
         return 0.0
 

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..config import Plan
-from ..layers.nodes import Kind
+from ..layers.nodes import Kind, layer_kinds
 from ..params import Domain
 from ..resolve import stage_program
 from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
@@ -41,7 +41,8 @@ from .lifecycle_check import LifecycleViolation, check_lifecycle
 
 
 class PlanError(ValueError):
-    """The plan's programs cannot run together (a deadlock, or transfers out of order)."""
+    """The plan's programs cannot run together (a deadlock, transfers out of order or never
+    received, or a stage's program breaking the FSDP lifecycle)."""
 
 
 @dataclass
@@ -111,6 +112,11 @@ def _sizes(plan: Plan, rows: int, seq: int) -> dict:
     return {"rows": rows_mb, "seen": seen, "held": seen / plan.tp}
 
 
+def _rank_elements(spec: ShardSpec, rank: int) -> int:
+    """Parameter elements world rank ``rank`` holds (its shards and slices)."""
+    return sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
+
+
 class _Charge:
     """What each action costs a stage's representative rank."""
 
@@ -119,14 +125,15 @@ class _Charge:
         self.cfg, self.dims, self.spec = plan.model, plan.dims, spec
         self.size = _sizes(plan, rows, seq)
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
+        # a microbatch's routed rows (tokens x topk), what dispatch, combine and its Land move
+        self.rows = self.size["held"] * self.cfg.topk * self.cfg.dim * plan.compute_dtype.itemsize
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
                        for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
 
     @functools.cached_property
     def parameter_passes(self) -> float:
         """The copy of the rank's parameters into the step's shards and the optimizer's update."""
-        elements = sum(math.prod(shape) for shape in self.spec.local_shapes(self.rank).values())
-        return self.costs.parameter_pass_seconds(elements)
+        return self.costs.parameter_pass_seconds(_rank_elements(self.spec, self.rank))
 
     def comm(self, kind: str, nbytes: float, group: str) -> float:
         return self.costs.links.seconds(kind, nbytes, self.groups[group])
@@ -138,12 +145,10 @@ class _Charge:
         under delayed wgrad for the experts), ``wgrad`` or ``recompute``."""
         cfg, size, tp = self.cfg, self.size, self.plan.tp
         if kind == Kind.LAYER:  # a recompute: the layer's forward again
-            kinds = (Kind.DENSE,) if cfg.is_dense(layer) else (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
-            parts = [self.node(k, layer, "forward") for k in kinds]
+            parts = [self.node(k, layer, "forward") for k in layer_kinds(cfg, layer)]
             return sum(p[0] for p in parts), sum(p[1] for p in parts)
         if kind in (Kind.DISPATCH, Kind.COMBINE):  # the local routing and permutation; exchanges are timed apart
-            rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
-            return self.costs.move_seconds(rows, kind.value), 0.0
+            return self.costs.move_seconds(self.rows, kind.value), 0.0
         tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
         flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
         scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
@@ -156,8 +161,7 @@ class _Charge:
             kv = 2 * size["seen"] * cfg.num_kv_heads * cfg.head_dim * self.plan.compute_dtype.itemsize / tp
             comm += self.comm("all_gather", kv * self.plan.cp, "cp")
         if self.plan.etp > 1 and kind == Kind.EXPERTS:
-            rows = size["held"] * cfg.topk * cfg.dim * self.plan.compute_dtype.itemsize
-            comm += 2 * self.comm("all_to_all", rows * self.plan.etp, "etp")
+            comm += 2 * self.comm("all_to_all", self.rows * self.plan.etp, "etp")
         if phase == "wgrad":
             comm = 0.0
         return self.costs.compute_seconds(flops * scale, kind.value), comm
@@ -166,22 +170,18 @@ class _Charge:
     def host(self, kind: Kind, layer, phase: str) -> float:
         """The host's seconds issuing a node run (a recompute: the layer's forwards)."""
         if kind == Kind.LAYER:
-            kinds = (Kind.DENSE,) if self.cfg.is_dense(layer) else \
-                (Kind.ATTN, Kind.DISPATCH, Kind.EXPERTS, Kind.COMBINE)
-            return sum(self.host(k, layer, "forward") for k in kinds)
+            return sum(self.host(k, layer, "forward") for k in layer_kinds(self.cfg, layer))
         return self.costs.host_seconds(phase, kind.value)
 
     @functools.cached_property
     def land(self) -> float:
         """A combine's rows unpermuted and summed into the stream (``Land``)."""
-        rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
-        return self.costs.move_seconds(rows, "land")
+        return self.costs.move_seconds(self.rows, "land")
 
     @functools.cached_property
     def exchange(self) -> float:
         """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
-        rows = self.size["held"] * self.cfg.topk * self.cfg.dim * self.plan.compute_dtype.itemsize
-        return self.comm("all_to_all", rows, "ep")
+        return self.comm("all_to_all", self.rows, "ep")
 
     @functools.lru_cache(maxsize=None)  # noqa: B019
     def unit(self, name: str, gather: bool) -> float:
