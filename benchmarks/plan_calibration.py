@@ -36,7 +36,7 @@ import re
 import statistics
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import optree
@@ -111,7 +111,7 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(batches[0])
         sync()
-    ms, work = node_gpu_ms(prof), defaultdict(float)
+    (ms, outside), work = node_gpu_ms(prof), defaultdict(float)
     tokens_mb = args.batch * args.seq / args.microbatches
     rows_bytes = tokens_mb * cfg.topk * cfg.dim * plan.compute_dtype.itemsize  # what dispatch and combine move
     for phase, layer, kind in ms:  # each ran once per microbatch
@@ -127,9 +127,9 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
                   if by_kind[k] > 0 and work[k] > 0}
     # a move that launched no kernels of its own (dispatch without expert parallelism) costs nothing
     move_gbps = {k: work[k] / (by_kind[k] / 1e3) / 1e9 if by_kind[k] > 0 else 1e9 for k in MOVES}
-    busy = sum(e - s for s, e in union((k.time_range.start, k.time_range.end) for k in prof.events()
-                                       if k.device_type.name == "CUDA")) / 1e3
+    busy = sum(e - s for s, e in union((k.time_range.start, k.time_range.end) for k in prof.events() if on_gpu(k))) / 1e3
     return {**run, "efficiency": efficiency, "move_gbps": move_gbps, "ms": dict(by_kind), "gpu_busy_ms": busy,
+            "outside_ms": outside,
             "hbm_gbps": _optimizer_gbps(opt, params, state, fmoe.step(params, batches[0], plan).grads, sync)}
 
 
@@ -152,12 +152,23 @@ def host_us(name: str, args, steps: int = 4) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def node_gpu_ms(prof) -> dict:
+def on_gpu(event) -> bool:
+    """A kernel, copy or fill on the GPU; not a range's own span on the GPU's timeline
+    (``record_function`` draws one from its first kernel to its last, gaps included)."""
+    return event.device_type.name == "CUDA" and not event.name.startswith("fmoe ")
+
+
+def node_gpu_ms(prof) -> tuple[dict, list]:
     """GPU milliseconds of the kernels launched inside each node run's range, by
-    ``(phase, layer, kind)``. A kernel counts for the range whose host interval holds its
+    ``(phase, layer, kind)``, and the GPU time outside every range by kernel name (the
+    most first). A kernel counts for the range whose host interval holds its
     launch: autograd launches a backward's kernels from its own thread while the range,
     on the main thread, waits for it, so the ranges' own kernel totals would miss them."""
     events = prof.events()
+    outside = Counter()
+    for e in events:
+        if on_gpu(e):
+            outside[e.name] += e.time_range.elapsed_us() / 1e3
     ranges = sorted((e.time_range.start, e.time_range.end, m) for e in events
                     if e.device_type.name == "CPU" and (m := RANGE.match(e.name)))
     starts = [r[0] for r in ranges]
@@ -170,7 +181,9 @@ def node_gpu_ms(prof) -> dict:
             m = ranges[i][2]
             kind = "land" if m[1] == "land" else m[3]  # a Land names its combine node
             out[(m[1], None if m[2] is None else int(m[2]), kind)] += sum(k.duration for k in e.kernels) / 1e3
-    return out
+            for k in e.kernels:
+                outside[k.name] -= k.duration / 1e3
+    return out, [(name, ms) for name, ms in outside.most_common() if ms > 0.05]
 
 
 def _optimizer_gbps(opt, params, state, grads, sync, repeats: int = 5) -> float:
@@ -204,6 +217,9 @@ def compare(runs: dict, costs: CostModel, args) -> None:
               f"{sim.step_seconds / r['median_s']:.2f} | {r['peak'] / 2**30:.2f} | {mem / 2**30:.2f} | {ratio} |")
         if "ms" in r:
             print("  node GPU ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["ms"].items()))
+            outside = r["outside_ms"]
+            print(f"  GPU ms outside node ranges: {sum(v for _, v in outside):.1f}; most: "
+                  + "; ".join(f"{name[:70]} {v:.1f}" for name, v in outside[:10]))
 
 
 def main() -> None:

@@ -29,29 +29,6 @@ LOCAL = Group(1, 0, None)
 
 
 @dataclass(frozen=True)
-class PipelineLinks:
-    """The groups of every rank that pipeline transfers travel on, one per kind (the
-    stream, its gradient) and direction (toward a higher or a lower stage coordinate).
-
-    Point-to-point messages of one group are matched in order and, on NCCL, queued on
-    one stream per pair of ranks: a send there holds every later receive of that pair
-    until its peer takes it. Apart, two ranks that hand each other the stream one way
-    and its gradient the other (1F1B), or the stream both ways (interleaved stages on
-    two ranks), never wait on their own sends to receive.
-    """
-
-    stream_up: Group
-    stream_down: Group
-    gradient_up: Group
-    gradient_down: Group
-
-    def of(self, gradient: bool, up: bool) -> Group:
-        if gradient:
-            return self.gradient_up if up else self.gradient_down
-        return self.stream_up if up else self.stream_down
-
-
-@dataclass(frozen=True)
 class Mesh:
     """This rank's groups.
 
@@ -64,8 +41,10 @@ class Mesh:
         stage: the ranks of its pipeline stage (the world without pipeline
             parallelism; the sum of gradients replicated over ``tp``); ``pp``: the ranks
             of its place in every stage (who hand each other activations).
-        pp_links: the groups pipeline transfers travel on (``PipelineLinks``; None
-            without pipeline parallelism).
+        pp_gradients: under interleaved pipelining (``Plan.virtual_stages > 1``) a
+            second group of every rank, on which the stream's gradients travel apart
+            from the stream: both then pass between the same two ranks in the same
+            direction, and point-to-point messages on one group are matched in order.
     """
 
     world: Group
@@ -77,7 +56,7 @@ class Mesh:
     tensor_data: Group | None = None
     stage: Group | None = None
     pp: Group = LOCAL
-    pp_links: PipelineLinks | None = None
+    pp_gradients: Group | None = None
 
     def data_group(self, domain: str) -> Group:
         """Ranks whose gradients of ``domain`` parameters (``fmoe.params.Domain``) must be
@@ -165,9 +144,8 @@ def mesh_for(plan: Plan) -> Mesh:
     dims, world = plan.dims, Group.world()
     device_type = torch.device(plan.device).type
     groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
-    links = None
-    if plan.pp > 1:  # every rank creates the four groups, in the same order
-        links = PipelineLinks(*(Group(world.size, world.rank, dist.new_group(list(range(dims.world))))
-                                for _ in range(4)))
+    gradients = None
+    if plan.pp > 1 and plan.virtual_stages > 1:
+        gradients = Group(world.size, world.rank, dist.new_group(list(range(dims.world))))
     return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
-                groups["tensor_data"], groups["stage"], groups["pp"], links)
+                groups["tensor_data"], groups["stage"], groups["pp"], gradients)

@@ -37,7 +37,7 @@ from ..shard.spec import local_leaves
 from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
-from .pipeline import Pipeline, pipeline_for, recv, send
+from .pipeline import Pipeline, crossing_peers, recv, send
 
 
 class Executed(NamedTuple):
@@ -130,7 +130,8 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
            for b in batch.microbatches(plan.microbatches)]
     zero = torch.zeros((), device=batch.tokens.device)
     parallel = setup.parallel if plan.compile else setup.parallel.recording(node_events)
-    pipeline = pipeline_for(plan, mesh) if plan.pp > 1 else None
+    pipeline = Pipeline(*crossing_peers(plan.dims, mesh.world.rank, plan.virtual_stages > 1), plan.compute_dtype,
+                        plan.tp, mesh.pp_gradients) if plan.pp > 1 else None
     # router losses are averaged over the ranks that see different tokens: one stage's
     return Run(setup.table, with_parallel(kernels, parallel), ep, cfg, cfg.tie_embeddings, plan.loss_chunk,
                plan.microbatches * mesh.stage.size, plan.delay_wgrad, train, train and plan.remat == "full", divisor,

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..dist import comm
-from ..dist.comm import Group
 from ..dist.trace import Event, now
 from ..shard.lifecycle import LifecycleError
 from .actions import Boundary, Recv, Send
@@ -31,9 +30,8 @@ class Pipeline:
             (None at the first and last stage; around the ring under interleaving).
         dtype: the stream's dtype (the plan's compute dtype).
         tp: the ranks that split a row's positions (the stream holds ``1 / tp`` of them).
-        to_next, from_previous, to_previous, from_next: the groups (``Mesh.pp_links``)
-            the stream travels on to the next stage and from the previous one, and its
-            gradient to the previous stage and from the next one (None: the world's).
+        gradients: the group the stream's gradients travel on (``Mesh.pp_gradients``;
+            None: the world's, as the stream's).
         sent: ``(Pending, tensor)`` of the sends in flight.
     """
 
@@ -41,10 +39,7 @@ class Pipeline:
     next: int | None
     dtype: torch.dtype
     tp: int = 1
-    to_next: Group | None = None
-    from_previous: Group | None = None
-    to_previous: Group | None = None
-    from_next: Group | None = None
+    gradients: object = None
     sent: list = field(default_factory=list)
 
     def finish(self) -> None:
@@ -60,18 +55,18 @@ def send(run, a: Send) -> Event:
     pipe, mbf = run.pipeline, run.mbs[a.mb]
     what = f"send {a.boundary} (microbatch {a.mb})"
     if a.boundary.gradient:
-        value, peer, group = mbf.grad_h, pipe.previous, pipe.to_previous
+        value, peer = mbf.grad_h, pipe.previous
         if value is None:
             raise LifecycleError(f"{what}: the stage's first backward has not run; the program runs nodes out of order")
         mbf.grad_h = None
     else:
-        stream, peer, group = take(mbf, "stream", what), pipe.next, pipe.to_next
+        stream, peer = take(mbf, "stream", what), pipe.next
         if stream.h is None:
             raise LifecycleError(f"{what}: {stream.producer} has not landed; the program needs a land action before it")
         value = stream.h
     t0 = now()
     value = value.detach().contiguous()
-    pipe.sent.append((comm.send(value, peer, group), value))
+    pipe.sent.append((comm.send(value, peer, pipe.gradients if a.boundary.gradient else None), value))
     return Event("send", None, str(a.boundary), a.mb, t0, now(), value.numel() * value.element_size(), "pipeline")
 
 
@@ -83,27 +78,14 @@ def recv(run, a: Recv) -> Event:
     out = torch.empty(rows, positions // pipe.tp, run.cfg.dim, dtype=pipe.dtype, device=mbf.batch.tokens.device)
     t0 = now()
     if a.boundary.gradient:
-        comm.recv(out, pipe.next, pipe.from_next).wait()
+        comm.recv(out, pipe.next, pipe.gradients).wait()
+    else:
+        comm.recv(out, pipe.previous).wait()
+    if a.boundary.gradient:
         mbf.grad_h = out
     else:
-        comm.recv(out, pipe.previous, pipe.from_previous).wait()
         mbf.stream = Stream(a.boundary, out)
     return Event("recv", None, str(a.boundary), a.mb, t0, now(), out.numel() * out.element_size(), "pipeline")
-
-
-def pipeline_for(plan, mesh) -> Pipeline:
-    """This rank's ``Pipeline`` under ``plan`` (``plan.pp > 1``) on ``mesh``'s links: a
-    transfer's group by its kind and by whether it goes to a higher stage coordinate."""
-    dims, rank = plan.dims, mesh.world.rank
-    previous, following = crossing_peers(dims, rank, plan.virtual_stages > 1)
-    s, links = dims.coords(rank).s, mesh.pp_links
-
-    def stage(peer):
-        return dims.coords(peer).s if peer is not None else s
-
-    return Pipeline(previous, following, plan.compute_dtype, plan.tp,
-                    to_next=links.of(False, up=stage(following) > s), from_previous=links.of(False, up=s > stage(previous)),
-                    to_previous=links.of(True, up=stage(previous) > s), from_next=links.of(True, up=s > stage(following)))
 
 
 def crossing_peers(dims, rank: int, ring: bool = False) -> tuple[int | None, int | None]:
@@ -115,4 +97,4 @@ def crossing_peers(dims, rank: int, ring: bool = False) -> tuple[int | None, int
     return previous, following
 
 
-__all__ = ["Boundary", "Pipeline", "crossing_peers", "pipeline_for", "recv", "send"]
+__all__ = ["Boundary", "Pipeline", "crossing_peers", "recv", "send"]
