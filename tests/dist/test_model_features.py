@@ -11,19 +11,21 @@ import fmoe
 
 from ..reference import assert_trees_equal
 from .harness import run_ranks
-from .workloads import FEATURES, feature_plans, global_batch, hf_sharded_round_trip, train
+from .workloads import FEATURES, every_feature_plans, global_batch, hf_sharded_round_trip, train
 
 
 @pytest.fixture(scope="module")
 def runs():
-    """Per feature, run once for the module: every rank's results and the single process's."""
-    done = {}
+    """Per feature, run once for the module: every rank's results and the single process's
+    (the ranks started once for every feature: a start costs seconds)."""
+    done, ranks = {}, []
 
     def of(feature):
+        if not ranks:
+            ranks.extend(run_ranks(2, every_feature_plans))
         if feature not in done:
             cfg, _ = FEATURES[feature]
-            done[feature] = run_ranks(2, feature_plans, feature), \
-                train(fmoe.Plan(model=cfg, microbatches=2), global_batch())
+            done[feature] = [res[feature] for res in ranks], train(fmoe.Plan(model=cfg, microbatches=2), global_batch())
         return done[feature]
     return of
 

@@ -107,6 +107,12 @@ def resting_memory(rank, world, sharding):
     return {"held": held, "trees": tree_bytes(params) + tree_bytes(grads) + tree_bytes(state)}
 
 
+def resting_memories(rank, world):
+    """``resting_memory`` of every strategy, one after another in one start of the ranks
+    (each measures from its own baseline)."""
+    return {sharding: resting_memory(rank, world, sharding) for sharding in STRATEGIES}
+
+
 VARIANTS = {
     "dynamic": dict(),
     "double": dict(gather_buffers="double"),
@@ -192,6 +198,12 @@ def scale_plan(dp=1, ep=1, device="cpu") -> fmoe.Plan:
 def scale_config(rank, world, dp, ep, device="cpu"):
     """Two training steps of ``scale_plan`` at dp x ep on this rank's rows."""
     return train(scale_plan(dp, ep, device), rank_rows(global_batch(), rank, world), steps=2)
+
+
+def scale_configs(rank, world, device="cpu"):
+    """``scale_config`` at each mesh of ``SCALE_MESHES`` with ``world`` ranks, by ``(dp, ep)``:
+    one start of the ranks for all of them."""
+    return {(dp, ep): scale_config(rank, world, dp, ep, device) for dp, ep in SCALE_MESHES if dp * ep == world}
 
 
 def eval_and_step_losses(rank, world, dp, ep):
@@ -395,6 +407,11 @@ def feature_plans(rank, world, feature):
     return out
 
 
+def every_feature_plans(rank, world):
+    """``feature_plans`` of every feature, by feature: one start of the ranks for all."""
+    return {feature: feature_plans(rank, world, feature) for feature in FEATURES}
+
+
 def hf_sharded_round_trip(rank, world, hf_dir, out_dir, layout="ep"):
     """Load a Hugging Face checkpoint straight into ZeRO-3 shards (``layout``: ``ep``, of
     EP x dp; ``tp``, of tensor-parallel slices), save it back (collective), and return
@@ -437,6 +454,12 @@ COMPILE_CASES = {
     "zero1": dict(sharding="optim"),
     "zero3_1f1b_delay": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True),
 }
+
+
+def fused_adamw_cases(rank, world, cases):
+    """``fused_adamw_steps`` of each ``(dp, ep, sharding)`` in ``cases`` (all of ``world``
+    ranks), by case: one start of the ranks for all of them."""
+    return {case: fused_adamw_steps(rank, world, *case) for case in cases}
 
 
 def compiled_configs(rank, world, dp, ep):
