@@ -9,7 +9,7 @@ import fmoe
 
 from ..reference import assert_trees_close
 from .harness import run_ranks
-from .workloads import CFG, STRATEGIES, global_batch, ep_configs, round_trip, train
+from .workloads import CFG, STRATEGIES, ep_meshes, global_batch, round_trips, train
 
 # Same reasoning as FSDP: per-rank partial sums reorder fp32 additions.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -18,8 +18,12 @@ MESHES = [(1, 2), (1, 4), (2, 2)]
 
 
 @functools.lru_cache(maxsize=None)
+def of_world(world):
+    return run_ranks(world, ep_meshes, tuple(m for m in MESHES if m[0] * m[1] == world))
+
+
 def distributed(dp, ep):
-    return run_ranks(dp * ep, ep_configs, dp, ep)
+    return [res[(dp, ep)] for res in of_world(dp * ep)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,10 +72,15 @@ def test_probabilities_inside_the_activation_travel_with_the_rows(dp, ep):
         assert_trees_close(res["prob_in_activation"]["grads"], ref["grads"], **GRAD_TOL)
 
 
+@functools.lru_cache(maxsize=None)
+def round_trips_of(world):
+    return run_ranks(world, round_trips)
+
+
 @pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_round_trip(world, first_rank_only):
-    for rank, res in enumerate(run_ranks(world, round_trip, first_rank_only)):
+    for rank, res in enumerate(res[first_rank_only] for res in round_trips_of(world)):
         # identity experts: each token comes back once per chosen expert (K = 2)
         torch.testing.assert_close(res["y"], 2 * res["x"], rtol=0, atol=0)
         torch.testing.assert_close(res["grad"], 2 * res["upstream"], rtol=0, atol=0)

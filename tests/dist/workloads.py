@@ -234,6 +234,12 @@ def ep_configs(rank, world, dp, ep, device="cpu"):
     return out
 
 
+def ep_meshes(rank, world, meshes):
+    """``ep_configs`` at each ``(dp, ep)`` of ``meshes`` (all of ``world`` ranks), by mesh:
+    one start of the ranks for all of them."""
+    return {(dp, ep): ep_configs(rank, world, dp, ep) for dp, ep in meshes}
+
+
 def round_trip(rank, world, route_to_first_rank: bool):
     """dispatch -> identity experts -> combine on ``world`` EP ranks; returns the
     output, the input gradient and the split sizes this rank saw."""
@@ -259,6 +265,12 @@ def round_trip(rank, world, route_to_first_rank: bool):
     y.backward(upstream)
     return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
             "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
+
+
+def round_trips(rank, world):
+    """``round_trip`` with uneven routing and with every token to the first rank, by
+    ``route_to_first_rank``: one start of the ranks for both."""
+    return {first: round_trip(rank, world, first) for first in (False, True)}
 
 
 def adam_moments(state):
