@@ -8,8 +8,8 @@ import torch
 import fmoe
 
 from ..reference import assert_trees_close
-from .harness import run_ranks
-from .workloads import CFG, STRATEGIES, ep_meshes, global_batch, round_trips, train
+from .harness import run_cases
+from .workloads import CFG, STRATEGIES, ep_configs, global_batch, round_trip, train
 
 # Same reasoning as FSDP: per-rank partial sums reorder fp32 additions.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -19,7 +19,7 @@ MESHES = [(1, 2), (1, 4), (2, 2)]
 
 @functools.lru_cache(maxsize=None)
 def of_world(world):
-    return run_ranks(world, ep_meshes, tuple(m for m in MESHES if m[0] * m[1] == world))
+    return run_cases(world, ep_configs, [m for m in MESHES if m[0] * m[1] == world])
 
 
 def distributed(dp, ep):
@@ -74,13 +74,13 @@ def test_probabilities_inside_the_activation_travel_with_the_rows(dp, ep):
 
 @functools.lru_cache(maxsize=None)
 def round_trips_of(world):
-    return run_ranks(world, round_trips)
+    return run_cases(world, round_trip, [(False,), (True,)])
 
 
 @pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_combine_round_trip(world, first_rank_only):
-    for rank, res in enumerate(res[first_rank_only] for res in round_trips_of(world)):
+    for rank, res in enumerate(res[(first_rank_only,)] for res in round_trips_of(world)):
         # identity experts: each token comes back once per chosen expert (K = 2)
         torch.testing.assert_close(res["y"], 2 * res["x"], rtol=0, atol=0)
         torch.testing.assert_close(res["grad"], 2 * res["upstream"], rtol=0, atol=0)

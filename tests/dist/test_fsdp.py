@@ -9,8 +9,8 @@ import torch
 import fmoe
 
 from ..reference import assert_trees_close
-from .harness import run_ranks
-from .workloads import CFG, STRATEGIES, global_batch, fsdp_configs, resting_memories, resting_memory, train
+from .harness import run_cases, run_ranks
+from .workloads import CFG, STRATEGIES, global_batch, fsdp_configs, resting_memory, train
 
 # Summing per-rank partial gradients reorders fp32 additions (matmul reductions
 # over fewer rows, then a cross-rank sum): agreement is to rounding, not bitwise.
@@ -71,14 +71,14 @@ def test_collective_counts_follow_zero_formulas(sharding, mb):
 @functools.lru_cache(maxsize=None)
 def resting():
     """One process's no_shard run, and two ranks' of every strategy (each start of ranks costs seconds)."""
-    return run_ranks(1, resting_memory, "no_shard")[0], run_ranks(2, resting_memories)
+    return run_ranks(1, resting_memory, "no_shard")[0], run_cases(2, resting_memory, [(s,) for s in STRATEGIES])
 
 
 @pytest.mark.parametrize("sharding", STRATEGIES)
 def test_resting_memory_is_one_over_dp(sharding):
     world = 2
     full, both = resting()
-    ranks = [res[sharding] for res in both]
+    ranks = [res[(sharding,)] for res in both]
     for res in ranks:
         # What stays alive is exactly params + grads + optimizer state, nothing gathered.
         assert res["held"] <= res["trees"] * 1.02 + 4096

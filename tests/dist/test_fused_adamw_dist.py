@@ -7,8 +7,8 @@ import optree
 import pytest
 import torch
 
-from .harness import run_ranks
-from .workloads import fused_adamw_cases
+from .harness import run_cases
+from .workloads import fused_adamw_steps
 
 CASES = [(2, 1, "optim_grads_params"), (2, 1, "optim"), (2, 1, "no_shard"), (1, 2, "optim_grads_params"),
          (2, 2, "optim_grads_params")]
@@ -16,7 +16,7 @@ CASES = [(2, 1, "optim_grads_params"), (2, 1, "optim"), (2, 1, "no_shard"), (1, 
 
 @functools.lru_cache(maxsize=None)
 def of_world(world):
-    return run_ranks(world, fused_adamw_cases, tuple(c for c in CASES if c[0] * c[1] == world))
+    return run_cases(world, fused_adamw_steps, [c for c in CASES if c[0] * c[1] == world])
 
 
 def distributed(dp, ep, sharding):

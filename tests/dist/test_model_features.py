@@ -10,8 +10,8 @@ import torch
 import fmoe
 
 from ..reference import assert_trees_equal
-from .harness import run_ranks
-from .workloads import FEATURES, every_feature_plans, global_batch, hf_sharded_round_trip, train
+from .harness import run_cases, run_ranks
+from .workloads import FEATURES, feature_plans, global_batch, hf_sharded_round_trip, train
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +22,10 @@ def runs():
 
     def of(feature):
         if not ranks:
-            ranks.extend(run_ranks(2, every_feature_plans))
+            ranks.extend(run_cases(2, feature_plans, [(f,) for f in FEATURES]))
         if feature not in done:
             cfg, _ = FEATURES[feature]
-            done[feature] = [res[feature] for res in ranks], train(fmoe.Plan(model=cfg, microbatches=2), global_batch())
+            done[feature] = [res[(feature,)] for res in ranks], train(fmoe.Plan(model=cfg, microbatches=2), global_batch())
         return done[feature]
     return of
 

@@ -7,8 +7,8 @@ import optree
 import pytest
 import torch
 
-from .harness import run_ranks
-from .workloads import SCALE_MESHES, global_batch, scale_configs, scale_plan, train
+from .harness import run_cases
+from .workloads import SCALE_MESHES, global_batch, scale_config, scale_plan, train
 
 # Per-rank partial sums reorder fp32 additions (as in test_fsdp / test_ep).
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -22,8 +22,7 @@ def single():
 
 @functools.lru_cache(maxsize=None)
 def meshes_of(world):
-    # the meshes of one size in one start of the ranks: an 8-process start alone takes ~12 s on 2 cores
-    return run_ranks(world, scale_configs)
+    return run_cases(world, scale_config, [m for m in SCALE_MESHES if m[0] * m[1] == world])
 
 
 @pytest.mark.parametrize("dp,ep", SCALE_MESHES, ids=[f"dp{d}xep{e}" for d, e in SCALE_MESHES])

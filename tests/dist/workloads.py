@@ -107,12 +107,6 @@ def resting_memory(rank, world, sharding):
     return {"held": held, "trees": tree_bytes(params) + tree_bytes(grads) + tree_bytes(state)}
 
 
-def resting_memories(rank, world):
-    """``resting_memory`` of every strategy, one after another in one start of the ranks
-    (each measures from its own baseline)."""
-    return {sharding: resting_memory(rank, world, sharding) for sharding in STRATEGIES}
-
-
 VARIANTS = {
     "dynamic": dict(),
     "double": dict(gather_buffers="double"),
@@ -200,12 +194,6 @@ def scale_config(rank, world, dp, ep, device="cpu"):
     return train(scale_plan(dp, ep, device), rank_rows(global_batch(), rank, world), steps=2)
 
 
-def scale_configs(rank, world, device="cpu"):
-    """``scale_config`` at each mesh of ``SCALE_MESHES`` with ``world`` ranks, by ``(dp, ep)``:
-    one start of the ranks for all of them."""
-    return {(dp, ep): scale_config(rank, world, dp, ep, device) for dp, ep in SCALE_MESHES if dp * ep == world}
-
-
 def eval_and_step_losses(rank, world, dp, ep):
     """``(eval_loss, step loss)`` under 1F1B + delayed wgrad at dp x ep (forward-only program vs training)."""
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding="optim_grads_params", schedule="1f1b_overlap",
@@ -234,12 +222,6 @@ def ep_configs(rank, world, dp, ep, device="cpu"):
     return out
 
 
-def ep_meshes(rank, world, meshes):
-    """``ep_configs`` at each ``(dp, ep)`` of ``meshes`` (all of ``world`` ranks), by mesh:
-    one start of the ranks for all of them."""
-    return {(dp, ep): ep_configs(rank, world, dp, ep) for dp, ep in meshes}
-
-
 def round_trip(rank, world, route_to_first_rank: bool):
     """dispatch -> identity experts -> combine on ``world`` EP ranks; returns the
     output, the input gradient and the split sizes this rank saw."""
@@ -265,12 +247,6 @@ def round_trip(rank, world, route_to_first_rank: bool):
     y.backward(upstream)
     return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
             "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
-
-
-def round_trips(rank, world):
-    """``round_trip`` with uneven routing and with every token to the first rank, by
-    ``route_to_first_rank``: one start of the ranks for both."""
-    return {first: round_trip(rank, world, first) for first in (False, True)}
 
 
 def adam_moments(state):
@@ -419,11 +395,6 @@ def feature_plans(rank, world, feature):
     return out
 
 
-def every_feature_plans(rank, world):
-    """``feature_plans`` of every feature, by feature: one start of the ranks for all."""
-    return {feature: feature_plans(rank, world, feature) for feature in FEATURES}
-
-
 def hf_sharded_round_trip(rank, world, hf_dir, out_dir, layout="ep"):
     """Load a Hugging Face checkpoint straight into ZeRO-3 shards (``layout``: ``ep``, of
     EP x dp; ``tp``, of tensor-parallel slices), save it back (collective), and return
@@ -466,12 +437,6 @@ COMPILE_CASES = {
     "zero1": dict(sharding="optim"),
     "zero3_1f1b_delay": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True),
 }
-
-
-def fused_adamw_cases(rank, world, cases):
-    """``fused_adamw_steps`` of each ``(dp, ep, sharding)`` in ``cases`` (all of ``world``
-    ranks), by case: one start of the ranks for all of them."""
-    return {case: fused_adamw_steps(rank, world, *case) for case in cases}
 
 
 def compiled_configs(rank, world, dp, ep):
