@@ -198,15 +198,17 @@ def _optimizer_gbps(opt, params, state, grads, sync, repeats: int = 5) -> float:
     return elements * 28 * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def compare(runs: dict, costs: CostModel, args) -> None:
-    """The planner's step time and peak memory beside the measured ones, one row per shape."""
-    print(f"planner's calibration: {costs.calibration.source}")
+def compare(runs: dict, costs, args) -> None:
+    """The planner's step time and peak memory beside the measured ones, one row per shape;
+    ``costs``: a CostModel, or ``{shape: CostModel}`` (each shape's own calibration)."""
+    own = isinstance(costs, dict)
+    print("planner's calibration: " + ("each shape's own" if own else costs.calibration.source))
     print("| shape | plan | measured step ms | GPU busy ms | planner ms | planner / measured | measured peak GiB | "
           "planner GiB | planner / measured |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in runs.items():
         plan = r["plan"]
-        sim = simulate(plan, args.batch, args.seq, costs)
+        sim = simulate(plan, args.batch, args.seq, costs[name] if own else costs)
         mem = max(estimate_memory(plan, args.batch, args.seq, s)["total"] for s in range(plan.pp))
         shown = " x ".join(f"{k}{getattr(plan, k)}" for k in ("pp", "dp", "ep") if getattr(plan, k) > 1) or "1 GPU"
         shown += f" ({plan.virtual_stages} virtual)" if plan.virtual_stages > 1 else ""
@@ -238,7 +240,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--peak", type=float, default=789.0, help="the GPU's dense bf16 TFLOP/s")
-    ap.add_argument("--calibration", help="read this calibration instead of measuring one (several ranks)")
+    ap.add_argument("--calibration", help="read this calibration instead of measuring one (several ranks); "
+                    "with {shape} in the path, each shape's own (cal_{shape}.json)")
     ap.add_argument("--out", default="calibration.json")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args()
@@ -259,29 +262,51 @@ def main() -> None:
         for r, peak in zip(runs.values(), peaks.tolist()):
             r["peak"] = peak
         if rank == 0:
-            compare(runs, CostModel(Calibration.read(args.calibration)), args)
+            compare(runs, _read(args.calibration, args.shapes), args)
         torch.distributed.destroy_process_group()
         return
     runs = {name: measure(name, args, profiled=not args.calibration) for name in args.shapes}
     if args.calibration:
-        return compare(runs, CostModel(Calibration.read(args.calibration)), args)
-    kinds = sorted({k for r in runs.values() for k in r["efficiency"]})
-    efficiency = {k: statistics.mean(r["efficiency"][k] for r in runs.values() if k in r["efficiency"]) for k in kinds}
-    move_gbps = {k: statistics.mean(r["move_gbps"][k] for r in runs.values() if k in r["move_gbps"])
-                 for k in sorted({k for r in runs.values() for k in r["move_gbps"]})}
-    hbm_gbps = statistics.mean(r["hbm_gbps"] for r in runs.values())
-    hosts = [host_us(name, args) for name in args.shapes]
+        return compare(runs, _read(args.calibration, args.shapes), args)
+    hosts = {name: host_us(name, args) for name in args.shapes}
+    cal = _calibration(runs.values(), hosts.values(), args)
+    Path(args.out).write_text(json.dumps(cal, indent=1))
+    print(f"calibration ({cal['source']}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in cal["efficiency"].items())
+          + "; " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in cal["move_gbps"].items())
+          + f"; AdamW {cal['hbm_gbps']:.0f} GB/s; host " + ", ".join(f"{k} {v:.0f} us" for k, v in cal["host_us"].items()))
+    for name in args.shapes:  # and each shape's own: what a user calibrating the model they plan gets
+        Path(_own(args.out, name)).write_text(json.dumps(_calibration([runs[name]], [hosts[name]], args, name), indent=1))
+    compare(runs, CostModel(Calibration.read(args.out)), args)
+    compare(runs, _read(_own(args.out, "{shape}"), args.shapes), args)
+
+
+def _own(path: str, shape: str) -> str:
+    """Where shape ``shape``'s own calibration goes beside ``path`` (``cal.json`` -> ``cal_coarse.json``)."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}_{shape}{p.suffix}"))
+
+
+def _read(path: str, shapes) -> CostModel | dict:
+    """The calibration at ``path``; with ``{shape}`` in it, each shape's own."""
+    if "{shape}" in path:
+        return {name: CostModel(Calibration.read(path.format(shape=name))) for name in shapes}
+    return CostModel(Calibration.read(path))
+
+
+def _calibration(runs, hosts, args, shapes: str | None = None) -> dict:
+    """A calibration file's contents: the runs' and host traces' numbers averaged."""
+    runs, hosts = list(runs), list(hosts)
+
+    def mean(field):
+        return {k: statistics.mean(r[field][k] for r in runs if k in r[field])
+                for k in sorted({k for r in runs for k in r[field]})}
+
     host = {k: statistics.mean(h[k] for h in hosts if k in h) for k in sorted({k for h in hosts for k in h})}
     source = (f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}, shapes {' '.join(args.shapes)}{', compiled' if args.compile else ''}")
-    Path(args.out).write_text(json.dumps({"peak_tflops": args.peak, "efficiency": efficiency, "move_gbps": move_gbps,
-                                         "hbm_gbps": hbm_gbps, "host_us": host, "source": source},
-                                         indent=1))
-    print(f"calibration ({source}) -> {args.out}: " + ", ".join(f"{k} {v:.3f}" for k, v in efficiency.items())
-          + "; " + ", ".join(f"{k} {v:.0f} GB/s" for k, v in move_gbps.items()) + f"; AdamW {hbm_gbps:.0f} GB/s; host "
-          + ", ".join(f"{k} {v:.0f} us" for k, v in host.items()))
-    compare(runs, CostModel(Calibration.read(args.out)), args)
-
+              f"{time.strftime('%Y-%m-%d')}, shapes {shapes or ' '.join(args.shapes)}"
+              f"{', compiled' if args.compile else ''}")
+    return {"peak_tflops": args.peak, "efficiency": mean("efficiency"), "move_gbps": mean("move_gbps"),
+            "hbm_gbps": statistics.mean(r["hbm_gbps"] for r in runs), "host_us": host, "source": source}
 
 if __name__ == "__main__":
     main()

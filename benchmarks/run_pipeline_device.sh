@@ -7,7 +7,9 @@
 # check: pp=2 on both GPUs (16 x 2048 tokens, 8 microbatches; standard, 1f1b_overlap, 2 virtual stages)
 # against the planner's estimate with that calibration. tests: the 2-GPU tests (tp, cp,
 # etp, pp on NCCL against one GPU; tests-pp: only pp's). Runs on the GPUs
-# CUDA_VISIBLE_DEVICES names (GPUs 0 and 1 when unset). Logs under $OUT; tables last.
+# CUDA_VISIBLE_DEVICES names (GPUs 0 and 1 when unset); check's shapes from $SHAPES (default
+# coarse fine), its calibration from $CAL (default $OUT/calibration.json; calibrate also writes
+# each shape's own, $OUT/calibration_{shape}.json). Logs under $OUT; tables last.
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
@@ -25,8 +27,8 @@ for stage in ${*:-calibrate check tests}; do
     check)
       for run in "standard 1" "1f1b_overlap 1" "standard 2"; do
         set -- $run
-        (cd benchmarks && torchrun --standalone --nproc-per-node 2 plan_calibration.py --shapes coarse fine --pp 2 --batch 16 \
-          --microbatches 8 --schedule $1 --virtual-stages $2 --calibration "$OUT/calibration.json" 2>&1 \
+        (cd benchmarks && torchrun --standalone --nproc-per-node 2 plan_calibration.py --shapes ${SHAPES:-coarse fine} --pp 2 --batch 16 \
+          --microbatches 8 --schedule $1 --virtual-stages $2 --calibration "${CAL:-$OUT/calibration.json}" 2>&1 \
           | tee "$OUT/pp2_$1_v$2.log" | quiet 5)
       done ;;
     tests|tests-pp)

@@ -104,12 +104,16 @@ def _device_mesh(dims: ParallelDims, view: str, device_type: str):
     elif view == "tensor":
         shape = {"pp": dims.pp, "tensor_data": dims.stage_size // dims.tp, "tp": dims.tp}
         ranks = ranks.view(*shape.values())
+    elif view == "gradients":
+        shape = {"pp_gradients": dims.world}
     else:
         shape = {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
         ranks = _expert_ranks(dims)
     kept = [i for i, size in enumerate(shape.values()) if size > 1]
     ranks = ranks.squeeze(tuple(i for i in range(len(shape)) if i not in kept))
-    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(list(shape)[i] for i in kept))
+    # a dimension of every rank is the default group unless its backend is named
+    own = ((dist.get_backend(), None),) if view == "gradients" else None
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(list(shape)[i] for i in kept), backend_override=own)
 
 
 def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:
@@ -145,7 +149,7 @@ def mesh_for(plan: Plan) -> Mesh:
     device_type = torch.device(plan.device).type
     groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
     gradients = None
-    if plan.pp > 1 and plan.virtual_stages > 1:
-        gradients = Group(world.size, world.rank, dist.new_group(list(range(dims.world))))
+    if plan.pp > 1 and plan.virtual_stages > 1:  # created once per layout, as the others
+        gradients = _subgroup(_device_mesh(dims, "gradients", device_type), "pp_gradients")
     return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
                 groups["tensor_data"], groups["stage"], groups["pp"], gradients)

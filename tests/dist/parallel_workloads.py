@@ -92,6 +92,18 @@ def mesh_ranks(plan: fmoe.Plan) -> dict:
             for name, g in groups.items()}
 
 
+def gradients_group(plan: fmoe.Plan) -> dict:
+    """Interleaving's group for the stream's gradients, asked of two resolves of ``plan``:
+    whether they are one group (made once per layout, not per step), not the world's,
+    and its ranks."""
+    import torch.distributed as dist
+    from fmoe.resolve import resolve
+
+    first, again = (resolve(plan).mesh.pp_gradients.group for _ in range(2))
+    return {"once": first is again, "own": first is not dist.group.WORLD,
+            "ranks": tuple(dist.get_process_group_ranks(first))}
+
+
 def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
     """Every plan of ``PLANS[world]`` trained on this rank's part of the global batch;
     with ``checkpoint`` (a directory), also one saved under ``dp2_tp2_zero3`` after its
@@ -107,6 +119,8 @@ def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
                       step=STEPS)
         out[name] = {k: v for k, v in res.items() if k not in ("state", "last")}
     out["mesh"] = mesh_ranks(plan_of(dict(ep=2, tp=2, etp=2) if world == 4 else dict(cp=2)))
+    if world == 2:
+        out["gradients_group"] = gradients_group(plan_of(PLANS[2]["pp2_v2"]))
     if checkpoint is not None:
         plan = plan_of(PLANS[4]["ep2_tp2_etp2"])
         ck = fmoe.load(checkpoint, plan)

@@ -54,6 +54,11 @@ def _close_to_scale(a, b, rel: float) -> None:
         assert err <= rel * scale, f"{path}: max difference {err:.3g}, {rel} x largest magnitude {scale:.3g}"
 
 
+def test_interleaving_sends_the_gradients_on_one_group_of_their_own(two):
+    for res in two:
+        assert res["gradients_group"] == {"once": True, "own": True, "ranks": (0, 1)}
+
+
 @pytest.mark.parametrize("name", list(PLANS[2]))
 def test_two_ranks_match_one_process(two, single, name):
     _matches_one_process(two, name, single)
