@@ -54,6 +54,34 @@ class Program:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """What a plan derives for one pipeline stage with no process state: the ShardSpec
+    and the stage's Programs, each built when first asked for (``resolve_stage``; what
+    the planner simulates).
+
+    Attributes:
+        plan, stage: the Plan and the pipeline stage.
+        spec: the ShardSpec.
+        train, eval: the Programs of a training step and of a forward-only one.
+    """
+
+    plan: Plan
+    stage: int
+    spec: ShardSpec
+
+    @functools.cached_property
+    def train(self) -> Program:
+        return _program(self.plan, self.spec, self.stage, True)
+
+    @functools.cached_property
+    def eval(self) -> Program:
+        return _program(self.plan, self.spec, self.stage, False)
+
+    def program(self, train: bool) -> Program:
+        return self.train if train else self.eval
+
+
+@dataclass(frozen=True)
 class Setup:
     """A plan resolved once: what every step under it runs with.
 
@@ -116,20 +144,24 @@ def resolve(plan: Plan) -> Setup:
             whose slots would collide), before anything runs.
     """
     stage = plan.dims.stage(Group.world().rank) if plan.pp > 1 else 0
-    spec, train, evaluate = _programs(plan, stage)
-    return Setup(plan, spec, train, evaluate, kernels_for(plan), stage)
-
-
-@functools.lru_cache(maxsize=64)
-def _programs(plan: Plan, stage: int = 0) -> tuple[ShardSpec, Program, Program]:
-    return shard_spec(plan), *(stage_program(plan, stage, train) for train in (True, False))
+    pure = resolve_stage(plan, stage)
+    return Setup(plan, pure.spec, pure.train, pure.eval, kernels_for(plan), stage)
 
 
 @functools.lru_cache(maxsize=256)
+def resolve_stage(plan: Plan, stage: int = 0) -> StagePlan:
+    """The pure part of resolving ``plan`` for pipeline stage ``stage`` (the whole step
+    without pipeline parallelism): its ShardSpec and Programs (cached per plan and stage)."""
+    return StagePlan(plan, stage, shard_spec(plan))
+
+
 def stage_program(plan: Plan, stage: int, train: bool) -> Program:
-    """The Program pipeline stage ``stage`` of ``plan`` runs (the whole step's without
-    pipeline parallelism): a training step's, or a forward-only one's (pure, cached)."""
-    spec = shard_spec(plan)
+    """The Program pipeline stage ``stage`` of ``plan`` runs: a training step's, or a
+    forward-only one's (pure, cached)."""
+    return resolve_stage(plan, stage).program(train)
+
+
+def _program(plan: Plan, spec: ShardSpec, stage: int, train: bool) -> Program:
     uses = node_uses(plan, spec, train, stage)
     actions = build_program(plan, spec, uses)
     return Program(actions, double_buffer_slots(plan, spec, actions), max_live_units(plan, spec, uses), train)

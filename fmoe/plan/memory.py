@@ -16,9 +16,8 @@ from collections import Counter
 
 from ..config import Plan
 from ..layers.nodes import Kind
-from ..resolve import stage_program
+from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
-from ..shard.spec import shard_spec
 from .simulate import _rank_elements, _sizes
 
 PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
@@ -89,7 +88,7 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
 def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
     """``{part: bytes}`` (``PARTS`` and ``total``) one rank of pipeline stage ``stage``
     holds at its peak, for a global batch of ``rows`` sequences of ``seq``."""
-    cfg, spec = plan.model, shard_spec(plan)
+    cfg, spec = plan.model, resolve_stage(plan, stage).spec
     rank = plan.dims.rank_of(0, 0, 0, 0, stage)
     elements = _rank_elements(spec, rank)
     units = {u.name: u for u in spec.stage_units(stage)}

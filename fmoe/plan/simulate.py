@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from ..config import Plan
 from ..layers.nodes import Kind, layer_kinds
 from ..params import Domain
-from ..resolve import stage_program
+from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
                                 Wgrad)
-from ..shard.spec import ShardSpec, shard_spec
+from ..shard.spec import ShardSpec
 from .costs import CostModel, node_flops
 from .lifecycle_check import LifecycleViolation, check_lifecycle
 
@@ -223,7 +223,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     """
     costs = CostModel() if costs is None else costs
     dims = plan.dims
-    spec = shard_spec(plan)
+    spec = resolve_stage(plan).spec
     for name in ("tp", "cp", "ep", "etp", "edp", "tensor_data", "stage"):
         for group in dims.groups(name):  # the premise: every rank of a group runs one program
             if len({dims.stage(r) for r in group}) > 1:
