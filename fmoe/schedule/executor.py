@@ -34,7 +34,8 @@ from ..layers.parallel import with_parallel
 from ..shard import lifecycle as lc
 from ..shard.shards import build_shards
 from ..shard.spec import local_leaves
-from .actions import Action, Backward, Crossing, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
+from .actions import (Action, Backward, Crossing, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send,
+                      Wait, Wgrad)
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
 from .pipeline import Pipeline, crossing_peers, recv, send
