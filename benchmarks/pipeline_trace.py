@@ -106,9 +106,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cpu":
         args.batch, args.seq, args.microbatches = 4, 64, 4
-    torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []

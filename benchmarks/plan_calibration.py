@@ -289,7 +289,7 @@ def _own(path: str, shape: str) -> str:
 def _read(path: str, shapes) -> CostModel | dict:
     """The calibration at ``path``; with ``{shape}`` in it, each shape's own."""
     if "{shape}" in path:
-        return {name: CostModel(Calibration.read(path.format(shape=name))) for name in shapes}
+        return {name: CostModel(Calibration.read(path.replace("{shape}", name))) for name in shapes}
     return CostModel(Calibration.read(path))
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .config import Plan
 from .backends import BUILT_IN, declared_backends, registered_backend
+from .dist.mesh import separate_world_group_supported
 
 
 def world_size() -> int:
@@ -38,6 +39,10 @@ def gib(n: float) -> str:
 
 def check_runtime(plan: Plan) -> None:
     """Raise ValueError if ``plan`` cannot run here; nothing is computed before this."""
+    if plan.pp > 1 and plan.virtual_stages > 1 and not separate_world_group_supported():
+        raise ValueError(f"Plan.virtual_stages={plan.virtual_stages} needs torch >= 2.9 (a DeviceMesh group of "
+                         f"every rank apart from the default one, for the stream's gradients); this is torch "
+                         f"{torch.__version__} (allowed here: 1)")
     world = world_size()
     if plan.world != world:
         d = plan.dims

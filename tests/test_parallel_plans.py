@@ -138,6 +138,16 @@ def test_a_pipeline_that_cannot_run_names_the_field(kw, words):
         fmoe.Plan(model=CFG, **kw)
 
 
+def test_interleaving_on_a_torch_without_separate_world_groups_names_the_field(monkeypatch):
+    import fmoe.runtime
+
+    plan = fmoe.Plan(model=CFG, pp=2, virtual_stages=2, microbatches=2,
+                     pp_layout=(("embed",), ("layers.0",), ("layers.1",), ("head",)))
+    monkeypatch.setattr(fmoe.runtime, "separate_world_group_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"Plan\.virtual_stages=2 needs torch >= 2\.9 .*allowed here: 1"):
+        fmoe.init(plan, seed=0)
+
+
 def test_tied_embeddings_cannot_be_split_over_stages():
     with pytest.raises(ValueError, match=r"Plan\.pp=2 .*tied embeddings"):
         fmoe.Plan(model=CFG.replace(tie_embeddings=True), pp=2)

@@ -83,33 +83,14 @@ class Group:
         return Pending(dist.all_reduce(t, op=op, group=self.group, async_op=True))
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-             group: Group | None = None) -> Pending:
-    """Start point-to-point transfers as one batch on ``group`` (else the world): each
-    ``(tensor, world rank)`` of ``sends`` to its rank, each ``(out, world rank)`` of
-    ``recvs`` from its; the Pending lands when all of them have.
-
-    On NCCL a batch is one grouped launch, so a send and a receive between two ranks
-    progress together, where posted one by one a send may hold every later transfer on
-    the communicator until the peer posts its receive. fmoe posts every point-to-point
-    transfer through here: NCCL puts a batch on the group's communicator and a lone
-    ``isend`` on a two-rank one of its own, and messages are matched in order only
-    within one communicator."""
-    pg = None if group is None else group.group
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, pg) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, out, peer, pg) for out, peer in recvs]
-    return Pending(_AllWorks(dist.batch_isend_irecv(ops)))
+def send(t: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
+    """Start sending ``t`` to world rank ``peer`` (point to point; on ``group``, else the world)."""
+    return Pending(dist.isend(t.contiguous(), dst=peer, group=None if group is None else group.group))
 
 
-@dataclass
-class _AllWorks:
-    """Several work handles waited for as one."""
-
-    works: list
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
+def recv(out: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
+    """Start receiving into ``out`` from world rank ``peer`` (on ``group``, else the world)."""
+    return Pending(dist.irecv(out, src=peer, group=None if group is None else group.group))
 
 
 def broadcast_text(text: str | None, world: Group, device) -> str | None:

@@ -16,6 +16,7 @@ slices over ``edp``. Each is also the group its buffers shard over.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ def _expert_ranks(dims: ParallelDims) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)  # a layout uses up to five: two layouts in turn must not evict each other
 def _device_mesh(dims: ParallelDims, view: str, device_type: str):
     # The DeviceMesh refers to its groups by name; process-group objects are looked up
     # per call and never cached, so destroy_process_group() really releases them
@@ -111,9 +112,20 @@ def _device_mesh(dims: ParallelDims, view: str, device_type: str):
         ranks = _expert_ranks(dims)
     kept = [i for i, size in enumerate(shape.values()) if size > 1]
     ranks = ranks.squeeze(tuple(i for i in range(len(shape)) if i not in kept))
+    names = tuple(list(shape)[i] for i in kept)
+    if view != "gradients":
+        return DeviceMesh(device_type, ranks, mesh_dim_names=names)
     # a dimension of every rank is the default group unless its backend is named
-    own = ((dist.get_backend(), None),) if view == "gradients" else None
-    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(list(shape)[i] for i in kept), backend_override=own)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((dist.get_backend(), None),))
+
+
+def separate_world_group_supported() -> bool:
+    """Whether this torch can make a group of every rank apart from the default one
+    through DeviceMesh (``backend_override``, torch >= 2.9): interleaved pipelining's
+    ``pp_gradients`` needs it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return "backend_override" in inspect.signature(DeviceMesh.__init__).parameters
 
 
 def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:

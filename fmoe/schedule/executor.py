@@ -34,8 +34,7 @@ from ..layers.parallel import with_parallel
 from ..shard import lifecycle as lc
 from ..shard.shards import build_shards
 from ..shard.spec import local_leaves
-from .actions import (Action, Backward, Crossing, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send,
-                      Wait, Wgrad)
+from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
 from .pipeline import Pipeline, crossing_peers, recv, send
@@ -157,8 +156,6 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
                      plan.gather_buffers == "dynamic", plan.microbatches)
     run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train)
     for a in program.actions:
-        if run.pipeline is not None and not isinstance(a, Crossing):
-            run.pipeline.post()
         with _profiled(a):
             state = _step(state, a, run)
     if run.pipeline is not None:

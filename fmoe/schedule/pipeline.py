@@ -3,14 +3,9 @@ its gradient back to the previous one (``Send`` and ``Recv`` actions of a progra
 
 A stage's first node reads the stream a ``Recv`` left, as it would read the one the
 node before it left; its last node's output is what the ``Send`` takes. Backward the
-same in reverse with the stream's gradient. A ``Recv`` waits for its value, which the
+same in reverse with the stream's gradient. Sends are issued and left in flight (their
+tensors kept alive) until the step ends; a ``Recv`` waits for its value, which the
 1F1B order guarantees was sent before anything waits on this stage.
-
-A send is posted when the next action is not a ``Recv``; sends followed by a receive on
-the same group are posted in one batch with it (Megatron's ``send_forward_recv_backward``),
-because a send posted alone may hold the receives behind it on the communicator until the
-peer posts its matching receive, and the peer may be waiting for this stage's. Posted sends
-stay in flight (their tensors kept alive) until the step ends.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ class Pipeline:
         tp: the ranks that split a row's positions (the stream holds ``1 / tp`` of them).
         gradients: the group the stream's gradients travel on (``Mesh.pp_gradients``;
             None: the world's, as the stream's).
-        unposted: ``(tensor, peer, group)`` of the sends not posted yet.
-        sent: ``(Pending, tensors)`` of the batches with sends in flight.
+        sent: ``(Pending, tensor)`` of the sends in flight.
     """
 
     previous: int | None
@@ -46,40 +40,18 @@ class Pipeline:
     dtype: torch.dtype
     tp: int = 1
     gradients: object = None
-    unposted: list = field(default_factory=list)
     sent: list = field(default_factory=list)
 
-    def post(self) -> None:
-        """Post the sends not posted yet (one batch per group)."""
-        for group in {id(on): on for _, _, on in self.unposted}.values():
-            self._post(group)
-
-    def receive(self, out: torch.Tensor, peer: int, group) -> None:
-        """Receive into ``out`` from ``peer`` on ``group``, in one batch with the unposted
-        sends on that group (the others posted first, on their own groups); wait for it."""
-        for other in {id(on): on for _, _, on in self.unposted if on is not group}.values():
-            self._post(other)
-        self._post(group, (out, peer)).wait()
-
-    def _post(self, group, recv: tuple | None = None) -> comm.Pending:
-        sends = [(value, peer) for value, peer, on in self.unposted if on is group]
-        self.unposted = [s for s in self.unposted if s[2] is not group]
-        pending = comm.exchange(sends, [recv] if recv else [], group)
-        if sends:
-            self.sent.append((pending, [value for value, _ in sends]))
-        return pending
-
     def finish(self) -> None:
-        """Post what is left and wait for every send of the step."""
-        self.post()
+        """Wait for every send of the step."""
         for pending, _ in self.sent:
             pending.wait()
         self.sent.clear()
 
 
 def send(run, a: Send) -> Event:
-    """Queue microbatch ``a.mb``'s stream for the next stage, or its gradient for the
-    previous one (posted by the next action: with it if that is a ``Recv``)."""
+    """Start sending microbatch ``a.mb``'s stream to the next stage, or its gradient to the
+    previous one."""
     pipe, mbf = run.pipeline, run.mbs[a.mb]
     what = f"send {a.boundary} (microbatch {a.mb})"
     if a.boundary.gradient:
@@ -94,7 +66,7 @@ def send(run, a: Send) -> Event:
         value = stream.h
     t0 = now()
     value = value.detach().contiguous()
-    pipe.unposted.append((value, peer, pipe.gradients if a.boundary.gradient else None))
+    pipe.sent.append((comm.send(value, peer, pipe.gradients if a.boundary.gradient else None), value))
     return Event("send", None, str(a.boundary), a.mb, t0, now(), value.numel() * value.element_size(), "pipeline")
 
 
@@ -106,10 +78,12 @@ def recv(run, a: Recv) -> Event:
     out = torch.empty(rows, positions // pipe.tp, run.cfg.dim, dtype=pipe.dtype, device=mbf.batch.tokens.device)
     t0 = now()
     if a.boundary.gradient:
-        pipe.receive(out, pipe.next, pipe.gradients)
+        comm.recv(out, pipe.next, pipe.gradients).wait()
+    else:
+        comm.recv(out, pipe.previous).wait()
+    if a.boundary.gradient:
         mbf.grad_h = out
     else:
-        pipe.receive(out, pipe.previous, None)
         mbf.stream = Stream(a.boundary, out)
     return Event("recv", None, str(a.boundary), a.mb, t0, now(), out.numel() * out.element_size(), "pipeline")
 
