@@ -223,7 +223,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     """
     costs = CostModel() if costs is None else costs
     dims = plan.dims
-    spec = resolve_stage(plan).spec
+    spec = resolve_stage(plan, 0).spec
     for name in ("tp", "cp", "ep", "etp", "edp", "tensor_data", "stage"):
         for group in dims.groups(name):  # the premise: every rank of a group runs one program
             if len({dims.stage(r) for r in group}) > 1:
