@@ -27,49 +27,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import fmoe  # noqa: E402
 from kernel_time import union  # noqa: E402
-from plan_calibration import _plan, on_gpu  # noqa: E402
+from plan_calibration import _plan, on_gpu, timed, training  # noqa: E402
 from vs_peer import SHAPES  # noqa: E402
 
 
 def one(name: str, args, rank: int) -> dict:
     plan = _plan(name, args)
-    params = fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, plan=plan, fused=args.device == "cuda", donate=args.device == "cuda")
-    state = opt.init(params)
-    gen = torch.Generator().manual_seed(0)
-    batches = [{k: v.to(args.device) for k, v in fmoe.local_batch(
-        {"tokens": torch.randint(0, plan.model.vocab, (args.batch, args.seq + 1), generator=gen)}, plan, rank).items()}
-        for _ in range(args.warmup + args.steps)]
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-
-    def step(batch):
-        nonlocal params, state
-        out = fmoe.step(params, batch, plan)
-        params, state = opt.update(out.grads, state, params)
-        return out
-
-    times = []
-    for batch in batches:
-        torch.distributed.barrier()
-        sync()
-        t0 = time.perf_counter()
-        step(batch)
-        sync()
-        times.append(time.perf_counter() - t0)
+    train = training(plan, args, rank)
+    times = timed(train)
     from torch.profiler import ProfilerActivity, profile
 
     torch.distributed.barrier()
-    sync()
+    train.sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
         warnings.simplefilter("always")
         if args.device == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
-        out = step(batches[0])
-        sync()
+        out = train.step(train.batches[0])
+        train.sync()
         wall = time.perf_counter() - t0
         if args.device == "cuda":
             torch.cuda.set_sync_debug_mode("default")

@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import optree
@@ -74,34 +75,10 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
     node kinds' GPU time and efficiency from one step under the profiler)."""
     plan = _plan(name, args)
     cfg = plan.model
-    params = fmoe.init(plan, seed=0)
-    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=args.device == "cuda",
-                     donate=args.device == "cuda")
-    state = opt.init(params)
-    generator = torch.Generator().manual_seed(0)  # every rank draws the same global batches
-    batches = [fmoe.local_batch({"tokens": torch.randint(0, cfg.vocab, (args.batch, args.seq + 1),
-                                                         generator=generator)}, plan, rank)
-               for _ in range(args.warmup + args.steps)]
-    batches = [{k: v.to(args.device) for k, v in b.items()} for b in batches]
-    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-
-    def step(batch):
-        nonlocal params, state
-        out = fmoe.step(params, batch, plan)
-        params, state = opt.update(out.grads, state, params)
-        return out
-
+    train = training(plan, args, rank)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for batch in batches:
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        sync()
-        t0 = time.perf_counter()
-        step(batch)
-        sync()
-        times.append(time.perf_counter() - t0)
+    times = timed(train)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else 0
     run = {"plan": plan, "median_s": statistics.median(times[args.warmup:]), "peak": peak}
     if not profiled:
@@ -109,8 +86,8 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step(batches[0])
-        sync()
+        train.step(train.batches[0])
+        train.sync()
     (ms, outside), work = node_gpu_ms(prof), defaultdict(float)
     tokens_mb = args.batch * args.seq / args.microbatches
     rows_bytes = tokens_mb * cfg.topk * cfg.dim * plan.compute_dtype.itemsize  # what dispatch and combine move
@@ -130,7 +107,56 @@ def measure(name: str, args, rank: int = 0, profiled: bool = True) -> dict:
     busy = sum(e - s for s, e in union((k.time_range.start, k.time_range.end) for k in prof.events() if on_gpu(k))) / 1e3
     return {**run, "efficiency": efficiency, "move_gbps": move_gbps, "ms": dict(by_kind), "gpu_busy_ms": busy,
             "outside_ms": outside,
-            "hbm_gbps": _optimizer_gbps(opt, params, state, fmoe.step(params, batches[0], plan).grads, sync)}
+            "hbm_gbps": _optimizer_gbps(train.opt, train.params, train.state,
+                                        fmoe.step(train.params, train.batches[0], plan).grads, train.sync)}
+
+
+@dataclass
+class Training:
+    """A training run's carried state: the params and optimizer state (fused AdamW on
+    CUDA), this rank's part of the global batches every rank draws alike (on the
+    device), and the device's synchronize."""
+
+    plan: fmoe.Plan
+    opt: object
+    params: dict
+    state: object
+    batches: list
+    sync: object
+
+    def step(self, batch) -> fmoe.StepOutput:
+        out = fmoe.step(self.params, batch, self.plan)
+        self.params, self.state = self.opt.update(out.grads, self.state, self.params)
+        return out
+
+
+def training(plan: fmoe.Plan, args, rank: int = 0) -> Training:
+    """A Training of ``plan`` over ``args.warmup + args.steps`` batches."""
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-4, weight_decay=0.1, plan=plan, fused=args.device == "cuda",
+                     donate=args.device == "cuda")
+    generator = torch.Generator().manual_seed(0)  # every rank draws the same global batches
+    batches = [fmoe.local_batch({"tokens": torch.randint(0, plan.model.vocab, (args.batch, args.seq + 1),
+                                                         generator=generator)}, plan, rank)
+               for _ in range(args.warmup + args.steps)]
+    batches = [{k: v.to(args.device) for k, v in b.items()} for b in batches]
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    return Training(plan, opt, params, opt.init(params), batches, sync)
+
+
+def timed(run: Training) -> list[float]:
+    """Seconds of a step on each of the run's batches, the ranks lined up by a barrier
+    before each."""
+    times = []
+    for batch in run.batches:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        run.sync()
+        t0 = time.perf_counter()
+        run.step(batch)
+        run.sync()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def host_us(name: str, args, steps: int = 4) -> dict:
