@@ -530,8 +530,8 @@ def fp8_gather_configs(rank, world, device="cuda"):
                      sharding="optim_grads_params")
     setup = resolve(plan)
     spec, mesh = setup.spec, setup.mesh
-    shards = build_shards(named_leaves(fmoe.init(plan, seed=0)), spec, mesh, plan.device)
-    state = lc.start(spec, mesh, shards, len(spec.units), None, plan.device, dynamic=True, microbatches=1)
+    shards = build_shards(named_leaves(fmoe.init(plan, seed=0)), spec, setup.units, mesh, plan.device)
+    state = lc.start(spec, mesh, shards, len(setup.units), None, plan.device, dynamic=True, microbatches=1)
     full = named_leaves(fmoe.init(plan.replace(sharding="no_shard"), seed=0))
     weights = {}
     for u in spec.units:
