@@ -23,7 +23,7 @@ TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 export TRITON_CACHE_DIR TORCHINDUCTOR_CACHE_DIR
 nvidia-smi --query-gpu=name --format=csv,noheader
 start=$(date +%s)
-timeout ${LIMIT_S:-570} python -m pytest -v -m gpu -p no:cacheprovider -W ignore $files > "$OUT/gpu_suite_$part.log" 2>&1
+timeout ${LIMIT_S:-540} python -m pytest -v -m gpu -p no:cacheprovider -W ignore $files > "$OUT/gpu_suite_$part.log" 2>&1
 rc=$?
 echo "part $part: pytest exit $rc ($([ $rc = 124 ] && echo 'cut at the time limit' || echo 'finished')) in $(( $(date +%s) - start )) s"
 grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/gpu_suite_$part.log" | sed -E 's/::[^ ]* / /; s/ +\[.*//' | sort | uniq -c
