@@ -7,7 +7,8 @@
 # whole run: part 1 is the suite's prefix up to and past the CUDA-graph tests (tests/dist,
 # compile, cuda_graph), nothing left out before them. A CUDA error that poisons the process
 # (an illegal memory access) fails every later test of its part only. Log: $OUT/gpu_suite_<part>.log;
-# last, the count of each outcome per file.
+# last, the count of each outcome per file. Sized for one GPU (nvidia-h200 / -h100-x1): on two, the NCCL
+# tests of tests/dist and test_gpu_parallel_dims run too, and part 1 may not fit (LIMIT_S, or fewer files).
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 part=${1:?"usage: run_gpu_suite_device.sh 1|2|3|4"}
