@@ -334,16 +334,22 @@ def lm_loss_sum(params, tokens_BS1, cfg, loss_mask_BS=None, segments_BS1=None):
 # Comparing two pytrees: the structures first (a tree that is short a leaf, or
 # holds another key, fails here instead of passing a shorter ``zip``), then leaf by leaf.
 
-def assert_trees_close(a, b, **tol):
+def assert_same_structure(a, b, context=""):
+    """``a`` and ``b`` are trees of one structure (keys, node types and leaf count)."""
+    sa, sb = optree.tree_structure(a), optree.tree_structure(b)
+    assert sa == sb, f"{context}: tree structures differ: {sa} != {sb}" if context else f"{sa} != {sb}"
+
+
+def assert_trees_close(a, b, context="", **tol):
     """Same tree structure, and every leaf of ``a`` close to its leaf in ``b``
-    (``torch.testing.assert_close`` with ``tol``)."""
-    assert optree.tree_structure(a) == optree.tree_structure(b)
+    (``torch.testing.assert_close`` with ``tol``); ``context`` heads a failure's message."""
+    assert_same_structure(a, b, context)
     for path, x, y in zip(optree.tree_paths(a), optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol, msg=lambda m, path=path: f"{path}: {m}")
+        torch.testing.assert_close(x, y, **tol, msg=lambda m, path=path: f"{context} {path}: {m}".lstrip())
 
 
-def assert_trees_equal(a, b):
-    """Same tree structure, and ``torch.equal`` leaf by leaf."""
-    assert optree.tree_structure(a) == optree.tree_structure(b)
+def assert_trees_equal(a, b, context=""):
+    """Same tree structure, and ``torch.equal`` leaf by leaf; ``context`` heads a failure's message."""
+    assert_same_structure(a, b, context)
     for path, x, y in zip(optree.tree_paths(a), optree.tree_leaves(a), optree.tree_leaves(b)):
-        assert torch.equal(x, y), path
+        assert torch.equal(x, y), (context, path) if context else path

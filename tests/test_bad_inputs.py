@@ -333,6 +333,7 @@ def test_bad_input_is_refused_naming_the_field_before_any_work(tmp_path, call, e
         call(ctx)
     assert needle in str(err.value)
     assert ctx.files() == ctx.files_before, "a file was written or changed before the error"
+    assert optree.tree_structure(ctx.params) == optree.tree_structure(before)
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(optree.tree_leaves(ctx.params),
                                                                  optree.tree_leaves(before)))
 

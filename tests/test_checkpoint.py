@@ -14,6 +14,8 @@ import torch
 import fmoe
 from fmoe.checkpoint import api as checkpoint_api, files as checkpoint_files
 
+from .reference import assert_trees_equal
+
 CFG = fmoe.ModelConfig(vocab=16, dim=16, layers=2, heads=2, experts=4, topk=2, ffn=8)
 PLAN = fmoe.Plan(model=CFG)
 
@@ -33,14 +35,12 @@ def test_round_trip_resumes_bitwise(tmp_path):
     fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=2, extra={"pos": 17})
     ck = fmoe.load(tmp_path / "ck", PLAN)
     assert ck.step == 2 and ck.extra == {"pos": 17}
-    for a, b in zip(optree.tree_leaves(ck.params), optree.tree_leaves(params)):
-        assert torch.equal(a, b)
+    assert_trees_equal(ck.params, params)
     assert optree.tree_structure(ck.opt_state) == optree.tree_structure(state)
     grads = fmoe.step(params, batch, PLAN).grads
     p1, _ = opt.update(grads, state, params)
     p2, _ = opt.update(grads, ck.opt_state, ck.params)
-    for a, b in zip(optree.tree_leaves(p1), optree.tree_leaves(p2)):
-        assert torch.equal(a, b)
+    assert_trees_equal(p1, p2)
 
 
 def test_model_only_checkpoint(tmp_path):

@@ -23,6 +23,8 @@ from fmoe.layers.fp8 import (E4M3, E4M3_MAX, E5M2, GEMMS, PLAIN, ROWWISE, TENSOR
                              tensorwise_linear)
 from fmoe.runtime import check_device_and_backend
 
+from .reference import assert_trees_equal
+
 FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
 # a product with an E5M2-rounded gradient: 2 mantissa bits round by up to 2^-3 of a
 # value, and the product's error lands near 6.0e-2 (measured on the CPU)
@@ -475,8 +477,7 @@ def test_cuda_fp8_graphed_scopes_and_the_module_compute_as_the_step(recipe):
     want = fmoe.step(params, batch, plan)
     got = fmoe.step(params, batch, plan, capture_scopes(params, batch, plan, ("attn", "router", "experts")))
     assert torch.equal(got.loss, want.loss)  # the graphs replay the FP8 kernels the plan runs
-    for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
-        assert torch.equal(a, b)
+    assert_trees_equal(got.grads, want.grads)
     # the module runs the same products under plain autograd (its layers in one graph)
     fp8_loss = float(FMoEModule(plan, seed=0)(batch))
     bf16_loss = float(FMoEModule(plan.replace(fp8="none"), seed=0)(batch))

@@ -11,6 +11,7 @@ from fmoe.params import named_leaves
 from fmoe.resolve import resolve
 from fmoe.shard.spec import local_leaf, write_shard
 
+from .reference import assert_trees_close
 from .test_optim_finite import assert_bitwise
 
 CFG = fmoe.ModelConfig(vocab=64, dim=32, heads=2, layers=2, experts=4, topk=2, ffn=16)
@@ -104,8 +105,7 @@ def test_fused_adamw_equals_the_chain_and_donating_equals_pure(clip):
         donated, s_don = donating.update(random_grads(ref, 10 + i), s_don, donated)
         assert storage(donated, s_don) == ptrs  # written where they were
     # torch's kernel and the chain order their float ops differently: equal up to fp32 rounding
-    for a, b in zip(optree.tree_leaves((pure, s_pure)), optree.tree_leaves((ref, s_ref))):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_trees_close((pure, s_pure), (ref, s_ref), rtol=1e-6, atol=1e-7)
     assert_bitwise((pure, s_pure), (donated, s_don))
     assert torch.equal(pure["layers"][0]["moe"]["expert_bias"], random_tree(0)["layers"][0]["moe"]["expert_bias"])
     # pure: no leaf of the result is a tensor passed in, frozen ones included

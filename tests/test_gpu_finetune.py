@@ -8,6 +8,7 @@ import torch
 import fmoe
 from fmoe.layers import attend, documents
 
+from .reference import assert_trees_close, assert_trees_equal
 from .test_finetune import PLAIN, fine_tuning_batch, packed_and_separate
 
 pytestmark = pytest.mark.gpu
@@ -67,8 +68,7 @@ def test_packed_rows_equal_separate_rows_on_the_gpu(compile):
     # fp32 on the GPU: TF32 is off by default for matmuls; attention kernels reassociate
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(got.loss.cpu(), cpu.loss, rtol=1e-5, atol=0)
-    for a, b in zip(optree.tree_leaves(got.grads), optree.tree_leaves(want.grads)):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    assert_trees_close(got.grads, want.grads, rtol=1e-3, atol=1e-5)
 
 
 def test_compiled_packed_steps_hold_after_the_attention_graph_went_dynamic():
@@ -100,5 +100,4 @@ def test_a_whole_step_graph_reads_each_batchs_mask_segments_and_count():
         eager = fmoe.step(params, batch, plan)
         assert out.metrics["tokens"] == eager.metrics["tokens"]
         assert torch.equal(out.loss, eager.loss)
-        for a, b in zip(optree.tree_leaves(out.grads), optree.tree_leaves(eager.grads)):
-            assert torch.equal(a, b)
+        assert_trees_equal(out.grads, eager.grads)

@@ -296,8 +296,7 @@ def test_fmoe_to_hf_to_fmoe_round_trips_bitwise(saved, tmp_path):
     out = fmoe.hf.save(tmp_path / "out", params, plan)
     assert json.loads((out / "config.json").read_text())["model_type"] == family
     back = fmoe.hf.load(out, fmoe.Plan(model=fmoe.hf.config(out)))
-    for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(params)):
-        assert torch.equal(a, b)
+    assert_trees_equal(back, params)
 
 
 def test_from_pretrained_reads_what_fmoe_wrote(saved, tmp_path):

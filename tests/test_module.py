@@ -10,6 +10,8 @@ from fmoe.layers import moe
 from fmoe.params import flat_shapes, named_leaves
 from interop import FMoEModule, MoELayer
 
+from .reference import assert_trees_close
+
 CFG = fmoe.ModelConfig(vocab=32, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, aux_loss_coef=0.01)
 
 
@@ -24,8 +26,7 @@ def test_module_loss_and_grads_equal_step():
     grads = optree.tree_map(lambda p: p.grad if p.grad is not None else torch.zeros_like(p), m.params())
     # One backward through both microbatches vs one per microbatch: the two partial
     # gradients of a leaf may be added in another order (fp32 rounding only).
-    for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(out.grads)):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert_trees_close(grads, out.grads, rtol=1e-6, atol=1e-9)
 
 
 def test_state_dict_uses_canonical_paths_and_trains_with_torch_optim():

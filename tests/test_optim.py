@@ -6,6 +6,8 @@ import torch
 
 import fmoe
 
+from .reference import assert_trees_close, assert_trees_equal
+
 
 def tree(seed):
     g = torch.Generator().manual_seed(seed)
@@ -45,11 +47,11 @@ def test_clip_by_global_norm_matches_torch():
         r.grad = g.clone()
     total = torch.nn.utils.clip_grad_norm_(ref, 0.7)
     torch.testing.assert_close(fmoe.global_norm(grads), total)
+    assert len(optree.tree_leaves(clipped)) == len(ref)
     for c, r in zip(optree.tree_leaves(clipped), ref):
         torch.testing.assert_close(c, r.grad, rtol=1e-5, atol=1e-7)
     small, _ = fmoe.clip_by_global_norm(1e3).update(grads, None)
-    for a, b in zip(optree.tree_leaves(small), optree.tree_leaves(grads)):
-        assert torch.equal(a, b)
+    assert_trees_equal(small, grads)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -65,8 +67,7 @@ def test_fused_adamw_keeps_the_chain_state_and_update(clip):
         params_c, state_c = chain.update(grads, state_c, params_c)
         params_f, state_f = fused.update(grads, state_f, params_f)
     assert optree.tree_structure(state_c) == optree.tree_structure(state_f)
-    for a, b in zip(optree.tree_leaves((params_c, state_c)), optree.tree_leaves((params_f, state_f))):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert_trees_close((params_c, state_c), (params_f, state_f), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
@@ -77,8 +78,7 @@ def test_adamw_is_pure(fused):
     state = opt.init(params)
     grads = tree(3)
     new, state2 = opt.update(grads, state, params)
-    for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(before)):
-        assert torch.equal(a, b)
+    assert_trees_equal(params, before)
     assert int(state["adam"].count) == 0 and int(state2["adam"].count) == 1
     assert not torch.equal(new["w"], params["w"])
 
@@ -128,15 +128,15 @@ def test_donated_expert_bias_update_equals_the_pure_one_in_place():
     donated = fmoe.update_expert_bias(params, counts, 0.01, donate=True)
     assert donated is params  # the same pytree, its biases written where they were
     assert [layer["moe"]["expert_bias"].data_ptr() for layer in donated["layers"]] == ptrs
-    for a, b in zip(optree.tree_leaves(pure), optree.tree_leaves(donated)):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    assert_trees_equal(optree.tree_map(lambda t: t.view(torch.int32), pure),
+                       optree.tree_map(lambda t: t.view(torch.int32), donated))
     # applied=False (a skipped optimizer step) keeps the biases bit for bit, in both forms
     before = optree.tree_map(torch.clone, donated)
     no = torch.tensor(False)
     kept = fmoe.update_expert_bias(donated, counts, 0.01, applied=no)
     fmoe.update_expert_bias(donated, counts, 0.01, donate=True, applied=no)
-    for a, b, c in zip(optree.tree_leaves(before), optree.tree_leaves(kept), optree.tree_leaves(donated)):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    assert_trees_equal(before, kept)
+    assert_trees_equal(before, donated)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])
@@ -201,8 +201,7 @@ def test_adamw_states_are_named_and_a_positional_state_from_before_still_updates
     want = opt.update(grads, state, params)
     got = opt.update(grads, loaded, params)
     assert optree.tree_structure(got) == optree.tree_structure(want)
-    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
-        assert torch.equal(a, b)
+    assert_trees_equal(got, want)
 
 
 def test_named_chain_threads_updates_in_order_and_refuses_a_repeated_name():

@@ -13,6 +13,7 @@ import optree
 import pytest
 import torch
 
+from ..reference import assert_same_structure
 from .harness import run_ranks
 from .workloads import COMPILE_CASES, compiled_configs
 
@@ -34,5 +35,6 @@ def test_compiled_matches_eager_on_ranks(case, mesh):
         torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-6, atol=0)
         assert compiled["counts"] == eager["counts"]  # the same collectives
         for key in ("grads", "params"):
+            assert_same_structure(compiled[key], eager[key], key)
             for a, b in zip(optree.tree_leaves(compiled[key]), optree.tree_leaves(eager[key])):
                 assert rel(a, b) < 1e-5, key

@@ -10,6 +10,7 @@ import torch
 
 import fmoe
 
+from ..reference import assert_trees_close, assert_trees_equal
 from .harness import run_ranks
 from .workloads import (
     CFG,
@@ -55,10 +56,8 @@ def test_nccl_matches_single_gpu(sharding, mb):
     for res in nccl(fsdp_configs):
         got = res[(sharding, mb)]
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-        for a, b in zip(optree.tree_leaves(got["grads"]), optree.tree_leaves(ref["grads"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(ref["params"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+        assert_trees_close(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6)
+        assert_trees_close(got["params"], ref["params"], rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("name", [v for v in VARIANTS if v != "dynamic"])
@@ -66,8 +65,7 @@ def test_nccl_zero3_variants_are_bitwise_identical(name):
     # Deterministic kernels, a fixed NCCL algorithm and two ranks (a + b commutes).
     for res in nccl(zero3_variants):
         assert torch.equal(res[name]["losses"], res["dynamic"]["losses"])
-        for a, b in zip(optree.tree_leaves(res[name]["grads"]), optree.tree_leaves(res["dynamic"]["grads"])):
-            assert torch.equal(a, b)
+        assert_trees_equal(res[name]["grads"], res["dynamic"]["grads"])
 
 
 @pytest.mark.parametrize("sharding", STRATEGIES)
@@ -77,10 +75,8 @@ def test_nccl_ep2_matches_single_gpu(sharding):
         got = res[sharding]
         assert got["metrics"]["a2a_bytes"] > 0
         torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-        for a, b in zip(optree.tree_leaves(got["grads"]), optree.tree_leaves(ref["grads"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        for a, b in zip(optree.tree_leaves(got["params"]), optree.tree_leaves(ref["params"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+        assert_trees_close(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6)
+        assert_trees_close(got["params"], ref["params"], rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("target", [(2, 1, "optim"), (1, 2, "no_shard")], ids=["dp2-zero1", "ep2"])
@@ -88,8 +84,7 @@ def test_nccl_checkpoint_reshards_and_resumes(tmp_path_factory, target):
     path = str(tmp_path_factory.mktemp("nccl_ck") / "ck")
     writers = nccl(checkpoint_writer, path, 2, 1, "optim_grads_params")
     for res in nccl(checkpoint_reader, path, *target):
-        for a, b in zip(optree.tree_leaves(res["full"]), optree.tree_leaves(writers[0]["full"])):
-            assert torch.equal(a, b)
+        assert_trees_equal(res["full"], writers[0]["full"])
     for resumed, uninterrupted in zip(nccl(checkpoint_reader, path, 2, 1, "optim_grads_params"), writers):
         assert torch.equal(resumed["after"], uninterrupted["after"])
 
@@ -120,8 +115,7 @@ def test_nccl_meshes_match_single_gpu(dp, ep):
     ref = train(scale_plan(device="cuda"), global_batch().cuda(), steps=2)
     for res in run_ranks(dp * ep, scale_config, dp, ep, "cuda", backend="nccl"):
         torch.testing.assert_close(res["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
-        for a, b in zip(optree.tree_leaves(res["grads"]), optree.tree_leaves(ref["grads"])):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert_trees_close(res["grads"], ref["grads"], rtol=1e-4, atol=1e-6)
 
 
 def _rel_err(a, ref):
