@@ -114,8 +114,10 @@ def test_fused_adamw_equals_the_chain_and_donating_equals_pure(clip):
     assert not {id(t) for t in optree.tree_leaves(out)} & {id(t) for t in optree.tree_leaves(given)}
 
 
-def test_donated_skip_of_a_bad_step_writes_no_bit():
-    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, fused=True, donate=True, skip_nonfinite=2)
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_donated_skip_of_a_bad_step_writes_no_bit(moments):
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, fused=True, donate=True, skip_nonfinite=2,
+                     moments=moments)
     params = random_tree(1)
     state = opt.init(params)
     params, state = opt.update(random_grads(params, 5), state, params)

@@ -15,24 +15,28 @@ import optree
 import torch
 
 from ..params import decays, trainable
+from .adamw_kernel import adamw_bf16_moments_
 from .finite import finite_init, next_finite_state, skip_decision
-from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_named_state, global_norm
+from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_moment_state, check_named_state, global_norm
 
 
 ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
 """The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
 
 
-def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int, donate: bool):
+def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int, donate: bool,
+                moments: torch.dtype = torch.float32):
     """``adamw(fused=True)``: the named chain's state (``clip``, ``adam``, ``decay``,
     ``lr``, ``freeze``) and meaning, one fused kernel per class of leaves (trainable and
-    decayed, trainable, frozen). Returns ``(init, update)``."""
+    decayed, trainable, frozen); with bf16 ``moments``, one kernel per leaf
+    (``adamw_kernel``). Returns ``(init, update)``."""
     clipping = max_grad_norm is not None
     names = list(ADAMW_STATES[0 if clipping else 1:])
 
     def fused_update(grads, state, params, norm, apply):
         check_named_state(state, names)
         adam, schedule = state["adam"], state["lr"]
+        check_moment_state("adamw", adam, moments)
         rate = lr(schedule.count) if callable(lr) else lr
         grad_scale = None
         if clipping:  # the kernel divides gradients by grad_scale (in place)
@@ -64,10 +68,13 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
             new_p.append(p_run if cls[0] else own(p))  # pure: never the tensor passed in
             new_m.append(m)
             new_v.append(v)
-        for (updated, decay), (ps, gs, ms, vs) in work.items():
-            torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if updated else 0.0,
-                                beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
-                                amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        if moments == torch.float32:
+            for (updated, decay), (ps, gs, ms, vs) in work.items():
+                torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if updated else 0.0,
+                                    beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
+                                    amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        else:
+            _bf16_moment_steps(work, rate, step, b1, b2, eps, weight_decay, grad_scale, found_inf)
         advance = 1 if apply is None else apply.long()  # a skipped step leaves the counts too
         new_state = dict(state, adam=ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m),
                                                       treedef.unflatten(new_v)),
@@ -85,3 +92,17 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         return new_params, next_finite_state(state, norm, apply, inner_state)
 
     return (finite_init(chain_init) if max_skips else chain_init), update
+
+
+def _bf16_moment_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight_decay, grad_scale, found_inf) -> None:
+    """``adamw_bf16_moments_`` over every leaf of ``work`` (``{(updated, decayed): (params,
+    grads, mus, nus)}``): the rate and bias corrections made once on the device."""
+    device = step.device
+    rate = torch.as_tensor(rate, dtype=torch.float32, device=device)
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    for (updated, decay), (ps, gs, ms, vs) in work.items():
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            adamw_bf16_moments_(p, g, m, v, lr=rate if updated else zero, c1=c1, c2=c2, b1=b1, b2=b2, eps=eps,
+                                weight_decay=weight_decay if decay else 0.0, grad_scale=grad_scale,
+                                found_inf=found_inf)

@@ -7,7 +7,8 @@ plans that fit.
 
 The model and plan come from the main job's flags (``--config`` and any model or plan
 field; ``dp`` from ``--gpus`` when left out, ``dtype`` bfloat16) or ``--model`` (a full-size model of
-``fmoe.plan.models``); ``--batch`` and ``--seq`` are the global batch. Prints the plan,
+``fmoe.plan.models``); ``--batch`` and ``--seq`` are the global batch, ``--moments`` the
+AdamW moments' dtype its memory counts. Prints the plan,
 what was checked, the estimated step time, tokens/s and MFU, each stage's bubble and
 memory, and a timeline of one rank per stage; ``--trace`` writes it as a Chrome trace.
 ``--search`` ranks the plans for ``--gpus`` whose every rank fits ``--memory`` GiB by
@@ -73,7 +74,8 @@ def _plan(fields: dict, cfg, explicit: set, gpus: int | None, **changes) -> Plan
     return options.plan_for(fields, cfg, device="cuda")
 
 
-def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float, costs: CostModel) -> list:
+def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float, costs: CostModel,
+           moments: str = "float32") -> list:
     """``[(tokens/s, Plan, peak GiB)]`` of the plans for ``gpus`` GPUs whose every rank fits
     ``memory_gib``, best first: pipeline, expert and tensor parallel degrees (tensor
     parallelism inside a node), context parallelism at sequences of 16k and more,
@@ -100,7 +102,7 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
                     plan = Plan(model=cfg, dp=dp, ep=ep, tp=tp, cp=cp, pp=pp, virtual_stages=virtual,
                                 sharding=sharding, schedule=schedule, remat=remat, microbatches=microbatches,
                                 dtype="bfloat16", device="cuda", compile=fields.get("compile", False))
-                    peak = _fits(plan, rows, seq, memory_gib)
+                    peak = _fits(plan, rows, seq, memory_gib, moments)
                     if peak is None:
                         continue
                     found.append((simulate(plan, rows, seq, costs).tokens_per_second, plan, peak))
@@ -110,12 +112,12 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
     return sorted(found, key=lambda f: -f[0])
 
 
-def _fits(plan: Plan, rows: int, seq: int, memory_gib: float) -> float | None:
+def _fits(plan: Plan, rows: int, seq: int, memory_gib: float, moments: str) -> float | None:
     """The plan's peak GiB over its stages, or None once a stage does not fit (the first
     stage, which holds the most microbatches, is tried first)."""
     peak = 0.0
     for stage in range(plan.pp):
-        peak = max(peak, estimate_memory(plan, rows, seq, stage)["total"] / GIB)
+        peak = max(peak, estimate_memory(plan, rows, seq, stage, moments)["total"] / GIB)
         if peak > memory_gib:
             return None
     return peak
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         if planner.search:
             if not planner.gpus:
                 raise ValueError("--search needs --gpus")
-            ranked = search(cfg, fields, planner.gpus, run.batch, run.seq, planner.memory, costs)
+            ranked = search(cfg, fields, planner.gpus, run.batch, run.seq, planner.memory, costs, run.moments)
             print(f"{len(ranked)} plan(s) for {planner.gpus} GPUs fit {planner.memory:g} GiB each "
                   f"(batch {run.batch} x {run.seq}; {time.perf_counter() - t0:.1f} s); best first:")
             for tokens, plan, peak in ranked[:planner.top]:
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
             return 0
         plan = _plan(fields, cfg, explicit, planner.gpus)
         sim = simulate(plan, run.batch, run.seq, costs)
-        for line in summary(sim) + ["timeline, one rank per stage (digits: a microbatch's forward, letters: its "
+        memory = [estimate_memory(plan, run.batch, run.seq, s, run.moments) for s in range(plan.pp)]
+        for line in summary(sim, memory) + ["timeline, one rank per stage (digits: a microbatch's forward, letters: its "
                                     "backward, a = 0; '.': idle):"] + timeline(sim):
             print(line)
         if planner.trace:

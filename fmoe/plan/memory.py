@@ -1,5 +1,5 @@
 """What one rank of each pipeline stage holds at its peak, estimated from the plan: the
-fp32 parameters, gradients and AdamW moments at rest (its shards and slices), the step's
+fp32 parameters and gradients and the AdamW moments (fp32 or bf16) at rest (its shards and slices), the step's
 compute-dtype copy of them, the gathered units at their most and the fp32 gradient
 buffers accumulating before their reduction (both walked through the stage's program),
 and the activations each microbatch in flight keeps (by ``Plan.remat``; a layer's, from
@@ -16,6 +16,7 @@ from collections import Counter
 
 from ..config import Plan
 from ..layers.nodes import Kind
+from ..optim.transforms import check_moments
 from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
 from .simulate import _rank_elements, _sizes
@@ -85,9 +86,10 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
     return gathered, grads, activations
 
 
-def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
+def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: str = "float32") -> dict:
     """``{part: bytes}`` (``PARTS`` and ``total``) one rank of pipeline stage ``stage``
-    holds at its peak, for a global batch of ``rows`` sequences of ``seq``."""
+    holds at its peak, for a global batch of ``rows`` sequences of ``seq``; AdamW's
+    moments in ``moments`` (``float32`` or ``bfloat16``, ``adamw(moments=...)``)."""
     cfg, spec = plan.model, resolve_stage(plan, stage).spec
     rank = plan.dims.rank_of(0, 0, 0, 0, stage)
     elements = _rank_elements(spec, rank)
@@ -105,7 +107,7 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0) -> dict:
     gathered, grads, activations = _walk(plan, spec, stage, units, kept)
     step_copy = sum(layout.shard_size * spec.dtype(key).itemsize for u in units.values()
                     for key, layout in u.groups.items())
-    parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 8 * elements, "step copy": step_copy,
+    parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 2 * check_moments("moments", moments).itemsize * elements, "step copy": step_copy,
              "gathered": gathered, "grad buffers": grads, "activations": activations}
     parts["total"] = sum(parts.values())
     return parts

@@ -154,7 +154,7 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     # steps later. Until then every one must be skipped, so the optimizer is told to give
     # up only after more of them in a row than the run has steps.
     opt = adamw(schedule, weight_decay=s.weight_decay, max_grad_norm=s.clip or None, plan=plan,
-                fused=s.fused_optimizer, donate=s.fused_optimizer,
+                fused=s.fused_optimizer, donate=s.fused_optimizer, moments=s.moments,
                 skip_nonfinite=s.steps + s.max_skips if s.max_skips else 0)
     heldout = [context_chunks(b, plan, world.rank)
                for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]

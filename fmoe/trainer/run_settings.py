@@ -9,6 +9,8 @@ import math
 import os
 from typing import NoReturn
 
+from ..optim.transforms import MOMENT_DTYPES
+
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 # Every int a settings file holds is a TOML integer: a 64-bit one.
 _MAX_INT = 2**63 - 1
@@ -46,6 +48,8 @@ class RunSettings:
     clip: float = _option(1.0, "global grad-norm clip (0: off)")
     fused_optimizer: bool = _option(False, "torch's fused AdamW kernel, updating params and moments in place "
                                            "(same state and update up to rounding)")
+    moments: str = _option("float32", "the dtype AdamW keeps its moments in: float32, or bfloat16 (half their "
+                                      "memory; computed in fp32, rounded once a step)")
     max_skips: int = _option(5, "skip updates whose gradients hold NaN/inf; stop after this many in a row (0: off)")
     seed: int = _option(0, "init and data sampling seed")
     # data and initial weights
@@ -117,6 +121,8 @@ def _check_ranges(s: RunSettings) -> None:
         invalid("heldout_fraction", s.heldout_fraction, "must be in (0, 1)")
     if not 0 <= s.min_lr_ratio <= 1:
         invalid("min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]")
+    if s.moments not in MOMENT_DTYPES:
+        invalid("moments", s.moments, "must be one of " + ", ".join(MOMENT_DTYPES))
     if s.stop_after and s.stop_after > s.steps:
         invalid("stop_after", s.stop_after, f"must be <= --steps ({s.steps}) or 0")
 
