@@ -42,6 +42,18 @@ def test_resumed_training_is_bitwise_the_uninterrupted_one(saved):
         assert torch.equal(resumed["after"], uninterrupted["after"])
 
 
+def test_bf16_moments_reshard_from_zero3_to_one_process_and_resume_bitwise(tmp_path):
+    # adamw(moments="bfloat16"): the moments are saved, resharded and loaded as bf16
+    path = str(tmp_path / "ck")
+    writers = run_ranks(2, checkpoint_writer, path, 2, 1, "optim_grads_params", "cpu", "bfloat16")
+    assert writers[0]["full"]["mu"]["head"].dtype == torch.bfloat16
+    for res in run_ranks(1, checkpoint_reader, path, 1, 1, "no_shard", "cpu", "bfloat16"):
+        assert_trees_equal(res["full"], writers[0]["full"])
+    resumed = run_ranks(2, checkpoint_reader, path, 2, 1, "optim_grads_params", "cpu", "bfloat16")
+    for got, uninterrupted in zip(resumed, writers):
+        assert torch.equal(got["after"], uninterrupted["after"])
+
+
 @pytest.mark.parametrize("kind", ["by_name", "subset"])
 def test_a_state_the_user_built_comes_back_to_each_rank(tmp_path, kind):
     # Its tensors that mirror a parameter (found by their place in the state or their

@@ -263,11 +263,11 @@ def _steps(plan, params, opt, state, tokens, n):
     return params, state, torch.stack(losses)
 
 
-def checkpoint_writer(rank, world, path, dp, ep, sharding, device="cpu"):
+def checkpoint_writer(rank, world, path, dp, ep, sharding, device="cpu", moments="float32"):
     """Train 2 steps, save, train 2 more: the uninterrupted run to compare with."""
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2, device=device)
     tokens = rank_rows(global_batch(), rank, world)
-    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan, moments=moments)
     params = fmoe.init(plan, seed=0)
     params, state, _ = _steps(plan, params, opt, opt.init(params), tokens, 2)
     fmoe.save(path, plan, params, opt_state=state, step=2, extra={"rows": tokens.shape[0]})
@@ -276,12 +276,12 @@ def checkpoint_writer(rank, world, path, dp, ep, sharding, device="cpu"):
     return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after})
 
 
-def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu"):
+def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu", moments="float32"):
     """Load under another plan: the full tensors it sees, and 2 more steps."""
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2, device=device)
     tokens = rank_rows(global_batch(), rank, world)
     ck = fmoe.load(path, plan)
-    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan, moments=moments)
     full = {"params": fmoe.gather_full(ck.params, plan), "mu": fmoe.gather_full(adam_moments(ck.opt_state).mu, plan)}
     _, _, after = _steps(plan, ck.params, opt, ck.opt_state, tokens, 2)
     return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after}) | {"step": ck.step}
