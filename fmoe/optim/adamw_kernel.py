@@ -27,8 +27,8 @@ def adamw_bf16_moments_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: to
     """Update ``p`` (fp32) and its moments ``m``, ``v`` (bf16) in place by one AdamW step.
 
     Arguments:
-        p, g, m, v: the parameter, its gradient (any float dtype) and moments, one shape,
-            contiguous.
+        p, g, m, v: the parameter (fp32, as fmoe's params are), its gradient (any float
+            dtype) and moments, one shape, contiguous.
         lr, c1, c2: 0-dim fp32 tensors on ``p``'s device: the rate and the step's bias
             corrections ``1 - b1^t``, ``1 - b2^t``.
         b1, b2, eps, weight_decay: as ``adamw``'s.
@@ -67,7 +67,7 @@ if tk.triton is not None:
                 return
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < n
-        p = tl.load(p_ptr + offs, mask=ok, other=0.0)
+        p = tl.load(p_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -77,6 +77,6 @@ if tk.triton is not None:
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         p = p * (1 - lr * weight_decay) - lr * (m / tl.load(c1_ptr)) / (tl.sqrt(v / tl.load(c2_ptr)) + eps)
-        tl.store(p_ptr + offs, p, mask=ok)
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=ok)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=ok)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=ok)
