@@ -340,12 +340,16 @@ def assert_same_structure(a, b, context=""):
     assert sa == sb, f"{context}: tree structures differ: {sa} != {sb}" if context else f"{sa} != {sb}"
 
 
-def assert_trees_close(a, b, context="", **tol):
+def assert_trees_close(a, b, context="", atol_of_scale: float | None = None, **tol):
     """Same tree structure, and every leaf of ``a`` close to its leaf in ``b``
-    (``torch.testing.assert_close`` with ``tol``); ``context`` heads a failure's message."""
+    (``torch.testing.assert_close`` with ``tol``); ``context`` heads a failure's message.
+    ``atol_of_scale``: each leaf's ``atol`` is this fraction of its largest magnitude in
+    ``b`` (rounding that reorders a sum errs in proportion to the terms summed)."""
     assert_same_structure(a, b, context)
     for path, x, y in zip(optree.tree_paths(a), optree.tree_leaves(a), optree.tree_leaves(b)):
-        torch.testing.assert_close(x, y, **tol, msg=lambda m, path=path: f"{context} {path}: {m}".lstrip())
+        leaf_tol = dict(tol, atol=atol_of_scale * float(y.abs().max())) if atol_of_scale is not None and y.numel() \
+            else tol
+        torch.testing.assert_close(x, y, **leaf_tol, msg=lambda m, path=path: f"{context} {path}: {m}".lstrip())
 
 
 def assert_trees_equal(a, b, context=""):

@@ -293,7 +293,10 @@ def test_the_compiled_step_matches_the_eager_one(packed):
     eager = fmoe.step(params, b, plan)
     compiled = fmoe.step(params, b, plan.replace(compile=True))
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-6, atol=1e-6)
-    ref.assert_trees_close(compiled.grads, eager.grads, rtol=1e-5, atol=1e-6)
+    # fp32 sums reassociated by the compiled kernels: over 60 random batches each leaf
+    # stayed within 6.2e-6 of its largest gradient (the embedding's: 1.6e-6 absolute,
+    # past the fixed 1e-6 this test once allowed, which failed twice)
+    ref.assert_trees_close(compiled.grads, eager.grads, rtol=1e-5, atol_of_scale=2e-5)
 
 
 def test_a_moe_layer_module_of_a_windowed_model_builds_and_runs():
