@@ -50,7 +50,8 @@ def adamw_bf16_moments_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: to
     new_p = p * (1 - lr * weight_decay) - lr * (m32 / c1) / ((v32 / c2).sqrt() + eps)
     if found_inf is not None:
         keep = found_inf != 0
-        new_p, m32, v32 = torch.where(keep, p, new_p), torch.where(keep, m.float(), m32), torch.where(keep, v.float(), v32)
+        new_p = torch.where(keep, p, new_p)
+        m32, v32 = torch.where(keep, m.float(), m32), torch.where(keep, v.float(), v32)
     p.copy_(new_p)
     m.copy_(m32)
     v.copy_(v32)

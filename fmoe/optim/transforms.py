@@ -224,7 +224,8 @@ def check_moment_state(where: str, state, dtype: torch.dtype) -> None:
     found = {leaf.dtype for leaf in optree.tree_leaves((state.mu, state.nu))}
     if found - {dtype}:
         names = {v: k for k, v in MOMENT_DTYPES.items()}
-        raise ValueError(f"{where}: the optimizer state holds moments in {sorted(names.get(d, str(d)) for d in found)}, "
+        held = sorted(names.get(d, str(d)) for d in found)
+        raise ValueError(f"{where}: the optimizer state holds moments in {held}, "
                          f"but this optimizer keeps them in {names[dtype]!r}; build it with the state's moments "
                          f"setting, or start a new state with init")
 

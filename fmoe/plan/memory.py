@@ -1,7 +1,7 @@
 """What one rank of each pipeline stage holds at its peak, estimated from the plan: the
-fp32 parameters and gradients and the AdamW moments (fp32 or bf16) at rest (its shards and slices), the step's
-compute-dtype copy of them, the gathered units at their most and the fp32 gradient
-buffers accumulating before their reduction (both walked through the stage's program),
+fp32 parameters and gradients and the AdamW moments (fp32 or bf16) at rest (its shards and
+slices), the step's compute-dtype copy of them, the gathered units at their most and the
+fp32 gradient buffers accumulating before their reduction (both walked through the stage's program),
 and the activations each microbatch in flight keeps (by ``Plan.remat``; a layer's, from
 its first forward of the microbatch to its last backward).
 
@@ -107,7 +107,8 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: st
     gathered, grads, activations = _walk(plan, spec, stage, units, kept)
     step_copy = sum(layout.shard_size * spec.dtype(key).itemsize for u in units.values()
                     for key, layout in u.groups.items())
-    parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 2 * check_moments("moments", moments).itemsize * elements, "step copy": step_copy,
-             "gathered": gathered, "grad buffers": grads, "activations": activations}
+    moment_bytes = check_moments("moments", moments).itemsize
+    parts = {"params": 4 * elements, "grads": 4 * elements, "optimizer": 2 * moment_bytes * elements,
+             "step copy": step_copy, "gathered": gathered, "grad buffers": grads, "activations": activations}
     parts["total"] = sum(parts.values())
     return parts
