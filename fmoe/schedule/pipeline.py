@@ -79,11 +79,9 @@ def recv(run, a: Recv) -> Event:
     t0 = now()
     if a.boundary.gradient:
         comm.recv(out, pipe.next, pipe.gradients).wait()
-    else:
-        comm.recv(out, pipe.previous).wait()
-    if a.boundary.gradient:
         mbf.grad_h = out
     else:
+        comm.recv(out, pipe.previous).wait()
         mbf.stream = Stream(a.boundary, out)
     return Event("recv", None, str(a.boundary), a.mb, t0, now(), out.numel() * out.element_size(), "pipeline")
 
