@@ -10,7 +10,7 @@ Two ways to replay a step's kernels instead of launching them one by one:
 - ``capture_scopes(params, batch, plan, scopes)`` graphs the functions inside the
   layer nodes (``attn``: attention half; ``router``: scores and top-k; ``experts``:
   the grouped expert MLP) one graph pair (forward, backward) per layer and
-  microbatch, through ``torch.cuda.make_graphed_callables``, and returns the
+  microbatch, and returns the
   ``fmoe.schedule.Kernels`` to pass as ``fmoe.step(..., kernels=...)``. Everything
   else (gathers, exchanges, the lifecycle) stays eager, so every schedule and
   sharding works around them.
@@ -25,6 +25,7 @@ work.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import optree
 import torch
@@ -194,6 +195,88 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     return GraphedStep(plan, graph, static_params, prepared, out)
 
 
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs into the pair's own, replay its forward graph. Backward:
+    copy the output gradients in, replay its backward graph."""
+
+    @staticmethod
+    def forward(ctx, pair: "_GraphPair", *inputs):
+        ctx.pair = pair
+        with torch.no_grad():
+            for static, new in zip(pair.inputs, inputs):
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+        pair.forward_graph.replay()
+        return tuple(o.detach() for o in pair.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        pair = ctx.pair
+        for static, grad in zip(pair.output_grads, grads):
+            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        pair.backward_graph.replay()
+        return (None, *(None if g is None else g.detach() for g in pair.input_grads))
+
+
+class _GraphPair(NamedTuple):
+    forward_graph: torch.cuda.CUDAGraph
+    backward_graph: torch.cuda.CUDAGraph
+    inputs: tuple  # the static tensors both graphs read
+    outputs: tuple  # the forward's outputs, flat
+    output_grads: tuple  # where the backward reads each output's gradient (None: not differentiable)
+    input_grads: tuple  # where it writes each input's (None: none wanted or unused)
+    treespec: optree.PyTreeSpec
+
+
+def _input_grads(outputs: list, output_grads: list, inputs: tuple) -> tuple:
+    wanted = [t for t in inputs if t.requires_grad]
+    differentiable = [(o, g) for o, g in zip(outputs, output_grads) if g is not None]
+    if not wanted or not differentiable:
+        return (None,) * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in differentiable], wanted, [g for _, g in differentiable],
+                                   allow_unused=True))
+    return tuple(next(got) if t.requires_grad else None for t in inputs)
+
+
+def graph_pair(fn, inputs: tuple, warmup: int = 3):
+    """``fn`` (tensors in, a tree of tensors out) as a forward and a backward CUDA graph
+    on the static ``inputs``, replayed by an autograd function.
+
+    As ``torch.cuda.make_graphed_callables`` does, but both graphs are captured in
+    thread-local mode, as ``capture_step`` is: a CUDA call another thread makes meanwhile
+    (a communicator's watchdog, autograd's device thread) cannot invalidate the capture,
+    where the global mode refuses every thread's. The backward runs on autograd's device
+    thread, so it is that thread's calls the global mode would have refused.
+
+    Arguments:
+        fn: the function; every call computes the same kernels on the same shapes.
+        inputs: its arguments; the graphs read these tensors, and each call copies new
+            arguments into them unless they are already there.
+        warmup: forward and backward passes run on a side stream before capture, so
+            lazy initialisation (kernel loads, cuBLAS workspaces) is not captured.
+
+    Returns:
+        ``call(*tensors)`` returning ``fn``'s tree of outputs, differentiable.
+    """
+    def forward_backward():
+        outputs = optree.tree_leaves(fn(*inputs))
+        _input_grads(outputs, [torch.empty_like(o) if o.requires_grad else None for o in outputs], inputs)
+
+    _warm_up(forward_backward, warmup)
+    pool = torch.cuda.graph_pool_handle()  # the backward graph reads the forward's saved tensors
+    forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+        outputs, treespec = optree.tree_flatten(fn(*inputs))
+    output_grads = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
+    with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode="thread_local"):
+        input_grads = _input_grads(outputs, output_grads, inputs)
+    pair = _GraphPair(forward_graph, backward_graph, inputs, tuple(outputs), tuple(output_grads), input_grads,
+                      treespec)
+    return lambda *tensors: optree.tree_unflatten(treespec, _Replay.apply(pair, *tensors))
+
+
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
 
 def _attn_flat(p_layer: dict, plan: Plan, window: int = 0):
@@ -240,7 +323,7 @@ class _ScopeGraphs:
 
     def capture(self) -> None:
         for key, (fn, sample) in self.samples.items():
-            self.graphed[key] = torch.cuda.make_graphed_callables(fn, tuple(sample), allow_unused_input=True)
+            self.graphed[key] = graph_pair(fn, tuple(sample))
         self.samples.clear()
 
     def kernels(self) -> Kernels:
@@ -292,7 +375,7 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
 
     Runs one eager ``fmoe.step`` that records each scope's arguments, then captures
     one forward and one backward graph per (scope, layer, microbatch) with
-    ``torch.cuda.make_graphed_callables`` (which warms up on a side stream first).
+    ``graph_pair`` (which warms up on a side stream first).
     Each graph has its own memory pool, so any schedule may interleave them.
 
     Arguments:
@@ -318,4 +401,4 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
     return kernels
 
 
-__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable"]
+__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable", "graph_pair"]

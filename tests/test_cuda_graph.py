@@ -1,6 +1,11 @@
 """CUDA graphs: refusals (plan-only checks, so they run on CPU too) and, on a GPU,
 graphed steps that are bitwise the eager ones."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import optree
 import pytest
 import torch
@@ -8,6 +13,7 @@ import torch
 import fmoe
 from interop.cuda_graph import capture_scopes, capture_step, check_capturable
 
+from .dist.harness import free_port
 from .dist.workloads import CFG, global_batch, graphed_losses
 from .reference import assert_trees_equal
 
@@ -71,6 +77,39 @@ def test_graphed_steps_are_bitwise_eager_on_one_gpu(schedule):
     for mode, losses in res.items():
         assert torch.isfinite(losses).all()
         assert torch.equal(losses, res["eager"]), (mode, losses, res["eager"])
+
+
+def capture_after_other_work() -> None:
+    """In a process of its own: a communicator and a compiled step first, then every
+    scope and the whole step captured; raises unless each graphed mode's losses are the
+    eager ones."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ones = torch.ones(8, device="cuda")
+    dist.all_reduce(ones)  # its watchdog thread polls from now on, through every capture below
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), sharding="optim_grads_params",
+                     schedule="1f1b_overlap", microbatches=2, gather_buffers="persistent", **BF16)
+    tokens = global_batch().cuda()
+    compiled = plan.replace(compile=True)  # inductor and Triton compile in this process first
+    fmoe.step(fmoe.init(compiled, seed=1), {"tokens": tokens}, compiled).loss.item()
+    res = graphed_losses(plan, tokens)
+    for mode, losses in res.items():
+        assert torch.isfinite(losses).all() and torch.equal(losses, res["eager"]), (mode, losses, res["eager"])
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_captures_on_cold_caches_after_other_work_are_bitwise_eager(tmp_path):
+    # Fresh Triton and inductor caches (as on a fresh machine), so every kernel is
+    # compiled and loaded in this process, beside a live NCCL watchdog: the captures
+    # that failed on fresh machines (cudaErrorStreamCaptureInvalidated) ran in such a process.
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    code = "from tests.test_cuda_graph import capture_after_other_work; capture_after_other_work()"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
 
 
 @pytest.mark.parametrize("capacity", [0.0, 1.5])

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from fmoe.data import prepare
 from fmoe.generate import checkpoint_tokenizer
 from fmoe.trainer import options
 from fmoe.train import main as train_main
+from tests.dist.harness import free_port
 from tests.test_data import bpe_tokenizer
 
 from .reference import assert_trees_equal
@@ -385,16 +385,10 @@ def test_resume_continues_the_log_and_refuses_what_cannot_continue(tmp_path):
     assert [r["step"] for r in rec] == list(range(1, 9)) and rec[4]["loss"] > 0
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_ranks(args, world=2):
     """The main job as torchrun would start it, one process per rank, without torchrun
     in between (so a test can signal or kill one rank)."""
-    port = _free_port()
+    port = free_port()
     return [subprocess.Popen([sys.executable, "-m", "fmoe.train", *map(str, args)], cwd=ROOT,
                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                                      MASTER_PORT=str(port)),
