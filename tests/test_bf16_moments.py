@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fmoe
-from fmoe.optim.adamw_kernel import adamw_bf16_moments_
+from fmoe.optim.adamw_kernel import adamw_leaf_
 
 from .reference import assert_same_structure, assert_trees_close
-from .test_fused_adamw import random_grads, random_tree, standalone
+from .test_fused_adamw import kernel_device, random_grads, random_tree, standalone
 from .test_optim_finite import assert_bitwise
 
 B1, B2, EPS, WD, LR = 0.9, 0.95, 1e-8, 0.1, 1e-2
@@ -131,31 +131,32 @@ def test_moments_outside_the_allowed_dtypes_are_refused_by_name():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "grad_scale"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["fp32_grads", "bf16_grads"])
-def test_the_bf16_moment_kernel_matches_its_torch_path(scaled, grad_dtype, monkeypatch):
-    # CUDA with Triton, or FMOE_TRITON_INTERPRET=1 on the CPU (whose interpreter truncates
-    # the bf16 casts where compiled code rounds: one bf16 ulp either way)
-    from fmoe.layers import triton_kernels as tk
-
-    device = "cpu" if tk.INTERPRET else "cuda"
-    if tk.triton is None or not tk.fused_kernels_available(torch.empty(0, device=device)):
-        pytest.skip("needs Triton on CUDA, or FMOE_TRITON_INTERPRET=1")
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
+def test_the_adamw_kernel_matches_its_torch_path(scaled, grad_dtype, moments, monkeypatch):
+    device = kernel_device()
     gen = torch.Generator().manual_seed(3)
     n = 5000  # not a multiple of the kernel's block
     p = torch.randn(n, generator=gen)
     g = (torch.randn(n, generator=gen) * 3).to(grad_dtype)
-    m = (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16)
-    v = (torch.rand(n, generator=gen) * 0.1).to(torch.bfloat16)
+    m = (torch.randn(n, generator=gen) * 0.1).to(moments)
+    v = (torch.rand(n, generator=gen) * 0.1).to(moments)
     step = torch.tensor(4.0)
     scalars = dict(lr=torch.tensor(1e-2), c1=1 - B1 ** step, c2=1 - B2 ** step, b1=B1, b2=B2, eps=EPS,
                    weight_decay=WD, grad_scale=torch.tensor(2.5) if scaled else None)
     ran = [t.clone().to(device) for t in (p, g, m, v)]
-    adamw_bf16_moments_(*ran, **{k: x.to(device) if isinstance(x, torch.Tensor) else x for k, x in scalars.items()})
+    adamw_leaf_(*ran, **{k: x.to(device) if isinstance(x, torch.Tensor) else x for k, x in scalars.items()})
     want = [p.clone(), g, m.clone(), v.clone()]
     monkeypatch.setenv("FMOE_FUSED_KERNELS", "0")  # the torch path
-    adamw_bf16_moments_(*want, **scalars)
+    adamw_leaf_(*want, **scalars)
+    assert torch.equal(ran[1].cpu(), g)  # the gradient is read, never written
     torch.testing.assert_close(ran[0].cpu(), want[0], rtol=1e-6, atol=1e-7)
+    # bf16: one rounding of the same fp32 value, or its neighbour across a tie; fp32: the
+    # same operations fused (FMA) or not, a few ulps of the terms (|b1 m|, |(1 - b1) g| < 2)
+    # where m's two terms cancel
+    rtol, atol = (BF16_ULP, 0) if moments == torch.bfloat16 else (1e-6, 1e-6)
     for got, ref in ((ran[2], want[2]), (ran[3], want[3])):
-        torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=BF16_ULP, atol=0)
+        assert got.dtype == moments
+        torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=rtol, atol=atol)
     assert math.isfinite(float(ran[0].sum()))
 
 

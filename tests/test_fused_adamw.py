@@ -1,4 +1,5 @@
-"""``adamw(fused=True)``: torch's multi-tensor AdamW over every leaf, pure or donating;
+"""``adamw(fused=True)``: torch's multi-tensor AdamW over every leaf (on CUDA the per-leaf
+kernel of ``fmoe.optim.adamw_kernel``), pure or donating;
 and the flat shards a step builds from plain params (leaves at their slots, cast,
 padding zeroed, the params never written)."""
 
@@ -11,7 +12,7 @@ from fmoe.params import named_leaves
 from fmoe.resolve import resolve
 from fmoe.shard.spec import local_leaf, write_shard
 
-from .reference import assert_trees_close
+from .reference import assert_trees_close, assert_trees_equal
 from .test_optim_finite import assert_bitwise
 
 CFG = fmoe.ModelConfig(vocab=64, dim=32, heads=2, layers=2, experts=4, topk=2, ffn=16)
@@ -148,3 +149,44 @@ def test_a_training_step_with_donation_matches_the_pure_one():
         a = fmoe.update_expert_bias(a, torch.tensor([[3, 1, 2, 2], [1, 1, 4, 2]]), 0.01)
     assert_bitwise((a, sa), (b, sb))
     assert [t.data_ptr() for t in optree.tree_leaves(b)] == ptrs
+
+
+def kernel_device() -> str:
+    """Where ``adamw_leaf_``'s Triton kernel runs here: CUDA, or the CPU under
+    FMOE_TRITON_INTERPRET=1 (whose interpreter truncates the bf16 casts where compiled
+    code rounds: one bf16 ulp either way); skips the test otherwise."""
+    from fmoe.layers import triton_kernels as tk
+
+    device = "cpu" if tk.INTERPRET else "cuda"
+    if tk.triton is None or not tk.fused_kernels_available(torch.empty(0, device=device)):
+        pytest.skip("needs Triton on CUDA, or FMOE_TRITON_INTERPRET=1")
+    return device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
+def test_the_fused_update_on_cuda_equals_the_chain_and_leaves_the_gradients_alone(clip):
+    # on CUDA fused=True runs adamw_kernel's per-leaf kernel (fp32 moments here; bf16 ones
+    # take the same path, test_bf16_moments.py): three steps against the chain, which orders
+    # its fp32 operations otherwise; the gradients passed in are left as they were
+    # (torch's fused kernel unscaled them in place)
+    device = kernel_device()
+
+    def make(**kw):
+        return fmoe.adamw(lr=fmoe.warmup_cosine(1e-2, 2, 10), weight_decay=0.1, max_grad_norm=clip, **kw)
+
+    def on(tree):
+        return optree.tree_map(lambda t: t.to(device), tree)
+
+    chain, fused = make(), make(fused=True)
+    ref, got = random_tree(0), on(random_tree(0))
+    s_ref, s_got = chain.init(ref), fused.init(got)
+    for i in range(3):
+        grads = random_grads(ref, 10 + i)
+        ref, s_ref = chain.update(grads, s_ref, ref)
+        on_device = on(grads)
+        got, s_got = fused.update(on_device, s_got, got)
+        assert_trees_equal(optree.tree_map(torch.Tensor.cpu, on_device), grads, context="the gradients passed in")
+    got, adam = optree.tree_map(torch.Tensor.cpu, (got, s_got["adam"]))
+    assert_trees_close(got, ref, context="params", rtol=1e-5, atol=1e-7)
+    assert_trees_close(adam, s_ref["adam"], context="moments", rtol=1e-5, atol=1e-12)

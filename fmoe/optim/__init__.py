@@ -11,8 +11,8 @@ every state is a NamedTuple of tensors (a ``named_chain``'s a dict of them by na
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
 ``last_grad_norm`` (the norm the last update computed, read from the state);
 ``optimizers.py``: ``optimizer``, ``adamw`` (a chain, or ``fused=True``: ``fused.py``,
-torch's multi-tensor fused kernel, optionally donating its inputs; with bf16 moments
-``adamw_kernel.py``'s per-leaf kernel) and ``migrate_state``
+``adamw_kernel.py``'s per-leaf kernel on CUDA, torch's multi-tensor fused kernel
+elsewhere, optionally donating its inputs) and ``migrate_state``
 (a state saved by an older fmoe into the current form; ``fmoe.load`` applies it).
 """
 

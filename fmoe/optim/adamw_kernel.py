@@ -1,14 +1,17 @@
-"""One AdamW step over an fp32 parameter whose moments are kept in bf16, in place: one
-Triton kernel on CUDA (a pass that reads the parameter, its gradient and both moments
-and writes the parameter and the moments: 20 bytes an element against fp32 moments'
-28), the same arithmetic in torch ops elsewhere (the CPU, and the reference the kernel
-is tested against). torch's fused AdamW takes moments only in the parameters' dtype.
+"""One AdamW step over an fp32 parameter whose moments are kept in fp32 or bf16, in
+place: one Triton kernel on CUDA (a pass that reads the parameter, its gradient and both
+moments and writes the parameter and the moments: 28 bytes an element with fp32 moments,
+20 with bf16 ones), the same arithmetic in torch ops elsewhere (the CPU, and the
+reference the kernel is tested against). It is ``adamw(fused=True)``'s update on CUDA:
+torch's fused AdamW takes moments only in the parameters' dtype, and with a gradient
+scale it also writes the unscaled gradients back (4 more bytes an element); on an H200
+it ran at 65-71% of the HBM copy ceiling where this kernel runs at 80-94% (BENCHMARKS.md).
 
-The arithmetic, in fp32, as ``adamw(fused=True)``'s (torch's kernel) with fp32 moments:
-``g = grad / grad_scale``; ``p *= 1 - lr * weight_decay``; ``m' = b1 m + (1 - b1) g``;
-``v' = b2 v + (1 - b2) g^2``; ``p -= lr (m' / c1) / (sqrt(v' / c2) + eps)`` with the bias
-corrections ``c1 = 1 - b1^t``, ``c2 = 1 - b2^t``; then ``m'`` and ``v'`` are rounded once
-to bf16. Where ``found_inf`` is set nothing is written.
+The arithmetic, in fp32, as torch's fused AdamW's: ``g = grad / grad_scale``;
+``p *= 1 - lr * weight_decay``; ``m' = b1 m + (1 - b1) g``; ``v' = b2 v + (1 - b2) g^2``;
+``p -= lr (m' / c1) / (sqrt(v' / c2) + eps)`` with the bias corrections
+``c1 = 1 - b1^t``, ``c2 = 1 - b2^t``; then ``m'`` and ``v'`` are rounded once to the
+moments' dtype. Where ``found_inf`` is set nothing is written.
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from ..layers import triton_kernels as tk
 _BLOCK = 1024
 
 
-def adamw_bf16_moments_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+def adamw_leaf_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
                         lr: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, b1: float, b2: float, eps: float,
                         weight_decay: float, grad_scale: torch.Tensor | None = None,
                         found_inf: torch.Tensor | None = None) -> None:
-    """Update ``p`` (fp32) and its moments ``m``, ``v`` (bf16) in place by one AdamW step.
+    """Update ``p`` (fp32) and its moments ``m``, ``v`` (fp32 or bf16) in place by one AdamW step.
 
     Arguments:
         p, g, m, v: the parameter (fp32, as fmoe's params are), its gradient (any float
-            dtype) and moments, one shape, contiguous.
+            dtype; left as it is) and moments, one shape, contiguous.
         lr, c1, c2: 0-dim fp32 tensors on ``p``'s device: the rate and the step's bias
             corrections ``1 - b1^t``, ``1 - b2^t``.
         b1, b2, eps, weight_decay: as ``adamw``'s.
@@ -36,7 +39,7 @@ def adamw_bf16_moments_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: to
         found_inf: a 0-dim tensor; nonzero: the step writes nothing (a skipped step), or None.
     """
     if not all(t.is_contiguous() for t in (p, g, m, v)):
-        raise ValueError("adamw_bf16_moments_: the parameter, gradient and moments must be contiguous")
+        raise ValueError("adamw_leaf_: the parameter, gradient and moments must be contiguous")
     if tk.fused_kernels_available(p) and p.numel():
         with tk.on_device_of(p):
             _kernel[(tk.triton.cdiv(p.numel(), _BLOCK),)](

@@ -1,8 +1,9 @@
-"""``adamw(fused=True)``: torch's fused AdamW kernel over every leaf at once.
+"""``adamw(fused=True)``: one pass over each leaf's parameter, gradient and moments.
 
-torch's kernel takes lists of tensors and updates them in a few multi-tensor
-launches, so one call per class of leaves (trainable and decayed, trainable,
-frozen) updates the whole model, however many leaves it has.
+On CUDA (with Triton) ``adamw_kernel``'s kernel updates each leaf, with fp32 or bf16
+moments. Elsewhere fp32 moments go to torch's fused AdamW, which takes lists of tensors
+and updates them in a few multi-tensor launches (one call per class of leaves:
+trainable and decayed, trainable, frozen), and bf16 moments to the kernel's torch ops.
 
 Pure by default: the kernel updates copies of the params and moments and returns
 them. ``donate=True`` updates the params, moments and grads passed in instead:
@@ -15,7 +16,8 @@ import optree
 import torch
 
 from ..params import decays, trainable
-from .adamw_kernel import adamw_bf16_moments_
+from ..layers.triton_kernels import fused_kernels_available
+from .adamw_kernel import adamw_leaf_
 from .finite import finite_init, next_finite_state, skip_decision
 from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_moment_state, check_named_state, global_norm
 
@@ -27,9 +29,9 @@ ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
 def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int, donate: bool,
                 moments: torch.dtype = torch.float32):
     """``adamw(fused=True)``: the named chain's state (``clip``, ``adam``, ``decay``,
-    ``lr``, ``freeze``) and meaning, one fused kernel per class of leaves (trainable and
-    decayed, trainable, frozen); with bf16 ``moments``, one kernel per leaf
-    (``adamw_kernel``). Returns ``(init, update)``."""
+    ``lr``, ``freeze``) and meaning, one kernel per leaf (``adamw_kernel``) or, for fp32
+    moments off CUDA, torch's fused kernel per class of leaves (trainable and decayed,
+    trainable, frozen). Returns ``(init, update)``."""
     clipping = max_grad_norm is not None
     names = list(ADAMW_STATES[0 if clipping else 1:])
 
@@ -39,12 +41,13 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         check_moment_state("adamw", adam, moments)
         rate = lr(schedule.count) if callable(lr) else lr
         grad_scale = None
-        if clipping:  # the kernel divides gradients by grad_scale (in place)
+        if clipping:  # the kernels divide gradients by grad_scale
             grad_scale = ((norm + 1e-6) / max_grad_norm).clamp(min=1.0).float()
         found_inf = None if apply is None else (~apply).float()  # a skipped step writes nothing
         paths, p_leaves, treedef = optree.tree_flatten_with_path(params)
         g_leaves = treedef.flatten_up_to(grads)
         device = p_leaves[0].device
+        per_leaf = moments != torch.float32 or fused_kernels_available(p_leaves[0])
         if isinstance(rate, torch.Tensor):  # a schedule's rate stays on the device
             rate = rate.to(device=device, dtype=torch.float32)
         classes = [(True, decays(path[-1])) if trainable(path[-1]) else (False, False) for path in paths]
@@ -58,9 +61,9 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
                                    treedef.flatten_up_to(adam.nu), classes):
             # frozen leaves keep their params: the kernel updates a scratch copy
             p_run = own(p) if cls[0] else p.clone()
-            if g.dtype != torch.float32:
+            if g.dtype != torch.float32 and not per_leaf:  # the per-leaf kernel reads any float dtype
                 g = g.to(torch.float32)
-            elif clipping and not donate:  # the kernel divides grads by grad_scale in place
+            elif clipping and not donate and not per_leaf:  # torch's kernel unscales grads in place
                 g = g.clone()
             m, v = own(m), own(v)
             for lst, t in zip(work.setdefault(cls, ([], [], [], [])), (p_run, g, m, v)):
@@ -68,13 +71,13 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
             new_p.append(p_run if cls[0] else own(p))  # pure: never the tensor passed in
             new_m.append(m)
             new_v.append(v)
-        if moments == torch.float32:
+        if per_leaf:
+            _leaf_steps(work, rate, step, b1, b2, eps, weight_decay, grad_scale, found_inf)
+        else:
             for (updated, decay), (ps, gs, ms, vs) in work.items():
                 torch._fused_adamw_(ps, gs, ms, vs, [], [step] * len(ps), lr=rate if updated else 0.0,
                                     beta1=b1, beta2=b2, weight_decay=weight_decay if decay else 0.0, eps=eps,
                                     amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-        else:
-            _bf16_moment_steps(work, rate, step, b1, b2, eps, weight_decay, grad_scale, found_inf)
         advance = 1 if apply is None else apply.long()  # a skipped step leaves the counts too
         new_state = dict(state, adam=ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m),
                                                       treedef.unflatten(new_v)),
@@ -94,8 +97,8 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
     return (finite_init(chain_init) if max_skips else chain_init), update
 
 
-def _bf16_moment_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight_decay, grad_scale, found_inf) -> None:
-    """``adamw_bf16_moments_`` over every leaf of ``work`` (``{(updated, decayed): (params,
+def _leaf_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight_decay, grad_scale, found_inf) -> None:
+    """``adamw_leaf_`` over every leaf of ``work`` (``{(updated, decayed): (params,
     grads, mus, nus)}``): the rate and bias corrections made once on the device."""
     device = step.device
     rate = torch.as_tensor(rate, dtype=torch.float32, device=device)
@@ -103,6 +106,6 @@ def _bf16_moment_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight
     c1, c2 = 1 - b1 ** step, 1 - b2 ** step
     for (updated, decay), (ps, gs, ms, vs) in work.items():
         for p, g, m, v in zip(ps, gs, ms, vs):
-            adamw_bf16_moments_(p, g, m, v, lr=rate if updated else zero, c1=c1, c2=c2, b1=b1, b2=b2, eps=eps,
+            adamw_leaf_(p, g, m, v, lr=rate if updated else zero, c1=c1, c2=c2, b1=b1, b2=b2, eps=eps,
                                 weight_decay=weight_decay if decay else 0.0, grad_scale=grad_scale,
                                 found_inf=found_inf)

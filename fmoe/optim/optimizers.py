@@ -1,5 +1,5 @@
 """Optimizers: a Transform turned into ``params, state = opt.update(grads, state, params)``,
-and ``adamw`` (a chain of the transforms, or torch's fused kernel, with the same state)."""
+and ``adamw`` (a chain of the transforms, or a fused kernel, with the same state)."""
 
 from __future__ import annotations
 
@@ -85,11 +85,12 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             clipping (0 is refused rather than read as "off").
         plan: the Plan params are sharded by; needed with clipping or skipping on
             several ranks.
-        fused: True runs each update as torch's fused AdamW kernel (one pass over
-            memory instead of one per elementwise op; the same state, the same update
-            up to rounding), one multi-tensor launch per class of leaves (trainable and
-            decayed, trainable, frozen). False: the optax-style chain of elementwise
-            transforms, bitwise the same for any sharding.
+        fused: True runs each update as one pass over memory instead of one per
+            elementwise op (the same state, the same update up to rounding): on CUDA
+            fmoe's Triton kernel per leaf (``adamw_kernel``; it leaves the gradients as
+            they are), elsewhere torch's fused AdamW, one multi-tensor launch per class
+            of leaves (trainable and decayed, trainable, frozen). False: the optax-style
+            chain of elementwise transforms, bitwise the same for any sharding.
         skip_nonfinite: 0 (off), or n > 0: wrap the update in
             ``apply_if_finite(..., max_skips=n)``. A step whose gradients hold a NaN or
             an inf leaves params and state unchanged, bit for bit, and is counted

@@ -46,8 +46,9 @@ class RunSettings:
     min_lr_ratio: float = _option(0.1, "the cosine decay ends at this fraction of --lr")
     weight_decay: float = _option(0.1, "decoupled weight decay of the matrices")
     clip: float = _option(1.0, "global grad-norm clip (0: off)")
-    fused_optimizer: bool = _option(False, "torch's fused AdamW kernel, updating params and moments in place "
-                                           "(same state and update up to rounding)")
+    fused_optimizer: bool = _option(False, "a fused AdamW kernel (fmoe's per leaf on CUDA, torch's elsewhere), "
+                                           "updating params and moments in place (same state and update up to "
+                                           "rounding)")
     moments: str = _option("float32", "the dtype AdamW keeps its moments in: float32, or bfloat16 (half their "
                                       "memory; computed in fp32, rounded once a step)")
     max_skips: int = _option(5, "skip updates whose gradients hold NaN/inf; stop after this many in a row (0: off)")
