@@ -1,10 +1,10 @@
 #!/bin/bash
-# The whole GPU test suite (`pytest -m gpu`) in four parts, each one pytest process in the suite's own
+# The whole GPU test suite (`pytest -m gpu`) in five parts, each one pytest process in the suite's own
 # order on cold Triton and inductor caches (fresh folders, as on a fresh machine):
-#   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh 1      (then 2, 3, 4 in later calls)
+#   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh 1      (then 2 to 5 in later calls)
 #   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh all    (4 GPUs: the parts side by side)
 # (FMOE_TE=1 source .device/setup.sh for the TransformerEngine tests.)
-# The parts split the files that hold a GPU test, in pytest's order (tests/dist, then tests/test_*.py by
+# Parts 1-4 split the files that hold a GPU test, in pytest's order (tests/dist, then tests/test_*.py by
 # name), after test_gpu_glm.py, test_gpu_parallel_dims.py and test_peer.py: a new file falls into its
 # place. Part 1 is the suite's prefix up to and past the CUDA-graph tests (tests/dist, compile,
 # cuda_graph), nothing left out before them, so an order-dependent failure shows as in one whole run.

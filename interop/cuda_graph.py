@@ -200,7 +200,7 @@ class _Replay(torch.autograd.Function):
     copy the output gradients in, replay its backward graph."""
 
     @staticmethod
-    def forward(ctx, pair: "_GraphPair", *inputs):
+    def forward(ctx, pair: _GraphPair, *inputs):
         ctx.pair = pair
         with torch.no_grad():
             for static, new in zip(pair.inputs, inputs):
@@ -227,7 +227,7 @@ class _GraphPair(NamedTuple):
     outputs: tuple  # the forward's outputs, flat
     output_grads: tuple  # where the backward reads each output's gradient (None: not differentiable)
     input_grads: tuple  # where it writes each input's (None: none wanted or unused)
-    treespec: optree.PyTreeSpec
+    treespec: optree.PyTreeSpec  # the outputs' tree
 
 
 def _input_grads(outputs: list, output_grads: list, inputs: tuple) -> tuple:
@@ -274,7 +274,7 @@ def graph_pair(fn, inputs: tuple, warmup: int = 3):
         input_grads = _input_grads(outputs, output_grads, inputs)
     pair = _GraphPair(forward_graph, backward_graph, inputs, tuple(outputs), tuple(output_grads), input_grads,
                       treespec)
-    return lambda *tensors: optree.tree_unflatten(treespec, _Replay.apply(pair, *tensors))
+    return lambda *tensors: optree.tree_unflatten(pair.treespec, _Replay.apply(pair, *tensors))
 
 
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.

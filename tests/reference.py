@@ -11,6 +11,13 @@ import torch
 import fmoe
 
 
+def seed_of_this_test() -> int:
+    """A seed drawn from the test's own RNG (``conftest.seeded_rng``): another in each
+    test, the same in every run (``torch.seed()`` would re-seed from the OS: a failure
+    could not be replayed)."""
+    return int(torch.randint(2**31, ()))
+
+
 def random_params(cfg, seed=0, dtype=torch.float64, scale=0.3):
     """A params pytree in ``cfg``'s layout with every leaf random (no zeros, no ones)."""
     g = torch.Generator().manual_seed(seed)

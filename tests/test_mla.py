@@ -41,7 +41,7 @@ VARIANTS = {
 def test_latent_attention_matches_the_reference(variant):
     cfg = fmoe.ModelConfig(dim=16, heads=2, head_size=10, kv_lora_rank=12, rope_head_dim=4, rope_theta=100.0,
                            **VARIANTS[variant])
-    p = ref.random_params(cfg, seed=torch.seed() % 2**31)["layers"][0]["attn"]
+    p = ref.random_params(cfg, seed=ref.seed_of_this_test())["layers"][0]["attn"]
     names = sorted(k for k in p if k != "norm")
     x = torch.randn(2, 6, 16, dtype=F64)
     assert_same_fwd_bwd(lambda x, *w: layers.attention(dict(zip(names, w)), x, cfg),
@@ -63,7 +63,7 @@ def test_layout_and_leaf_kinds():
 @pytest.mark.parametrize("segments", [False, True], ids=["rows", "packed"])
 def test_model_loss_and_gradients_match_the_reference(segments):
     params = ref.random_params(CFG)
-    g = torch.Generator().manual_seed(torch.seed())
+    g = torch.Generator().manual_seed(ref.seed_of_this_test())
     tokens = torch.randint(0, 40, (2, 9), generator=g)
     seg = (torch.rand(2, 9, generator=g) < 0.25).long().cumsum(1) if segments else None
     leaves, treedef = optree.tree_flatten(params)

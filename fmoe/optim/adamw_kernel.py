@@ -24,9 +24,9 @@ _BLOCK = 1024
 
 
 def adamw_leaf_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
-                        lr: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, b1: float, b2: float, eps: float,
-                        weight_decay: float, grad_scale: torch.Tensor | None = None,
-                        found_inf: torch.Tensor | None = None) -> None:
+                lr: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, b1: float, b2: float, eps: float,
+                weight_decay: float, grad_scale: torch.Tensor | None = None,
+                found_inf: torch.Tensor | None = None) -> None:
     """Update ``p`` (fp32) and its moments ``m``, ``v`` (fp32 or bf16) in place by one AdamW step.
 
     Arguments:

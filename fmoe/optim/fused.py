@@ -107,5 +107,4 @@ def _leaf_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight_decay,
     for (updated, decay), (ps, gs, ms, vs) in work.items():
         for p, g, m, v in zip(ps, gs, ms, vs):
             adamw_leaf_(p, g, m, v, lr=rate if updated else zero, c1=c1, c2=c2, b1=b1, b2=b2, eps=eps,
-                                weight_decay=weight_decay if decay else 0.0, grad_scale=grad_scale,
-                                found_inf=found_inf)
+                        weight_decay=weight_decay if decay else 0.0, grad_scale=grad_scale, found_inf=found_inf)
