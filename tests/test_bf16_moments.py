@@ -160,6 +160,22 @@ def test_the_adamw_kernel_matches_its_torch_path(scaled, grad_dtype, moments, mo
     assert math.isfinite(float(ran[0].sum()))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32_moments", "bf16_moments"])
+def test_the_adamw_kernel_writes_nothing_on_a_skipped_step(moments):
+    # found_inf set (apply_if_finite skipping a step): the kernel returns before any store
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(5)
+    p, g = torch.randn(3000, generator=gen), torch.randn(3000, generator=gen)
+    m, v = (torch.randn(3000, generator=gen) * 0.1).to(moments), (torch.rand(3000, generator=gen) * 0.1).to(moments)
+    ran = [t.clone().to(device) for t in (p, g, m, v)]
+    scalars = dict(lr=torch.tensor(1e-2), c1=torch.tensor(0.1), c2=torch.tensor(0.05), grad_scale=torch.tensor(2.0),
+                   found_inf=torch.tensor(1.0))
+    adamw_leaf_(*ran, b1=B1, b2=B2, eps=EPS, weight_decay=WD, **{k: x.to(device) for k, x in scalars.items()})
+    for got, before in zip(ran, (p, g, m, v)):
+        assert torch.equal(got.cpu(), before)
+
+
 def test_the_planner_counts_bf16_moments_at_half_the_bytes():
     from fmoe.plan.memory import estimate_memory
 
