@@ -72,8 +72,9 @@ def main():
     grads = optree.tree_map(torch.clone, step(params, batch).grads)
     step_s = median_s(lambda: step(params, batch), args.warmup, args.steps, args.device)
     n = sum(t.numel() for t in optree.tree_leaves(params))
+    device = torch.cuda.get_device_name() if gpu else "cpu"
     print(f"{args.shape}: {n / 1e9:.2f}B params, step ({args.batch} x {args.seq} tokens, "
-          f"{'compiled, graphed' if gpu else 'eager'}) {step_s * 1e3:.1f} ms, {torch.cuda.get_device_name() if gpu else 'cpu'}")
+          f"{'compiled, graphed' if gpu else 'eager'}) {step_s * 1e3:.1f} ms, {device}")
     print("| moments | kernel | update ms | bytes / element | GB/s | of HBM copy ceiling | share of step + update |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     # (moments, kernel): "torch" is torch's fused AdamW, what fused=True ran on CUDA before

@@ -145,8 +145,8 @@ def main(argv=None) -> int:
         plan = _plan(fields, cfg, explicit, planner.gpus)
         sim = simulate(plan, run.batch, run.seq, costs)
         memory = [estimate_memory(plan, run.batch, run.seq, s, run.moments) for s in range(plan.pp)]
-        for line in summary(sim, memory) + ["timeline, one rank per stage (digits: a microbatch's forward, letters: its "
-                                    "backward, a = 0; '.': idle):"] + timeline(sim):
+        legend = "timeline, one rank per stage (digits: a microbatch's forward, letters: its backward, a = 0; '.': idle):"
+        for line in summary(sim, memory) + [legend] + timeline(sim):
             print(line)
         if planner.trace:
             print(f"trace: {chrome_trace(sim, planner.trace)}")
