@@ -37,23 +37,24 @@ state. ``--device cpu`` shrinks each shape to a toy that runs in seconds (fp32, 
 keeping what tells it apart (top-k, GQA, head size, qk norm, and each preset's
 features: ``CPU_SHAPES``).
 
-The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params
-/ fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
+The peer: plain on one GPU, FSDP2 (``fully_shard`` per block and the root, bf16 params /
+fp32 reduce; compiled blocks are compiled before ``fully_shard``) over all ranks
 otherwise (``--peers`` picks eager, compiled, both or neither). Each system is freed
-(and dynamo's caches reset) before the next; fmoe runs each mesh of ``--meshes``:
-``dp`` (``no_shard`` on one rank, ZeRO-3 ``optim_grads_params`` over all ranks
-otherwise) or ``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism; also ``tpZ``
-and ``cpW``, tensor and context parallelism, e.g. ``dp1tp2``, ``dp1ep2tp2``), each
-optionally followed by ``+1f1b`` (``schedule="1f1b_overlap"``; give it
-``--microbatches`` >= 2), ``+dw`` (``delay_wgrad``) and ``+capF`` (a static expert capacity,
-``capacity_factor=F``: the exchange without a host read, assignments past it dropped). A step is forward + backward + the AdamW update on both
-sides; neither clips gradients; the median over ``--steps`` timed steps after
-``--warmup``. The first step's time is shown apart: for compiled systems it is the
-compile time (plus one step). MFU counts the active parameters' FLOPs plus attention
-(``fmoe.train_flops_per_token``, the same model on both sides) against 789 TFLOP/s
-per GPU. Prints a markdown table per shape, with each system's loss after its last
-step (both start from a std-0.02 init and see the same batches, so they should be
-close), then a summary over the shapes (fmoe on the first mesh).
+(and dynamo's caches reset) before the next; fmoe runs each mesh of ``--meshes``: ``dp``
+(``no_shard`` on one rank, ZeRO-3 ``optim_grads_params`` over all ranks otherwise) or
+``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism; also ``tpZ`` and ``cpW``,
+tensor and context parallelism, e.g. ``dp1tp2``, ``dp1ep2tp2``), each optionally
+followed by ``+1f1b`` (``schedule="1f1b_overlap"``; give it ``--microbatches`` >= 2),
+``+dw`` (``delay_wgrad``) and ``+capF`` (a static expert capacity,
+``capacity_factor=F``: the exchange without a host read, assignments past it dropped). A
+step is forward + backward + the AdamW update on both sides; neither clips gradients;
+the median over ``--steps`` timed steps after ``--warmup``. The first step's time is
+shown apart: for compiled systems it is the compile time (plus one step). MFU counts the
+active parameters' FLOPs plus attention (``fmoe.train_flops_per_token``, the same model
+on both sides) against 789 TFLOP/s per GPU. Prints a markdown table per shape, with each
+system's loss after its last step (both start from a std-0.02 init and see the same
+batches, so they should be close), then a summary over the shapes (fmoe on the first
+mesh).
 
 ``--profile``: one more step of each system under ``torch.profiler`` (rank 0's GPU):
 the NCCL kernels' time, the part of it with no compute kernel on any stream
@@ -227,7 +228,7 @@ def mesh_of(name: str, world: int) -> dict:
     ``fmoe.local_batch``); ``+1f1b`` -> the overlap schedule, ``+dw`` -> delayed weight
     gradients, ``+capF`` -> a static expert capacity of F x the even share
     (``ModelConfig.capacity_factor``: no host read of split sizes; assignments past it dropped)."""
-    m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?((?:\+1f1b|\+dw|\+cap[\d.]+)*)", name)
+    m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?((?:\+1f1b|\+dw|\+cap\d+(?:\.\d+)?)*)", name)
     degrees = [int(d) if d else 1 for d in m.groups()[:4]] if m and m[1] else [world, 1, 1, 1]
     options = m[5].split("+")[1:] if m else []
     caps = [float(o[3:]) for o in options if o.startswith("cap")]
