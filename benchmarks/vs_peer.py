@@ -45,7 +45,8 @@ otherwise (``--peers`` picks eager, compiled, both or neither). Each system is f
 ``dpXepY`` (X * Y ranks, ZeRO-3 with expert parallelism; also ``tpZ`` and ``cpW``,
 tensor and context parallelism, e.g. ``dp1tp2``, ``dp1ep2tp2``), each optionally
 followed by ``+1f1b`` (``schedule="1f1b_overlap"``; give it ``--microbatches`` >= 2),
-``+dw`` (``delay_wgrad``) and ``+capF`` (a static expert capacity,
+``+dw`` (``delay_wgrad``), ``+tokens`` (``ep_exchange="tokens"``: a token crosses to a
+rank once, not once per expert) and ``+capF`` (a static expert capacity,
 ``capacity_factor=F``: the exchange without a host read, assignments past it dropped). A
 step is forward + backward + the AdamW update on both sides; neither clips gradients;
 the median over ``--steps`` timed steps after ``--warmup``. The first step's time is
@@ -226,19 +227,22 @@ def mesh_of(name: str, world: int) -> dict:
     of ``epY``, ``tpZ``, ``cpW`` (in that order) -> those degrees (their product must be
     the world size; tensor and context parallel ranks share rows of the global batch,
     ``fmoe.local_batch``); ``+1f1b`` -> the overlap schedule, ``+dw`` -> delayed weight
-    gradients, ``+capF`` -> a static expert capacity of F x the even share
-    (``ModelConfig.capacity_factor``: no host read of split sizes; assignments past it dropped)."""
-    m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?((?:\+1f1b|\+dw|\+cap\d+(?:\.\d+)?)*)", name)
+    gradients, ``+tokens`` -> ``ep_exchange='tokens'``, ``+capF`` -> a static expert capacity
+    of F x the even share (``ModelConfig.capacity_factor``: no host read of split sizes;
+    assignments past it dropped)."""
+    options_re = r"((?:\+1f1b|\+dw|\+tokens|\+cap\d+(?:\.\d+)?)*)"
+    m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?" + options_re, name)
     degrees = [int(d) if d else 1 for d in m.groups()[:4]] if m and m[1] else [world, 1, 1, 1]
     options = m[5].split("+")[1:] if m else []
     caps = [float(o[3:]) for o in options if o.startswith("cap")]
     if not m or math.prod(degrees) != world or len(set(options)) != len(options) or len(caps) > 1:
         raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpX' with any of 'epY', 'tpZ', 'cpW' after it, the "
-                         f"degrees' product {world} ranks, optionally followed by '+1f1b', '+dw' and/or '+capF' "
-                         "once each")
+                         f"degrees' product {world} ranks, optionally followed by '+1f1b', '+dw', '+tokens' "
+                         "and/or '+capF' once each")
     dp, ep, tp, cp = degrees
     return dict(dp=dp, ep=ep, tp=tp, cp=cp, schedule="1f1b_overlap" if "1f1b" in options else "standard",
-                delay_wgrad="dw" in options, capacity_factor=caps[0] if caps else 0.0)
+                delay_wgrad="dw" in options, ep_exchange="tokens" if "tokens" in options else "rows",
+                capacity_factor=caps[0] if caps else 0.0)
 
 
 class Bench:
@@ -388,7 +392,8 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     shown = (f"dp{plan.dp}" + "".join(f" x {k}{getattr(plan, k)}" for k in ("ep", "tp", "cp") if getattr(plan, k) > 1)
              + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
              + (" 1f1b" if plan.schedule == "1f1b_overlap" else "") + (" delay_wgrad" if plan.delay_wgrad else "")
-             + (f" capacity {cfg.capacity_factor:g}" if cfg.capacity_factor else ""))
+             + (f" capacity {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
+             + (" tokens" if plan.ep_exchange == "tokens" else ""))
     system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
               + (" + step graph" if graph else ""))
     return dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,

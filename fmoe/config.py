@@ -12,17 +12,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from .checks import check_bool, check_int, fail
-from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS, PAD_MULTIPLES,
-                            PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS, SHARDINGS,
-                            _check_choices, choices, field_docs)
+from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, EP_EXCHANGES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS,
+                            PAD_MULTIPLES, PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS,
+                            SHARDINGS, _check_choices, choices, field_docs)
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
 from .parallel_checks import check_parallel
 from .parallel_dims import ParallelDims
 from .units import check_stages, check_units, even_stages
 
-__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "FP8S", "GATHER_BUFFERS", "GLU_ACTIVATIONS", "PAD_MULTIPLES",
-           "PROB_PLACEMENTS", "QK_NORMS", "REMATS", "ROPE_SCALINGS", "SCHEDULES", "SCORE_FUNCS", "SHARDINGS",
-           "ModelConfig", "Plan", "Yarn", "choices", "field_docs", "yarn_get_mscale"]
+__all__ = ["ACTIVATIONS", "CHOICES", "DTYPES", "EP_EXCHANGES", "FP8S", "GATHER_BUFFERS", "GLU_ACTIVATIONS",
+           "PAD_MULTIPLES", "PROB_PLACEMENTS", "QK_NORMS", "REMATS", "ROPE_SCALINGS", "SCHEDULES", "SCORE_FUNCS",
+           "SHARDINGS", "ModelConfig", "Plan", "Yarn", "choices", "field_docs", "yarn_get_mscale"]
 
 @dataclass(frozen=True)
 class Plan:
@@ -32,6 +32,14 @@ class Plan:
         model: the ModelConfig.
         dp, ep: data- and expert-parallel sizes: the ``dp * ep`` row blocks of the global
             batch (expert parallelism splits the experts, not the data).
+        ep_exchange: what crosses the expert-parallel ranks: ``rows`` (one row per token
+            and chosen expert, each way) or ``tokens`` (a token once to each rank holding
+            any of its experts, with its probabilities, expanded there into its experts'
+            rows, and their weighted outputs summed before the way back: under top-k
+            routing over few ranks, several times fewer bytes). ``tokens`` needs dropless
+            routing without padding (``model.capacity_factor=0``, ``model.pad_multiple=0``);
+            its output sums a token's experts per rank first, so it agrees with ``rows``
+            to rounding, not bitwise.
         tp: tensor parallelism: attention's heads, the dense MLPs' and the shared
             expert's hidden width and the vocabulary (embedding and head) split over
             ``tp`` ranks, which also split the residual stream's positions (sequence
@@ -140,6 +148,7 @@ class Plan:
     pp: int = 1
     pp_layout: tuple | None = None
     virtual_stages: int = 1
+    ep_exchange: str = "rows"
 
     def __post_init__(self):
         own = "Plan"
@@ -162,6 +171,10 @@ class Plan:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
             fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
+        if self.ep_exchange == "tokens" and (self.model.capacity_factor or self.model.pad_multiple):
+            fail(f"{own}.ep_exchange", self.ep_exchange, "sends tokens under dropless routing only: needs "
+                 f"model.capacity_factor=0 and model.pad_multiple=0 (they are {self.model.capacity_factor} and "
+                 f"{self.model.pad_multiple}), or ep_exchange='rows'")
         check_parallel(self.dims, self.model)
         if self.virtual_stages > 1 and self.pp == 1:
             fail(f"{own}.virtual_stages", self.virtual_stages, "interleaves pipeline stages: needs Plan.pp > 1 "

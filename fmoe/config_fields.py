@@ -15,6 +15,7 @@ PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("standard", "1f1b_overlap")
+EP_EXCHANGES = ("rows", "tokens")
 DTYPES = ("float32", "bfloat16")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
 QK_NORMS = ("none", "head", "full")
@@ -26,7 +27,7 @@ ROPE_SCALINGS = ("none", "yarn")
 CHOICES = {"activation": ACTIVATIONS, "score_func": SCORE_FUNCS, "prob_placement": PROB_PLACEMENTS,
            "pad_multiple": PAD_MULTIPLES, "qk_norm": QK_NORMS, "sharding": SHARDINGS, "schedule": SCHEDULES,
            "dtype": DTYPES, "gather_buffers": GATHER_BUFFERS,
-           "remat": REMATS, "fp8": FP8S, "rope_scaling": ROPE_SCALINGS}
+           "remat": REMATS, "fp8": FP8S, "rope_scaling": ROPE_SCALINGS, "ep_exchange": EP_EXCHANGES}
 
 
 def choices(field: str) -> tuple | None:

@@ -54,6 +54,9 @@ BAD_PLANS = [
     (dict(delay_wgrad="yes"), "delay_wgrad", "True or False"),
     (dict(device="gpu0"), "device", "device string"),
     (dict(model={"dim": 8}), "model", "ModelConfig"),
+    (dict(ep_exchange="experts"), "ep_exchange", "tokens"),
+    (dict(ep_exchange="tokens", model=fmoe.ModelConfig(capacity_factor=1.5)), "ep_exchange", "capacity_factor=0"),
+    (dict(ep_exchange="tokens", model=fmoe.ModelConfig(pad_multiple=16)), "ep_exchange", "pad_multiple=0"),
 ]
 
 

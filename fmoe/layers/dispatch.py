@@ -35,6 +35,8 @@ class Dispatch(NamedTuple):
         offsets_E: ``[E]`` int32 cumulative segment ends (``torch._grouped_mm``'s ``offs``).
         dropped: long scalar, assignments dropped by the capacity.
         capacity: rows per expert in static-capacity mode, else None.
+        partial: some assignments have no row here (their ``pos`` is ``R``): the part
+            of a routing one rank holds (``without_missing``).
     """
 
     pos_TK: torch.Tensor
@@ -45,14 +47,22 @@ class Dispatch(NamedTuple):
     offsets_E: torch.Tensor
     dropped: torch.Tensor
     capacity: int | None = None
+    partial: bool = False
 
     @property
     def num_rows(self) -> int:
         return self.row_source_R.shape[0]
 
     @property
+    def may_drop(self) -> bool:
+        """Whether an assignment may have no row (``pos == R``)."""
+        return self.capacity is not None or self.partial
+
+    @property
     def padded_rows(self) -> int:
         """Rows holding no assignment (an int for dropless, a device scalar with capacity)."""
+        if self.partial:
+            return 0
         if self.capacity is None:
             return self.num_rows - self.pos_TK.numel()
         return self.num_rows - (self.pos_TK.numel() - self.dropped)
@@ -107,6 +117,15 @@ def make_dispatch(indices_TK: torch.Tensor, num_experts: int, pad_multiple: int 
     return Dispatch(pos.view(T, K), row_source[:num_rows], row_expert, counts, rows, offsets, dropped, capacity)
 
 
+def without_missing(d: Dispatch, num_rows: int, groups: int) -> Dispatch:
+    """``d``, made by ``make_dispatch`` with one group more than ``groups`` for the
+    assignments that have no row (sorted last), cut to its first ``groups`` groups and
+    ``num_rows`` rows: those assignments' ``pos`` becomes ``num_rows`` (``partial``)."""
+    pos = torch.where(d.pos_TK < num_rows, d.pos_TK, num_rows)
+    return Dispatch(pos, d.row_source_R[:num_rows], d.row_expert_R[:num_rows], d.counts_E[:groups],
+                    d.rows_E[:groups], d.offsets_E[:groups], d.dropped, None, partial=True)
+
+
 def _gather_rows_with_zero_pad(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``src[index]`` where ``index == len(src)`` yields a zero row."""
     padded = torch.cat([src, src.new_zeros((1,) + src.shape[1:])])
@@ -121,25 +140,26 @@ class _Permute(torch.autograd.Function):
     # Autograd's backward for a gather with repeated indices is a scatter-add
     # (atomics, order-dependent on GPU); the reverse gather + sum over k is exact.
     @staticmethod
-    def forward(ctx, x_TD, row_token_R, pos_TK, capacity):
+    def forward(ctx, x_TD, row_token_R, pos_TK, padded, dropping):
         ctx.save_for_backward(pos_TK)
-        ctx.dropping = capacity is not None
-        return _rows_at(x_TD, row_token_R, row_token_R.shape[0] != pos_TK.numel() or ctx.dropping)
+        ctx.dropping = dropping
+        return _rows_at(x_TD, row_token_R, padded)
 
     @staticmethod
     def backward(ctx, grad_RD):
         (pos_TK,) = ctx.saved_tensors
         if triton_kernels.unpermute_fusable(grad_RD, None):  # one pass, fp32 sum over k, no [T, K, D] copy
-            return triton_kernels.gather_sum_TD(grad_RD, pos_TK), None, None, None
+            return triton_kernels.gather_sum_TD(grad_RD, pos_TK), None, None, None, None
         T, K = pos_TK.shape
         grad_TKD = _rows_at(grad_RD, pos_TK.reshape(-1), ctx.dropping).view(T, K, grad_RD.shape[1])
-        return grad_TKD.sum(1), None, None, None
+        return grad_TKD.sum(1), None, None, None, None
 
 
 def permute(x_TD: torch.Tensor, d: Dispatch) -> torch.Tensor:
     """``[T, D]`` tokens -> ``[R, D]`` rows grouped by expert (zeros on padding rows)."""
     K = d.pos_TK.shape[1]
-    return _Permute.apply(x_TD, d.row_source_R // K, d.pos_TK, d.capacity)
+    padded = d.capacity is not None or (not d.partial and d.num_rows != d.pos_TK.numel())
+    return _Permute.apply(x_TD, d.row_source_R // K, d.pos_TK, padded, d.may_drop)
 
 
 def row_weights(w_TK: torch.Tensor, d: Dispatch) -> torch.Tensor:
@@ -161,8 +181,8 @@ def unpermute(y_RD: torch.Tensor, d: Dispatch, w_TK: torch.Tensor | None = None)
         ``[T, D]`` in ``y_RD``'s dtype.
     """
     if triton_kernels.unpermute_fusable(y_RD, w_TK):
-        return triton_kernels.unpermute_TD(y_RD, w_TK, d.pos_TK, d.row_source_R, d.capacity is not None)
-    return _Unpermute.apply(y_RD, w_TK, d.pos_TK, d.row_source_R, d.capacity is not None)
+        return triton_kernels.unpermute_TD(y_RD, w_TK, d.pos_TK, d.row_source_R, d.may_drop)
+    return _Unpermute.apply(y_RD, w_TK, d.pos_TK, d.row_source_R, d.may_drop)
 
 
 class _Unpermute(torch.autograd.Function):

@@ -9,6 +9,13 @@ dispatch is one ``all_to_all`` and combine is its mirror image.
   the host: that sync is an explicit step, recorded in the trace as ``a2a_splits``.
 - Static capacity: every (source rank, expert) block has exactly ``C`` rows, so the
   all-to-all has equal splits and nothing is read on the host (CUDA-graph friendly).
+- Tokens (``Plan.ep_exchange='tokens'``, dropless): a token travels once to each rank
+  holding any of its experts, with its probabilities and which of that rank's experts
+  it chose (``plan_token_exchange``); the rank expands it into its experts' rows, and
+  sums a token's weighted expert outputs before sending it back, so every exchange
+  moves one row per (token, rank) instead of one per (token, expert). Same rows into
+  the grouped GEMMs in the same order; the output's sum over experts runs per rank
+  first.
 
 ``to_experts`` and ``from_experts`` (each the other's adjoint) return Transfers
 that a schedule issues and waits for explicitly, computing something else in
@@ -24,6 +31,7 @@ import torch
 
 from ..dist.comm import Group, Pending
 from ..dist.trace import Event, now
+from .dispatch import Dispatch, make_dispatch, without_missing
 
 
 @dataclass
@@ -34,11 +42,14 @@ class ExpertParallel:
         group: the expert-parallel group (size ``ep``).
         experts_per_rank: ``El = E / ep``.
         events: host syncs and exchanges are appended here (the step's trace).
+        tokens: dropless routing sends each token once per rank holding any of its
+            experts, not once per expert (``Plan.ep_exchange='tokens'``).
     """
 
     group: Group
     experts_per_rank: int
     events: list = field(default_factory=list)
+    tokens: bool = False
 
 
 class Segments(NamedTuple):
@@ -59,13 +70,16 @@ def segments_of(rows_E: torch.Tensor, total: int, capacity: int | None = None) -
 
 class Exchange(NamedTuple):
     """How one layer's rows travel: split sizes, and the source-major <-> expert-major
-    permutation of the received rows (dropless), or None with a static capacity."""
+    permutation of the received rows (dropless), or None with a static capacity or when
+    tokens travel (``local``: the received tokens' Dispatch to this rank's experts,
+    which is also ``segments``)."""
 
     send_splits: list | None
     recv_splits: list | None
     order: torch.Tensor | None
     inverse: torch.Tensor | None
-    segments: Segments
+    segments: Segments | Dispatch
+    local: Dispatch | None = None
 
 
 def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel) -> Exchange:
@@ -86,6 +100,48 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     total = sum(recv_splits)
     order, inverse = expert_major(recv_counts, total)
     return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
+
+
+def plan_token_exchange(indices_TK: torch.Tensor, counts_E: torch.Tensor,
+                        ep: ExpertParallel) -> tuple[Dispatch, Exchange]:
+    """Where each token travels when tokens, not rows, cross ranks.
+
+    Arguments:
+        indices_TK: ``[T, K]`` chosen (global) experts.
+        counts_E: ``[E]`` assignments per expert (the router's counts).
+        ep: the expert-parallel ranks.
+
+    Returns:
+        ``(by_rank, exchange)``: ``by_rank``, a partial Dispatch of the ``[T, P]``
+        (token, rank) pairs a token has experts on, rows grouped by rank in token order
+        (``permute`` makes the tokens to send, ``unpermute`` sums what comes back); the
+        Exchange's splits in tokens and its ``local`` Dispatch of the received tokens
+        (source-major) to this rank's experts. Two small exchanges: the counts (read on
+        the host once, as ``plan_exchange`` does) and each sent token's slots, which of
+        the receiving rank's experts it chose (on the device).
+    """
+    P, El = ep.group.size, ep.experts_per_rank
+    T, K = indices_TK.shape
+    device = indices_TK.device
+    held_TP = torch.zeros(T, P, dtype=torch.bool, device=device)
+    held_TP.scatter_(1, indices_TK // El, True)
+    ranks = torch.arange(P, device=device)
+    unheld = make_dispatch(torch.where(held_TP, ranks, P), P + 1)  # group P: pairs that travel nowhere
+    send = torch.cat([counts_E.view(P, El), unheld.counts_E[:P, None]], 1)
+    recv = torch.empty_like(send)
+    t0 = now()
+    ep.group.all_to_all(recv.view(-1), send.reshape(-1)).wait()
+    # The one host sync: tokens to send and to receive per rank, rows for each local expert.
+    send_splits, recv_splits, recv_rows = torch.stack([send[:, El], recv[:, El], recv[:, :El].sum(1)]).tolist()
+    ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv.numel() * 8, "dispatch"))
+    by_rank = without_missing(unheld, sum(send_splits), P)
+    token_S, rank_S = by_rank.row_source_R // P, by_rank.row_expert_R
+    slots_SK = indices_TK[token_S] - (rank_S * El)[:, None]
+    slots_SK = torch.where((slots_SK >= 0) & (slots_SK < El), slots_SK, El)  # El: another rank's expert
+    slots_UK = slots_SK.new_empty((sum(recv_splits), K))
+    ep.group.all_to_all(slots_UK, slots_SK, recv_splits, send_splits).wait()
+    local = without_missing(make_dispatch(slots_UK, El + 1), sum(recv_rows), El)
+    return by_rank, Exchange(send_splits, recv_splits, None, None, local, local)
 
 
 def expert_major(counts_PE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +201,9 @@ def to_experts(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: i
     Used for the forward dispatch and, as its adjoint, for the combine's backward.
     """
     P, El = ep.group.size, ep.experts_per_rank
-    if capacity is None:
+    if ex.order is None and capacity is None:  # tokens: the receiver's Dispatch orders their rows
+        finish = lambda y: y  # noqa: E731
+    elif capacity is None:
         finish = lambda y: y.index_select(0, ex.order)  # noqa: E731
     else:
         finish = lambda y: y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)  # noqa: E731
@@ -160,7 +218,7 @@ def from_experts(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capaci
     Used for the forward combine and, as its adjoint, for the dispatch's backward.
     """
     if capacity is None:
-        y = y_local.index_select(0, ex.inverse)
+        y = y_local if ex.inverse is None else y_local.index_select(0, ex.inverse)
     else:
         P, El = ep.group.size, ep.experts_per_rank
         y = y_local.view(El, P, capacity, -1).transpose(0, 1).reshape(P * El * capacity, -1)

@@ -8,7 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
-from .expert_parallel import Exchange, ExpertParallel, plan_exchange
+from .expert_parallel import Exchange, ExpertParallel, plan_exchange, plan_token_exchange
 from .experts import DeferredWgrad, expert_mlp
 from .router import Routing, route
 
@@ -36,11 +36,15 @@ class Routed(NamedTuple):
     """One MoE layer's tokens after routing, permuted and ready to leave for their experts.
 
     Attributes:
-        rows_RD: ``[R, D]`` tokens permuted by global expert (differentiable).
+        rows_RD: ``[R, D]`` tokens permuted by global expert (differentiable); when
+            tokens travel (``exchange.local``), ``[S, D]`` each token once per rank
+            holding any of its experts, grouped by rank.
         row_probs_R1: ``[R, 1]`` probabilities travelling with the rows (prob placement
-            ``activation``), else None.
+            ``activation``), else None; when tokens travel, ``[S, K]`` each sent token's
+            probabilities (applied on the experts' rank, whatever the placement).
         probs_TK: ``[T, K]`` router probabilities (applied at unpermute, placement ``output``).
-        dispatch: where each assignment went (the Dispatch).
+        dispatch: where each assignment went (the Dispatch; when tokens travel, where
+            each (token, rank) pair went).
         exchange: how rows travel between expert ranks (None without expert parallelism).
         segments: the row segments of the experts this rank computes.
         routing: the router's Routing (for the statistics).
@@ -64,7 +68,7 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
     """Route (with ``router``, ``route``'s signature) and permute ``x_TD`` (the
     permutation from ``dispatcher``, ``make_dispatch``'s signature); with expert
     parallelism also plan the exchange (for dropless routing, a small all-to-all of
-    counts and one host read of split sizes).
+    counts and one host read of split sizes; with ``ep.tokens``, of tokens per rank).
 
     ``decided``: a Routed from an earlier run on the same inputs (a recomputation):
     its permutation and exchange plan are reused, so nothing is exchanged or read on
@@ -76,20 +80,40 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
     else:
         capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
             if cfg.capacity_factor else None
-        d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
-        ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
+        if _crosses_ranks(ep) and ep.tokens:
+            if capacity or cfg.pad_multiple:  # a Plan refuses these when it is built
+                raise ValueError(f"ExpertParallel.tokens sends tokens under dropless routing only: needs "
+                                 f"capacity_factor=0 and pad_multiple=0, not {cfg.capacity_factor} and "
+                                 f"{cfg.pad_multiple}")
+            d, ex = plan_token_exchange(r.indices_TK, r.counts_E, ep)
+        else:
+            d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+            ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
         segments = d if ex is None else ex.segments
     rows_RD = permute(x_TD, d)
-    row_probs_R1 = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
+    if ex is not None and ex.local is not None:
+        row_probs_R1 = permute(r.probs_TK, d)
+    else:
+        row_probs_R1 = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
     return Routed(rows_RD, row_probs_R1, r.probs_TK, d, ex, segments, r)
 
 
 def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
                 cfg: ModelConfig, deferred: DeferredWgrad | None = None, mlp=expert_mlp) -> torch.Tensor:
     """The routed experts on the rows this rank computes (``mlp``: ``(p, rows_RD, segs,
-    cfg, row_probs_R, deferred) -> y_RD``, the plan's backend bound in: ``experts_with``)."""
-    probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
-    return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, deferred)
+    cfg, row_probs_R, deferred) -> y_RD``, the plan's backend bound in: ``experts_with``).
+
+    When tokens travel (``routed.exchange.local``), ``rows_RD`` and ``row_probs_R1`` are
+    the received tokens ``[U, D]`` and their probabilities ``[U, K]``: each token is
+    expanded into its rows here and its weighted expert outputs summed, ``[U, D]``."""
+    local = None if routed.exchange is None else routed.exchange.local
+    if local is None:
+        probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
+        return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, deferred)
+    in_activation = cfg.prob_placement == "activation"
+    probs = row_weights(row_probs_R1, local) if in_activation else None
+    y_RD = mlp(p["experts"], permute(rows_RD, local), local, cfg, probs, deferred)
+    return unpermute(y_RD, local, None if in_activation else row_probs_R1)
 
 
 def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,
@@ -101,7 +125,8 @@ def moe_output(y_RD: torch.Tensor, d: Dispatch, probs_TK: torch.Tensor | None,
 
 
 def output_probs(routed: Routed) -> torch.Tensor | None:
-    """The probabilities ``moe_output`` applies: None under placement ``activation``."""
+    """The probabilities ``moe_output`` applies: None under placement ``activation``, or
+    when tokens travel (their experts' rank applied them)."""
     return routed.probs_TK if routed.row_probs_R1 is None else None
 
 

@@ -123,7 +123,8 @@ def _step(state, a: Action, run: Run):
 def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> Run:
     plan, mesh = setup.plan, setup.mesh
     node_events: list = []
-    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events) if plan.ep > 1 else None
+    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events,
+                        tokens=plan.ep_exchange == "tokens") if plan.ep > 1 else None
     cfg = plan.model
     mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents, cfg.any_window),
                           [LayerFlow() for _ in range(cfg.layers)])

@@ -9,7 +9,7 @@ import fmoe
 
 from ..reference import assert_trees_close
 from .harness import run_cases
-from .workloads import CFG, STRATEGIES, ep_configs, global_batch, round_trip, train
+from .workloads import CFG, STRATEGIES, ep_configs, global_batch, round_trip, token_round_trip, train
 
 # Same reasoning as FSDP: per-rank partial sums reorder fp32 additions.
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -72,6 +72,26 @@ def test_probabilities_inside_the_activation_travel_with_the_rows(dp, ep):
         assert_trees_close(res["prob_in_activation"]["grads"], ref["grads"], **GRAD_TOL)
 
 
+@pytest.mark.parametrize("placement", fmoe.config.PROB_PLACEMENTS)
+@pytest.mark.parametrize("dp,ep", MESHES, ids=[f"dp{d}xep{e}" for d, e in MESHES])
+def test_tokens_travelling_once_per_rank_match_single_process(dp, ep, placement):
+    # a token's expert outputs are summed per rank first: fp32 rounding, the tolerance above
+    ref = single("optim_grads_params", prob_placement=placement)
+    for res in distributed(dp, ep):
+        got = res[f"tokens_{placement}"]
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        assert_trees_close(got["grads"], ref["grads"], **GRAD_TOL)
+        assert_trees_close(got["params"], ref["params"], **PARAM_TOL)
+        m, by_rows = got["metrics"], res["no_shard"]["metrics"]
+        assert torch.equal(m["expert_counts"], by_rows["expert_counts"]) and m["dropped_tokens"] == 0
+        # top-2: with two experts a rank, a token's two often share one, and then it
+        # travels once; with one expert a rank, never (as many rows as under ``rows``)
+        if CFG.experts // ep > 1:
+            assert 0 < m["a2a_bytes"] < by_rows["a2a_bytes"]
+        else:
+            assert m["a2a_bytes"] == by_rows["a2a_bytes"]
+
+
 @functools.lru_cache(maxsize=None)
 def round_trips_of(world):
     return run_cases(world, round_trip, [(False,), (True,)])
@@ -88,3 +108,23 @@ def test_dispatch_combine_round_trip(world, first_rank_only):
             assert res["local_rows"] == 0 and res["segments"] == [0, 0]
         if not first_rank_only and rank == world - 1:
             assert res["segments"][-1] == 0  # the idle expert's segment is empty
+
+
+@functools.lru_cache(maxsize=None)
+def token_round_trips_of(world):
+    return run_cases(world, token_round_trip, [(False,), (True,)])
+
+
+@pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_tokens_travel_once_per_rank_and_come_back_weighted(world, first_rank_only):
+    for rank, res in enumerate(res[(first_rank_only,)] for res in token_round_trips_of(world)):
+        x, p, g = res["x"], res["probs"], res["upstream"]
+        # identity experts: y = x * (p_1 + p_2), summed per rank first (fp32 rounding)
+        torch.testing.assert_close(res["y"], x * p.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res["grad_x"], g * p.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res["grad_probs"], (g * x).sum(1, keepdim=True).expand_as(p), rtol=1e-5,
+                                   atol=1e-6)
+        assert res["sent"] == sum(res["held"])  # a token once per rank holding one of its experts
+        if first_rank_only and rank > 0:
+            assert res["received"] == 0 and res["local_rows"] == 0

@@ -79,6 +79,20 @@ def test_nccl_ep2_matches_single_gpu(sharding):
         assert_trees_close(got["params"], ref["params"], rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("placement", fmoe.config.PROB_PLACEMENTS)
+def test_nccl_ep2_tokens_match_single_gpu(placement):
+    # tokens cross once per rank; their expert outputs summed per rank first (tolerance)
+    plan = fmoe.Plan(model=CFG.replace(prob_placement=placement), sharding="optim_grads_params", microbatches=2,
+                     device="cuda")
+    ref = train(plan, global_batch().cuda())
+    for res in nccl(ep_configs, 1, 2):
+        got = res[f"tokens_{placement}"]
+        assert 0 < got["metrics"]["a2a_bytes"] < res["no_shard"]["metrics"]["a2a_bytes"]
+        torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
+        assert_trees_close(got["grads"], ref["grads"], rtol=1e-4, atol=1e-6)
+        assert_trees_close(got["params"], ref["params"], rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("target", [(2, 1, "optim"), (1, 2, "no_shard")], ids=["dp2-zero1", "ep2"])
 def test_nccl_checkpoint_reshards_and_resumes(tmp_path_factory, target):
     path = str(tmp_path_factory.mktemp("nccl_ck") / "ck")

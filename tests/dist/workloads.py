@@ -14,6 +14,7 @@ import torch
 
 import fmoe
 from fmoe.batch import Batch
+from fmoe.config import PROB_PLACEMENTS
 from fmoe.schedule import Node
 from fmoe.dist import count
 
@@ -164,6 +165,7 @@ SCHEDULE_CASES = {
     "zero3_delay_capacity": dict(sharding="optim_grads_params", delay_wgrad=True, capacity_factor=2.0),
     "zero3_delay_prob_in_activation": dict(sharding="optim_grads_params", delay_wgrad=True,
                                            prob_placement="activation"),
+    "zero3_delay_tokens": dict(sharding="optim_grads_params", delay_wgrad=True, ep_exchange="tokens"),
 }
 
 
@@ -219,6 +221,13 @@ def ep_configs(rank, world, dp, ep, device="cpu"):
     out["capacity"] = train(cap, tokens)
     in_act = fmoe.Plan(model=CFG.replace(prob_placement="activation"), dp=dp, ep=ep, microbatches=2, device=device)
     out["prob_in_activation"] = train(in_act, tokens)
+    for placement in PROB_PLACEMENTS:
+        plan = fmoe.Plan(model=CFG.replace(prob_placement=placement), dp=dp, ep=ep, sharding="optim_grads_params",
+                         microbatches=2, device=device, ep_exchange="tokens")
+        res = train(plan, tokens)
+        step = fmoe.step(fmoe.init(plan, seed=0), {"tokens": tokens}, plan)
+        res["metrics"] = {k: step.metrics[k] for k in ("expert_counts", "a2a_bytes", "dropped_tokens")}
+        out[f"tokens_{placement}"] = res
     return out
 
 
@@ -247,6 +256,37 @@ def round_trip(rank, world, route_to_first_rank: bool):
     y.backward(upstream)
     return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
             "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
+
+
+def token_round_trip(rank, world, route_to_first_rank: bool):
+    """Tokens to their experts' ranks once each (``plan_token_exchange``), identity
+    experts weighted by the probabilities, and back: ``y = x * sum_k p[:, k]``; returns
+    the output, the gradients of the tokens and probabilities, and what this rank saw."""
+    from fmoe.layers.dispatch import permute, unpermute
+    from fmoe.layers.expert_parallel import ExpertParallel, combine, dispatch, plan_token_exchange
+    from fmoe.layers.router import expert_counts
+    from fmoe.dist.mesh import mesh_for
+
+    E, K, T, D = 2 * world, 2, 5 + 3 * rank, 8  # two experts a rank, uneven token counts
+    mesh = mesh_for(fmoe.Plan(model=CFG.replace(experts=E), dp=1, ep=world, ep_exchange="tokens"))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    probs = torch.rand(T, K, generator=g).requires_grad_()
+    if route_to_first_rank:  # both experts on rank 0: the other ranks receive nothing
+        idx = torch.tensor([[0, 1]] * T)
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ep = ExpertParallel(mesh.ep, 2, tokens=True)
+    by_rank, ex = plan_token_exchange(idx, expert_counts(idx, E), ep)
+    tokens = dispatch(permute(x, by_rank), ex, ep, None).wait()
+    token_probs = dispatch(permute(probs, by_rank), ex, ep, None).wait()
+    summed = unpermute(permute(tokens, ex.local), ex.local, token_probs)  # identity experts
+    y = unpermute(combine(summed, ex, ep, None).wait(), by_rank)
+    upstream = torch.randn(T, D, generator=g)
+    y.backward(upstream)
+    return {"x": x.detach(), "probs": probs.detach(), "y": y.detach(), "grad_x": x.grad, "grad_probs": probs.grad,
+            "upstream": upstream, "sent": by_rank.num_rows, "received": tokens.shape[0],
+            "local_rows": ex.local.num_rows, "held": [len(set((row // 2).tolist())) for row in idx]}
 
 
 def adam_moments(state):
@@ -447,7 +487,7 @@ def compiled_configs(rank, world, dp, ep):
             for case, kw in COMPILE_CASES.items() for compiled in (False, True)}
 
 
-REMAT_CASES = ("zero3_delay", "zero3_delay_capacity")
+REMAT_CASES = ("zero3_delay", "zero3_delay_capacity", "zero3_delay_tokens")
 
 
 def remat_configs(rank, world, dp, ep, device="cpu"):
