@@ -145,6 +145,19 @@ def test_step_time_counts_the_links():
     assert slow.step_seconds > fast.step_seconds  # across nodes, at the network's bandwidth
 
 
+def test_tokens_crossing_once_per_rank_move_fewer_bytes():
+    from fmoe.plan.simulate import crossing_rows_per_token
+
+    fine = fmoe.ModelConfig(vocab=256, dim=64, layers=2, heads=4, experts=64, topk=8, ffn=32)
+    per_token = {ep: crossing_rows_per_token(fmoe.Plan(model=fine, ep=ep, ep_exchange="tokens")) for ep in (2, 4, 8)}
+    assert per_token == pytest.approx({2: 2.0, 4: 3.66, 8: 5.43}, abs=0.01)  # of 8 rows under "rows"
+    assert crossing_rows_per_token(fmoe.Plan(model=fine, ep=2)) == 8
+    slow = CostModel(links=dataclasses.replace(Links(), gpus_per_node=1))  # the exchange over the network
+    rows, tokens = (simulate(fmoe.Plan(model=CFG, ep=2, microbatches=2, ep_exchange=how), rows=8, seq=64, costs=slow)
+                    for how in ("rows", "tokens"))
+    assert tokens.step_seconds < rows.step_seconds
+
+
 def test_the_command_line_prints_the_plan_and_ranks_plans():
     run = lambda *args: subprocess.run([sys.executable, "-m", "fmoe.plan", *map(str, args)],  # noqa: E731
                                        capture_output=True, text=True, timeout=300)

@@ -117,6 +117,17 @@ def _rank_elements(spec: ShardSpec, rank: int) -> int:
     return sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
 
 
+def crossing_rows_per_token(plan: Plan) -> float:
+    """Rows an expert all-to-all moves per token: ``topk`` under ``Plan.ep_exchange='rows'``;
+    under ``tokens`` the ranks its experts fall on, expected for uniform routing: ``ep *
+    (1 - C(E - E/ep, k) / C(E, k))`` (top-8 of 64 over 2 ranks: 2.0, over 8: 5.4)."""
+    cfg = plan.model
+    if plan.ep_exchange == "rows" or plan.ep == 1:
+        return float(cfg.topk)
+    missed = math.comb(cfg.experts - cfg.experts // plan.ep, cfg.topk) / math.comb(cfg.experts, cfg.topk)
+    return plan.ep * (1.0 - missed)
+
+
 class _Charge:
     """What each action costs a stage's representative rank."""
 
@@ -127,6 +138,7 @@ class _Charge:
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
         # a microbatch's routed rows (tokens x topk), what dispatch, combine and its Land move
         self.rows = self.size["held"] * self.cfg.topk * self.cfg.dim * plan.compute_dtype.itemsize
+        self.crossing = self.rows * crossing_rows_per_token(plan) / self.cfg.topk  # what an expert all-to-all moves
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
                        for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
 
@@ -181,7 +193,7 @@ class _Charge:
     @functools.cached_property
     def exchange(self) -> float:
         """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
-        return self.comm("all_to_all", self.rows, "ep")
+        return self.comm("all_to_all", self.crossing, "ep")
 
     @functools.lru_cache(maxsize=None)  # noqa: B019
     def unit(self, name: str, gather: bool) -> float:
