@@ -37,6 +37,7 @@ PLANS = {
         "ep2_tp2_etp1": dict(ep=2, tp=2, sharding="optim_grads"),
         "ep2_tp2_etp2": dict(ep=2, tp=2, etp=2, sharding="optim_grads_params", schedule="1f1b_overlap",
                              delay_wgrad=True),
+        "ep2_tp2_etp2_tokens": dict(ep=2, tp=2, etp=2, sharding="optim_grads_params", ep_exchange="tokens"),
         "dp2_cp2": dict(dp=2, cp=2, sharding="optim_grads_params", schedule="1f1b_overlap"),
         "cp2_tp2": dict(cp=2, tp=2, remat="full"),
         "tp4": dict(tp=4, sharding="optim"),
