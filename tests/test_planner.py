@@ -146,12 +146,15 @@ def test_step_time_counts_the_links():
 
 
 def test_tokens_crossing_once_per_rank_move_fewer_bytes():
-    from fmoe.plan.simulate import crossing_rows_per_token
+    from fmoe.plan.simulate import crossing_bytes_per_token
 
-    fine = fmoe.ModelConfig(vocab=256, dim=64, layers=2, heads=4, experts=64, topk=8, ffn=32)
-    per_token = {ep: crossing_rows_per_token(fmoe.Plan(model=fine, ep=ep, ep_exchange="tokens")) for ep in (2, 4, 8)}
-    assert per_token == pytest.approx({2: 2.0, 4: 3.66, 8: 5.43}, abs=0.01)  # of 8 rows under "rows"
-    assert crossing_rows_per_token(fmoe.Plan(model=fine, ep=2)) == 8
+    fine = fmoe.ModelConfig(vocab=256, dim=2048, layers=2, heads=16, experts=64, topk=8, ffn=32)
+    row = 2048 * 4  # fp32 compute: 4 bytes an element
+    per_token = {ep: crossing_bytes_per_token(fmoe.Plan(model=fine, ep=ep, ep_exchange="tokens")) / row
+                 for ep in (2, 4, 8)}
+    # the ranks a token's experts fall on (2.0, 3.66, 5.43), each a row and 64 bytes of probabilities and slots
+    assert per_token == pytest.approx({2: 2.0 * 1.0078, 4: 3.66 * 1.0078, 8: 5.43 * 1.0078}, abs=0.01)
+    assert crossing_bytes_per_token(fmoe.Plan(model=fine, ep=2)) == 8 * row
     slow = CostModel(links=dataclasses.replace(Links(), gpus_per_node=1))  # the exchange over the network
     rows, tokens = (simulate(fmoe.Plan(model=CFG, ep=2, microbatches=2, ep_exchange=how), rows=8, seq=64, costs=slow)
                     for how in ("rows", "tokens"))

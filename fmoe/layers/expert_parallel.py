@@ -32,6 +32,7 @@ import torch
 from ..dist.comm import Group, Pending
 from ..dist.trace import Event, now
 from .dispatch import Dispatch, make_dispatch, without_missing
+from .router import expert_counts
 
 
 @dataclass
@@ -102,13 +103,11 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
 
 
-def plan_token_exchange(indices_TK: torch.Tensor, counts_E: torch.Tensor,
-                        ep: ExpertParallel) -> tuple[Dispatch, Exchange]:
+def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel) -> tuple[Dispatch, Exchange]:
     """Where each token travels when tokens, not rows, cross ranks.
 
     Arguments:
         indices_TK: ``[T, K]`` chosen (global) experts.
-        counts_E: ``[E]`` assignments per expert (the router's counts).
         ep: the expert-parallel ranks.
 
     Returns:
@@ -118,7 +117,8 @@ def plan_token_exchange(indices_TK: torch.Tensor, counts_E: torch.Tensor,
         Exchange's splits in tokens and its ``local`` Dispatch of the received tokens
         (source-major) to this rank's experts. Two small exchanges: the counts (read on
         the host once, as ``plan_exchange`` does) and each sent token's slots, which of
-        the receiving rank's experts it chose (on the device).
+        the receiving rank's experts it chose (int32, on the device; ``slots`` in the
+        trace).
     """
     P, El = ep.group.size, ep.experts_per_rank
     T, K = indices_TK.shape
@@ -127,7 +127,7 @@ def plan_token_exchange(indices_TK: torch.Tensor, counts_E: torch.Tensor,
     held_TP.scatter_(1, indices_TK // El, True)
     ranks = torch.arange(P, device=device)
     unheld = make_dispatch(torch.where(held_TP, ranks, P), P + 1)  # group P: pairs that travel nowhere
-    send = torch.cat([counts_E.view(P, El), unheld.counts_E[:P, None]], 1)
+    send = torch.cat([expert_counts(indices_TK, P * El).view(P, El), unheld.counts_E[:P, None]], 1)
     recv = torch.empty_like(send)
     t0 = now()
     ep.group.all_to_all(recv.view(-1), send.reshape(-1)).wait()
@@ -137,10 +137,12 @@ def plan_token_exchange(indices_TK: torch.Tensor, counts_E: torch.Tensor,
     by_rank = without_missing(unheld, sum(send_splits), P)
     token_S, rank_S = by_rank.row_source_R // P, by_rank.row_expert_R
     slots_SK = indices_TK[token_S] - (rank_S * El)[:, None]
-    slots_SK = torch.where((slots_SK >= 0) & (slots_SK < El), slots_SK, El)  # El: another rank's expert
+    slots_SK = torch.where((slots_SK >= 0) & (slots_SK < El), slots_SK, El).to(torch.int32)  # El: elsewhere
     slots_UK = slots_SK.new_empty((sum(recv_splits), K))
+    t0 = now()
     ep.group.all_to_all(slots_UK, slots_SK, recv_splits, send_splits).wait()
-    local = without_missing(make_dispatch(slots_UK, El + 1), sum(recv_rows), El)
+    ep.events.append(Event("all_to_all", None, None, -1, t0, now(), slots_SK.numel() * 4, "slots"))
+    local = without_missing(make_dispatch(slots_UK.long(), El + 1), sum(recv_rows), El)
     return by_rank, Exchange(send_splits, recv_splits, None, None, local, local)
 
 

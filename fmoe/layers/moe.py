@@ -21,7 +21,9 @@ class MoEStats(NamedTuple):
         aux_loss, z_loss: unscaled router losses (fp32 scalars, differentiable).
         padded_rows: permuted rows holding no token (long scalar).
         dropped_tokens: assignments dropped by the capacity (long scalar; 0 when dropless).
-        a2a_bytes: bytes this rank sent in the layer's forward dispatch + combine.
+        a2a_bytes: bytes of the layer's forward dispatch and combine as this rank
+            permuted them (its own rank's share included); when tokens travel, with
+            their probabilities and expert slots.
     """
 
     counts_E: torch.Tensor
@@ -42,7 +44,8 @@ class Routed(NamedTuple):
         row_probs_R1: ``[R, 1]`` probabilities travelling with the rows (prob placement
             ``activation``), else None; when tokens travel, ``[S, K]`` each sent token's
             probabilities (applied on the experts' rank, whatever the placement).
-        probs_TK: ``[T, K]`` router probabilities (applied at unpermute, placement ``output``).
+        probs_TK: ``[T, K]`` router probabilities (applied at unpermute under placement
+            ``output``, unless tokens travel).
         dispatch: where each assignment went (the Dispatch; when tokens travel, where
             each (token, rank) pair went).
         exchange: how rows travel between expert ranks (None without expert parallelism).
@@ -85,7 +88,7 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
                 raise ValueError(f"ExpertParallel.tokens sends tokens under dropless routing only: needs "
                                  f"capacity_factor=0 and pad_multiple=0, not {cfg.capacity_factor} and "
                                  f"{cfg.pad_multiple}")
-            d, ex = plan_token_exchange(r.indices_TK, r.counts_E, ep)
+            d, ex = plan_token_exchange(r.indices_TK, ep)
         else:
             d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
             ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
@@ -136,4 +139,6 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     sent = torch.zeros((), dtype=torch.long, device=d.pos_TK.device)
     if routed.exchange is not None:
         sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
+        if routed.exchange.local is not None:  # each token's probabilities and its int32 expert slots
+            sent = sent + d.num_rows * routed.row_probs_R1.shape[1] * (routed.row_probs_R1.element_size() + 4)
     return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)

@@ -365,8 +365,9 @@ def unpermute_bwd(grad_TD: torch.Tensor, y_RD: torch.Tensor | None, w_TK: torch.
 
     ``grad_y[r] = grad[t] * w[t, k]`` for the row holding assignment ``(t, k)``, zero on
     padding rows; ``grad_w[t, k] = <grad[t], y[pos[t, k]]>`` in fp32, zero if dropped.
-    ``y_RD`` is read only for ``grad_w``; ``dropping``: static capacity (padding rows may
-    exist even when ``R == T * K``). Inputs contiguous.
+    ``y_RD`` is read only for ``grad_w``; ``dropping``: an assignment may have no row
+    (static capacity, where padding rows may exist even when ``R == T * K``, or a rank's
+    share of a routing). Inputs contiguous.
     """
     (T, K), D = pos_TK.shape, grad_TD.shape[1]
     need_gw = need_grad_w and w_TK is not None

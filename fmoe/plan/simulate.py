@@ -117,15 +117,17 @@ def _rank_elements(spec: ShardSpec, rank: int) -> int:
     return sum(math.prod(shape) for shape in spec.local_shapes(rank).values())
 
 
-def crossing_rows_per_token(plan: Plan) -> float:
-    """Rows an expert all-to-all moves per token: ``topk`` under ``Plan.ep_exchange='rows'``;
-    under ``tokens`` the ranks its experts fall on, expected for uniform routing: ``ep *
-    (1 - C(E - E/ep, k) / C(E, k))`` (top-8 of 64 over 2 ranks: 2.0, over 8: 5.4)."""
+def crossing_bytes_per_token(plan: Plan) -> float:
+    """Bytes an expert all-to-all moves per token: ``topk`` rows under
+    ``Plan.ep_exchange='rows'``; under ``tokens`` a row, its probabilities and its int32
+    expert slots for each rank its experts fall on, expected for uniform routing: ``ep *
+    (1 - C(E - E/ep, k) / C(E, k))`` ranks (top-8 of 64 over 2 ranks: 2.0, over 8: 5.4)."""
     cfg = plan.model
+    row = cfg.dim * plan.compute_dtype.itemsize
     if plan.ep_exchange == "rows" or plan.ep == 1:
-        return float(cfg.topk)
+        return float(cfg.topk * row)
     missed = math.comb(cfg.experts - cfg.experts // plan.ep, cfg.topk) / math.comb(cfg.experts, cfg.topk)
-    return plan.ep * (1.0 - missed)
+    return plan.ep * (1.0 - missed) * (row + cfg.topk * (4 + 4))
 
 
 class _Charge:
@@ -138,7 +140,7 @@ class _Charge:
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
         # a microbatch's routed rows (tokens x topk), what dispatch, combine and its Land move
         self.rows = self.size["held"] * self.cfg.topk * self.cfg.dim * plan.compute_dtype.itemsize
-        self.crossing = self.rows * crossing_rows_per_token(plan) / self.cfg.topk  # what an expert all-to-all moves
+        self.crossing = self.size["held"] * crossing_bytes_per_token(plan)  # what an expert all-to-all moves
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
                        for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
 

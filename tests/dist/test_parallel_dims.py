@@ -108,6 +108,12 @@ def test_the_mesh_groups_are_the_layouts(two, four, world):
             assert got == next(g for g in dims.groups(name) if rank in g), (rank, name)
 
 
+def test_tokens_cross_as_tokens_under_tp_and_etp(four):
+    for res in four[0]:
+        assert "slots" in res["ep2_tp2_etp2_tokens"]["purposes"]
+        assert "slots" not in res["ep2_tp2_etp2"]["purposes"]
+
+
 def test_the_trace_shows_each_dimension_on_its_own_row(two):
     for res in two:
         assert "tp" in res["tp2"]["purposes"] and "cp" in res["cp2"]["purposes"]

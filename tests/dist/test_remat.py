@@ -26,6 +26,7 @@ def test_full_remat_is_bitwise_and_repeats_no_collective(case):
         full, none = res[(case, "full")], res[(case, "none")]
         assert_bitwise(full, none)
         assert full["counts"] == none["counts"]  # all-to-alls, gathers, reductions: as many
+        assert any(e.purpose == "slots" for e in full["trace"]) == case.endswith("tokens")  # tokens cross
         recomputes = [e for e in full["trace"] if e.kind == "recompute"]
         assert len(recomputes) == 4 * 2  # each layer of each of the 4 microbatches
         assert not [e for e in none["trace"] if e.kind == "recompute"]

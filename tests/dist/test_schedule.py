@@ -33,6 +33,13 @@ def test_1f1b_overlap_is_bitwise_the_standard_schedule(case):
         assert_bitwise(res[(case, "1f1b_overlap")], res[(case, "standard")])
 
 
+def test_the_tokens_case_sends_tokens():
+    # the tokens exchange shows in the trace as its expert slots' all-to-all
+    for res in runs(1, 2):
+        for case, sends_slots in (("zero3_delay_tokens", True), ("zero3_delay", False)):
+            assert any(e.purpose == "slots" for e in res[(case, "standard")]["trace"]) == sends_slots
+
+
 def test_1f1b_overlap_on_a_dp2_x_ep2_mesh():
     for res in runs(2, 2, ("zero3_delay",)):
         assert_bitwise(res[("zero3_delay", "1f1b_overlap")], res[("zero3_delay", "standard")])

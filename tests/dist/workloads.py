@@ -264,7 +264,6 @@ def token_round_trip(rank, world, route_to_first_rank: bool):
     the output, the gradients of the tokens and probabilities, and what this rank saw."""
     from fmoe.layers.dispatch import permute, unpermute
     from fmoe.layers.expert_parallel import ExpertParallel, combine, dispatch, plan_token_exchange
-    from fmoe.layers.router import expert_counts
     from fmoe.dist.mesh import mesh_for
 
     E, K, T, D = 2 * world, 2, 5 + 3 * rank, 8  # two experts a rank, uneven token counts
@@ -277,7 +276,7 @@ def token_round_trip(rank, world, route_to_first_rank: bool):
     else:
         idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     ep = ExpertParallel(mesh.ep, 2, tokens=True)
-    by_rank, ex = plan_token_exchange(idx, expert_counts(idx, E), ep)
+    by_rank, ex = plan_token_exchange(idx, ep)
     tokens = dispatch(permute(x, by_rank), ex, ep, None).wait()
     token_probs = dispatch(permute(probs, by_rank), ex, ep, None).wait()
     summed = unpermute(permute(tokens, ex.local), ex.local, token_probs)  # identity experts
