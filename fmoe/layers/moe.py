@@ -61,6 +61,11 @@ class Routed(NamedTuple):
     segments: object
     routing: Routing
 
+    @property
+    def local(self) -> Dispatch | None:
+        """When tokens travel: the received tokens' Dispatch to this rank's experts."""
+        return None if self.exchange is None else self.exchange.local
+
 
 def _crosses_ranks(ep: ExpertParallel | None) -> bool:
     return ep is not None and ep.group.size > 1
@@ -109,7 +114,7 @@ def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | Non
     When tokens travel (``routed.exchange.local``), ``rows_RD`` and ``row_probs_R1`` are
     the received tokens ``[U, D]`` and their probabilities ``[U, K]``: each token is
     expanded into its rows here and its weighted expert outputs summed, ``[U, D]``."""
-    local = None if routed.exchange is None else routed.exchange.local
+    local = routed.local
     if local is None:
         probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
         return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, deferred)
@@ -139,6 +144,6 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     sent = torch.zeros((), dtype=torch.long, device=d.pos_TK.device)
     if routed.exchange is not None:
         sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
-        if routed.exchange.local is not None:  # each token's probabilities and its int32 expert slots
+        if routed.local is not None:  # each token's probabilities and its int32 expert slots
             sent = sent + d.num_rows * routed.row_probs_R1.shape[1] * (routed.row_probs_R1.element_size() + 4)
     return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)

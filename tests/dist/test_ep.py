@@ -94,8 +94,8 @@ def test_tokens_travelling_once_per_rank_match_single_process(dp, ep, placement)
 
 
 @functools.lru_cache(maxsize=None)
-def round_trips_of(world):
-    return run_cases(world, round_trip, [(False,), (True,)])
+def round_trips_of(world, workload=round_trip):
+    return run_cases(world, workload, [(False,), (True,)])
 
 
 @pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])
@@ -111,15 +111,10 @@ def test_dispatch_combine_round_trip(world, first_rank_only):
             assert res["segments"][-1] == 0  # the idle expert's segment is empty
 
 
-@functools.lru_cache(maxsize=None)
-def token_round_trips_of(world):
-    return run_cases(world, token_round_trip, [(False,), (True,)])
-
-
 @pytest.mark.parametrize("first_rank_only", [False, True], ids=["uneven", "idle-ranks"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_tokens_travel_once_per_rank_and_come_back_weighted(world, first_rank_only):
-    for rank, res in enumerate(res[(first_rank_only,)] for res in token_round_trips_of(world)):
+    for rank, res in enumerate(res[(first_rank_only,)] for res in round_trips_of(world, token_round_trip)):
         x, p, g = res["x"], res["probs"], res["upstream"]
         # identity experts: y = x * (p_1 + p_2), summed per rank first (fp32 rounding)
         torch.testing.assert_close(res["y"], x * p.sum(1, keepdim=True), rtol=1e-6, atol=1e-6)
