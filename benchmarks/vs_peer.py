@@ -1,7 +1,7 @@
 """fmoe vs an independent plain-PyTorch MoE LM (``benchmarks/peer.py``), side by side
 in one process: same model, batches, learning rate and precision. For each shape:
 the peer eager, the peer with each block ``torch.compile``d (as torchtitan), then fmoe
-(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``; on one GPU also
+(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``; ``only``: just that; on one GPU also
 with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
 ``--fmoe-graph off``).
 
@@ -91,7 +91,7 @@ import torch.distributed as dist
 
 import fmoe
 import peer
-from interop.cuda_graph import capture_step
+from interop.cuda_graph import capture_scopes, capture_step
 from fsdp_step import lm_parser
 from kernel_time import exposure
 
@@ -155,8 +155,8 @@ def parse(more=None):
                     help="one more step per system under the profiler: NCCL time, exposed part, GPU idle")
     ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off"),
-                    help="auto: fmoe also with Plan(compile=True) where Plan has that field")
+    ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off", "only"),
+                    help="auto: fmoe also with Plan(compile=True) where Plan has that field; only: just with it")
     ap.add_argument("--fmoe-graph", default="auto", choices=("auto", "off"),
                     help="auto: on one GPU, fmoe also with its whole step captured as a CUDA graph")
     ap.add_argument("--check", action="store_true",
@@ -202,7 +202,12 @@ def describe(cfg: fmoe.ModelConfig) -> str:
 
 
 def fmoe_has_compile(args) -> bool:
-    return args.fmoe_compile == "auto"
+    return args.fmoe_compile != "off"
+
+
+def fmoe_compiles(args) -> tuple[bool, ...]:
+    """The ``Plan.compile`` values fmoe runs with (``--fmoe-compile``)."""
+    return {"auto": (False, True), "off": (False,), "only": (True,)}[args.fmoe_compile]
 
 
 def fmoe_graphs(args, bench) -> bool:
@@ -229,20 +234,21 @@ def mesh_of(name: str, world: int) -> dict:
     ``fmoe.local_batch``); ``+1f1b`` -> the overlap schedule, ``+dw`` -> delayed weight
     gradients, ``+tokens`` -> ``ep_exchange='tokens'``, ``+capF`` -> a static expert capacity
     of F x the even share (``ModelConfig.capacity_factor``: no host read of split sizes;
-    assignments past it dropped)."""
-    options_re = r"((?:\+1f1b|\+dw|\+tokens|\+cap\d+(?:\.\d+)?)*)"
+    assignments past it dropped), ``+graphs`` -> each layer's attention and router replayed
+    from CUDA graphs (``interop.capture_scopes``, the trainer's ``--cuda-graph attn,router``)."""
+    options_re = r"((?:\+1f1b|\+dw|\+tokens|\+graphs|\+cap\d+(?:\.\d+)?)*)"
     m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?" + options_re, name)
     degrees = [int(d) if d else 1 for d in m.groups()[:4]] if m and m[1] else [world, 1, 1, 1]
     options = m[5].split("+")[1:] if m else []
     caps = [float(o[3:]) for o in options if o.startswith("cap")]
     if not m or math.prod(degrees) != world or len(set(options)) != len(options) or len(caps) > 1:
         raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpX' with any of 'epY', 'tpZ', 'cpW' after it, the "
-                         f"degrees' product {world} ranks, optionally followed by '+1f1b', '+dw', '+tokens' "
-                         "and/or '+capF' once each")
+                         f"degrees' product {world} ranks, optionally followed by '+1f1b', '+dw', '+tokens', "
+                         "'+graphs' and/or '+capF' once each")
     dp, ep, tp, cp = degrees
     return dict(dp=dp, ep=ep, tp=tp, cp=cp, schedule="1f1b_overlap" if "1f1b" in options else "standard",
                 delay_wgrad="dw" in options, ep_exchange="tokens" if "tokens" in options else "rows",
-                capacity_factor=caps[0] if caps else 0.0)
+                capacity_factor=caps[0] if caps else 0.0, scopes=("attn", "router") if "graphs" in options else ())
 
 
 class Bench:
@@ -362,6 +368,7 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     args = bench.args
     mesh = mesh_of(mesh_name, bench.world)
     cfg = dataclasses.replace(cfg, capacity_factor=mesh.pop("capacity_factor"))
+    scopes = mesh.pop("scopes")
     sharding = "no_shard" if bench.world == 1 else "optim_grads_params"
     plan = fmoe.Plan(model=cfg, **mesh, sharding=sharding, microbatches=args.microbatches,
                      dtype="bfloat16" if bench.device == "cuda" else "float32", device=bench.device,
@@ -382,7 +389,10 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
         batch = {"tokens": local.get(id(tokens), tokens)}
         if graph and "graph" not in held:
             held["graph"] = capture_step(held["params"], batch, plan, donate=True)
-        out = held["graph"](held["params"], batch) if graph else fmoe.step(held["params"], batch, plan)
+        if scopes and "kernels" not in held:
+            held["kernels"] = capture_scopes(held["params"], batch, plan, scopes)
+        out = held["graph"](held["params"], batch) if graph else fmoe.step(held["params"], batch, plan,
+                                                                            held.get("kernels"))
         held["params"], held["state"] = opt.update(out.grads, held["state"], held["params"])
         return out.loss
 
@@ -393,7 +403,8 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
              + (" no_shard" if sharding == "no_shard" else " ZeRO-3")
              + (" 1f1b" if plan.schedule == "1f1b_overlap" else "") + (" delay_wgrad" if plan.delay_wgrad else "")
              + (f" capacity {cfg.capacity_factor:g}" if cfg.capacity_factor else "")
-             + (" tokens" if plan.ep_exchange == "tokens" else ""))
+             + (" tokens" if plan.ep_exchange == "tokens" else "")
+             + (" graphed " + "+".join(scopes) if scopes else ""))
     system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
               + (" + step graph" if graph else ""))
     return dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
@@ -421,7 +432,7 @@ def run_shape(bench: Bench, name: str) -> dict:
     peers = [freed(bench, run_peer(bench, cfg, compile=kind == "compiled"))
              for kind in ("eager", "compiled") if kind in args.peers]
     rows = list(peers)
-    for compile in (False, True) if fmoe_has_compile(args) else (False,):
+    for compile in fmoe_compiles(args):
         rows += [freed(bench, run_fmoe(bench, cfg, m, compile)) for m in args.meshes]
     if fmoe_graphs(args, bench):
         rows += [freed(bench, run_fmoe(bench, cfg, m, fmoe_has_compile(args), graph=True)) for m in args.meshes]

@@ -227,6 +227,37 @@ def test_unpermute_kernels_match_torch_path(dtype, w_dtype, K, mode, T, D, torch
         torch.testing.assert_close(gw, gw_t, rtol=rtol(w_dtype, 2), atol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available() or tk.triton is None,
+                    reason="needs CUDA and Triton (the interpreter compiles nothing)")
+def test_new_row_counts_compile_no_new_kernels():
+    # Routing changes the row and token counts every step; a kernel specialised on a count
+    # (divisible by 16 or not) compiled a variant mid-run, a stall of ~0.3 s on an
+    # expert rank that every other rank waited for (benchmarks/ep_trace.py).
+    def variants():
+        caches = [getattr(k, "device_caches", None) for k in
+                  (tk._swiglu_fwd_kernel, tk._swiglu_bwd_kernel, tk._unpermute_fwd_kernel, tk._unpermute_bwd_kernel)]
+        if any(c is None for c in caches):
+            pytest.skip("this Triton keeps no per-device kernel cache to count")
+        return [sum(len(entry[0]) for entry in c.values()) for c in caches]
+
+    def run(T):  # T tokens, 4 experts each: R = 4T rows
+        d = make_case(T, 4, "dropless")
+        h = rand(d.num_rows, 2 * 96, dtype=BF16).requires_grad_()
+        a = tk.swiglu_RF(h)
+        y = torch.cat([a, a], 1)
+        w = rand(T, 4, low=0.1).requires_grad_()
+        out = dispatch.unpermute(y, d, w)
+        torch.autograd.grad(out, [h, w], rand(T, 2 * 96, dtype=BF16))
+
+    run(256)
+    compiled = variants()
+    for T in (257, 260, 272, 1000):  # counts and row counts off and on multiples of 16
+        run(T)
+    torch.cuda.synchronize()
+    assert variants() == compiled
+
+
 @kernel_test
 @pytest.mark.parametrize("need", ["rows", "weights"])
 def test_unpermute_backward_computes_only_what_is_needed(need, calls, torch_path):

@@ -117,11 +117,13 @@ def make_dispatch(indices_TK: torch.Tensor, num_experts: int, pad_multiple: int 
     return Dispatch(pos.view(T, K), row_source[:num_rows], row_expert, counts, rows, offsets, dropped, capacity)
 
 
-def without_missing(d: Dispatch, num_rows: int, groups: int) -> Dispatch:
+def without_missing(d: Dispatch, num_rows: int, groups: int, tokens: int | None = None) -> Dispatch:
     """``d``, made by ``make_dispatch`` with one group more than ``groups`` for the
     assignments that have no row (sorted last), cut to its first ``groups`` groups and
-    ``num_rows`` rows: those assignments' ``pos`` becomes ``num_rows`` (``partial``)."""
-    pos = torch.where(d.pos_TK < num_rows, d.pos_TK, num_rows)
+    ``num_rows`` rows: those assignments' ``pos`` becomes ``num_rows`` (``partial``).
+    ``tokens``: cut to the first ``tokens`` tokens too (the rest must have no row)."""
+    pos = d.pos_TK if tokens is None else d.pos_TK[:tokens]
+    pos = torch.where(pos < num_rows, pos, num_rows)
     return Dispatch(pos, d.row_source_R[:num_rows], d.row_expert_R[:num_rows], d.counts_E[:groups],
                     d.rows_E[:groups], d.offsets_E[:groups], d.dropped, None, partial=True)
 

@@ -69,23 +69,61 @@ def segments_of(rows_E: torch.Tensor, total: int, capacity: int | None = None) -
                     torch.repeat_interleave(experts, rows_E, output_size=total), capacity)
 
 
+def _bounded_segments(rows_E: torch.Tensor, bound: int) -> Segments:
+    """``segments_of`` for an unknown total of at most ``bound`` rows: ``row_expert_R``
+    has ``bound`` entries (``E`` past the total), to be cut once the total is known."""
+    offsets_E = torch.cumsum(rows_E, 0)
+    row_expert = torch.searchsorted(offsets_E, torch.arange(bound, device=rows_E.device), right=True)
+    return Segments(rows_E, offsets_E.to(torch.int32), row_expert)
+
+
+class Arrivals:
+    """When tokens travel: the tokens this rank received, and which of its experts each
+    chose. ``slots_NK`` (int32, ``El`` for another rank's expert) holds them in its first
+    ``tokens`` rows and ``El`` in the rest, so its shape is fixed by the batch when every
+    rank routes as many tokens (one compiled graph). Their Dispatch to this rank's
+    ``rows`` rows is built on first use, in the experts' node: by then the tokens are on
+    their way, so the host builds it while the GPU moves them."""
+
+    def __init__(self, slots_NK: torch.Tensor, tokens: int, rows: int, experts: int, dispatcher=make_dispatch):
+        self.slots_NK, self.tokens, self.rows, self.experts = slots_NK, tokens, rows, experts
+        self._dispatcher, self._dispatch = dispatcher, None
+
+    @property
+    def dispatch(self) -> Dispatch:
+        if self._dispatch is None:
+            whole = self._dispatcher(self.slots_NK.long(), self.experts + 1)
+            self._dispatch = without_missing(whole, self.rows, self.experts, self.tokens)
+        return self._dispatch
+
+
 class Exchange(NamedTuple):
     """How one layer's rows travel: split sizes, and the source-major <-> expert-major
-    permutation of the received rows (dropless), or None with a static capacity or when
-    tokens travel (``local``: the received tokens' Dispatch to this rank's experts,
-    which is also ``segments``)."""
+    permutation of the received rows and their local-expert ``segments`` (dropless), or
+    None with a static capacity; when tokens travel, ``arrivals`` instead (``local``:
+    the received tokens' Dispatch to this rank's experts)."""
 
     send_splits: list | None
     recv_splits: list | None
     order: torch.Tensor | None
     inverse: torch.Tensor | None
-    segments: Segments | Dispatch
-    local: Dispatch | None = None
+    segments: Segments | None
+    arrivals: Arrivals | None = None
+
+    @property
+    def local(self) -> Dispatch | None:
+        return None if self.arrivals is None else self.arrivals.dispatch
 
 
-def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel) -> Exchange:
+def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel, bound: int = 0) -> Exchange:
     """Split sizes and local-expert segments for rows permuted by global expert
-    (``rows_E``: the permuted buffer's segment sizes)."""
+    (``rows_E``: the permuted buffer's segment sizes).
+
+    ``bound``: the most rows this rank can receive (``P * T * min(K, El)`` when every
+    rank routes ``T`` tokens), or 0. With it the received rows' order and segments are
+    built before the host read, while the GPU still has work queued, and after the read
+    only cut (or built again, should more rows arrive): the host's work between the
+    read and the exchange, when the GPU has nothing else to run, is a few slices."""
     P, El = ep.group.size, ep.experts_per_rank
     device = rows_E.device
     if capacity is not None:
@@ -95,30 +133,38 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     recv_counts = torch.empty_like(send_counts)
     t0 = now()
     ep.group.all_to_all(recv_counts.view(-1), send_counts.reshape(-1)).wait()
+    splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)])
+    early = (expert_major(recv_counts, bound), _bounded_segments(recv_counts.sum(0), bound)) if bound else None
     # The one host sync dropless dispatch needs: both split lists in one read.
-    send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    send_splits, recv_splits = splits.tolist()
     ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv_counts.numel() * 8, "dispatch"))
     total = sum(recv_splits)
-    order, inverse = expert_major(recv_counts, total)
-    return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
+    if early is None or total > bound:
+        order, inverse = expert_major(recv_counts, total)
+        return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
+    (order, inverse), segments = early
+    return Exchange(send_splits, recv_splits, order[:total], inverse[:total],
+                    segments._replace(row_expert_R=segments.row_expert_R[:total]))
 
 
-def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel) -> tuple[Dispatch, Exchange]:
+def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel,
+                        dispatcher=make_dispatch) -> tuple[Dispatch, Exchange]:
     """Where each token travels when tokens, not rows, cross ranks.
 
     Arguments:
         indices_TK: ``[T, K]`` chosen (global) experts.
         ep: the expert-parallel ranks.
+        dispatcher: ``make_dispatch`` or its compiled form (``Kernels.dispatch``).
 
     Returns:
         ``(by_rank, exchange)``: ``by_rank``, a partial Dispatch of the ``[T, P]``
         (token, rank) pairs a token has experts on, rows grouped by rank in token order
         (``permute`` makes the tokens to send, ``unpermute`` sums what comes back); the
-        Exchange's splits in tokens and its ``local`` Dispatch of the received tokens
-        (source-major) to this rank's experts. Two small exchanges: the counts (read on
-        the host once, as ``plan_exchange`` does) and each sent token's slots, which of
-        the receiving rank's experts it chose (int32, on the device; ``slots`` in the
-        trace).
+        Exchange's splits in tokens and its ``arrivals``. Two small exchanges: the counts
+        (read on the host once, as ``plan_exchange`` does) and each sent token's slots,
+        which of the receiving rank's experts it chose (int32, on the device; ``slots``
+        in the trace). Everything that needs no host value is built before the read;
+        after it, the slots are cut and sent.
     """
     P, El = ep.group.size, ep.experts_per_rank
     T, K = indices_TK.shape
@@ -126,41 +172,48 @@ def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel) -> tuple[D
     held_TP = torch.zeros(T, P, dtype=torch.bool, device=device)
     held_TP.scatter_(1, indices_TK // El, True)
     ranks = torch.arange(P, device=device)
-    unheld = make_dispatch(torch.where(held_TP, ranks, P), P + 1)  # group P: pairs that travel nowhere
+    unheld = dispatcher(torch.where(held_TP, ranks, P), P + 1)  # group P: pairs that travel nowhere
     send = torch.cat([expert_counts(indices_TK, P * El).view(P, El), unheld.counts_E[:P, None]], 1)
     recv = torch.empty_like(send)
     t0 = now()
     ep.group.all_to_all(recv.view(-1), send.reshape(-1)).wait()
-    # The one host sync: tokens to send and to receive per rank, rows for each local expert.
-    send_splits, recv_splits, recv_rows = torch.stack([send[:, El], recv[:, El], recv[:, :El].sum(1)]).tolist()
-    ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv.numel() * 8, "dispatch"))
-    by_rank = without_missing(unheld, sum(send_splits), P)
-    token_S, rank_S = by_rank.row_source_R // P, by_rank.row_expert_R
+    counts = torch.stack([send[:, El], recv[:, El], recv[:, :El].sum(1)])
+    # Before the read: every pair's slots (those that travel come first) and where they land.
+    token_S, rank_S = unheld.row_source_R // P, unheld.row_expert_R
     slots_SK = indices_TK[token_S] - (rank_S * El)[:, None]
     slots_SK = torch.where((slots_SK >= 0) & (slots_SK < El), slots_SK, El).to(torch.int32)  # El: elsewhere
-    slots_UK = slots_SK.new_empty((sum(recv_splits), K))
+    arrived_NK = torch.full((P * T, K), El, dtype=torch.int32, device=device)
+    # The one host sync: tokens to send and to receive per rank, rows for each local expert.
+    send_splits, recv_splits, recv_rows = counts.tolist()
+    ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv.numel() * 8, "dispatch"))
+    sent, received = sum(send_splits), sum(recv_splits)
+    if received > arrived_NK.shape[0]:  # another rank routes more tokens than this one
+        arrived_NK = torch.full((received, K), El, dtype=torch.int32, device=device)
     t0 = now()
-    ep.group.all_to_all(slots_UK, slots_SK, recv_splits, send_splits).wait()
-    ep.events.append(Event("all_to_all", None, None, -1, t0, now(), slots_SK.numel() * 4, "slots"))
-    local = without_missing(make_dispatch(slots_UK.long(), El + 1), sum(recv_rows), El)
-    return by_rank, Exchange(send_splits, recv_splits, None, None, local, local)
+    ep.group.all_to_all(arrived_NK[:received], slots_SK[:sent], recv_splits, send_splits).wait()
+    ep.events.append(Event("all_to_all", None, None, -1, t0, now(), sent * K * 4, "slots"))
+    arrivals = Arrivals(arrived_NK, received, sum(recv_rows), El, dispatcher)
+    return without_missing(unheld, sent, P), Exchange(send_splits, recv_splits, None, None, None, arrivals)
 
 
-def expert_major(counts_PE: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_major(counts_PE: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows received source-major (``counts_PE[src, expert]`` of each) put expert-major,
     the order the grouped GEMMs want: ``(order, inverse)``, ``expert_major_rows =
-    rows[order]`` and back ``rows = expert_major_rows[inverse]``."""
+    rows[order]`` and back ``rows = expert_major_rows[inverse]``. ``rows``: their
+    length, at least the rows received (past those both are the identity); fewer gives
+    indices in range but meaningless."""
     P, El = counts_PE.shape
     device = counts_PE.device
     sizes = counts_PE.reshape(-1)
     starts = torch.cumsum(sizes, 0) - sizes
     by_expert = torch.arange(P * El, device=device).view(P, El).t().reshape(-1)
-    sizes_t, starts_t = sizes[by_expert], starts[by_expert]
-    out_starts = torch.cumsum(sizes_t, 0) - sizes_t
-    order = torch.arange(total, device=device) + torch.repeat_interleave(starts_t - out_starts, sizes_t,
-                                                                         output_size=total)
+    sizes_t = sizes[by_expert]
+    ends_t = torch.cumsum(sizes_t, 0)
+    shift = torch.cat([starts[by_expert] - (ends_t - sizes_t), sizes.new_zeros(1)])
+    out_row = torch.arange(rows, device=device)
+    order = (out_row + shift[torch.searchsorted(ends_t, out_row, right=True)]).clamp_(max=rows - 1)
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(total, device=device)
+    inverse[order] = out_row
     return order, inverse
 
 

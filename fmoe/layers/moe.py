@@ -39,7 +39,7 @@ class Routed(NamedTuple):
 
     Attributes:
         rows_RD: ``[R, D]`` tokens permuted by global expert (differentiable); when
-            tokens travel (``exchange.local``), ``[S, D]`` each token once per rank
+            tokens travel (``tokens_travel``), ``[S, D]`` each token once per rank
             holding any of its experts, grouped by rank.
         row_probs_R1: ``[R, 1]`` probabilities travelling with the rows (prob placement
             ``activation``), else None; when tokens travel, ``[S, K]`` each sent token's
@@ -49,7 +49,8 @@ class Routed(NamedTuple):
         dispatch: where each assignment went (the Dispatch; when tokens travel, where
             each (token, rank) pair went).
         exchange: how rows travel between expert ranks (None without expert parallelism).
-        segments: the row segments of the experts this rank computes.
+        segments: the row segments of the experts this rank computes (None when
+            tokens travel: ``local`` has them).
         routing: the router's Routing (for the statistics).
     """
 
@@ -62,8 +63,14 @@ class Routed(NamedTuple):
     routing: Routing
 
     @property
+    def tokens_travel(self) -> bool:
+        """Whether tokens, not rows, cross ranks (``Plan.ep_exchange='tokens'``)."""
+        return self.exchange is not None and self.exchange.arrivals is not None
+
+    @property
     def local(self) -> Dispatch | None:
-        """When tokens travel: the received tokens' Dispatch to this rank's experts."""
+        """When tokens travel: the received tokens' Dispatch to this rank's experts
+        (built on first use)."""
         return None if self.exchange is None else self.exchange.local
 
 
@@ -83,26 +90,32 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
     the host again; the router still runs, for its differentiable probabilities."""
     T, K = x_TD.shape[0], cfg.topk
     r = router(p, x_TD, cfg)
+    ex = None
     if decided is not None:
         d, ex, segments = decided.dispatch, decided.exchange, decided.segments
+    elif _crosses_ranks(ep) and ep.tokens:
+        if cfg.capacity_factor or cfg.pad_multiple:  # a Plan refuses these when it is built
+            raise ValueError(f"ExpertParallel.tokens sends tokens under dropless routing only: needs "
+                             f"capacity_factor=0 and pad_multiple=0, not {cfg.capacity_factor} and "
+                             f"{cfg.pad_multiple}")
+        d, ex = plan_token_exchange(r.indices_TK, ep, dispatcher)
+        segments = None
     else:
         capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
             if cfg.capacity_factor else None
-        if _crosses_ranks(ep) and ep.tokens:
-            if capacity or cfg.pad_multiple:  # a Plan refuses these when it is built
-                raise ValueError(f"ExpertParallel.tokens sends tokens under dropless routing only: needs "
-                                 f"capacity_factor=0 and pad_multiple=0, not {cfg.capacity_factor} and "
-                                 f"{cfg.pad_multiple}")
-            d, ex = plan_token_exchange(r.indices_TK, ep)
-        else:
-            d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
-            ex = plan_exchange(d.rows_E, capacity, ep) if _crosses_ranks(ep) else None
-        segments = d if ex is None else ex.segments
+        d = segments = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
     rows_RD = permute(x_TD, d)
-    if ex is not None and ex.local is not None:
+    tokens_travel = ex is not None and ex.arrivals is not None
+    if tokens_travel:
         row_probs_R1 = permute(r.probs_TK, d)
     else:
         row_probs_R1 = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
+    if decided is None and not tokens_travel and _crosses_ranks(ep):
+        # Planned after the permute: the GPU has the rows' gather to run while the host
+        # waits for the split sizes.
+        bound = ep.group.size * T * min(K, ep.experts_per_rank) if cfg.pad_multiple == 0 else 0
+        ex = plan_exchange(d.rows_E, d.capacity, ep, bound)
+        segments = ex.segments
     return Routed(rows_RD, row_probs_R1, r.probs_TK, d, ex, segments, r)
 
 
@@ -111,13 +124,13 @@ def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | Non
     """The routed experts on the rows this rank computes (``mlp``: ``(p, rows_RD, segs,
     cfg, row_probs_R, deferred) -> y_RD``, the plan's backend bound in: ``experts_with``).
 
-    When tokens travel (``routed.exchange.local``), ``rows_RD`` and ``row_probs_R1`` are
+    When tokens travel (``routed.tokens_travel``), ``rows_RD`` and ``row_probs_R1`` are
     the received tokens ``[U, D]`` and their probabilities ``[U, K]``: each token is
     expanded into its rows here and its weighted expert outputs summed, ``[U, D]``."""
-    local = routed.local
-    if local is None:
+    if not routed.tokens_travel:
         probs = None if row_probs_R1 is None else row_probs_R1[:, 0]
         return mlp(p["experts"], rows_RD, routed.segments, cfg, probs, deferred)
+    local = routed.local
     in_activation = cfg.prob_placement == "activation"
     probs = row_weights(row_probs_R1, local) if in_activation else None
     y_RD = mlp(p["experts"], permute(rows_RD, local), local, cfg, probs, deferred)
@@ -144,6 +157,6 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     sent = torch.zeros((), dtype=torch.long, device=d.pos_TK.device)
     if routed.exchange is not None:
         sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
-        if routed.local is not None:  # each token's probabilities and its int32 expert slots
+        if routed.tokens_travel:  # each token's probabilities and its int32 expert slots
             sent = sent + d.num_rows * routed.row_probs_R1.shape[1] * (routed.row_probs_R1.element_size() + 4)
     return MoEStats(r.counts_E, r.aux_loss, r.z_loss, torch.zeros_like(sent) + d.padded_rows, d.dropped, sent)

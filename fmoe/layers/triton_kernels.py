@@ -100,6 +100,9 @@ def _blocks(width: int, max_cols: int = 512, tile: int = _TILE) -> tuple[int, in
 
 
 if triton is not None:
+    # Row and token counts change with routing every step, so no kernel is specialised on
+    # them (``do_not_specialize``): Triton would compile a variant whenever a count's
+    # divisibility by 16 first changed, mid-run, while every other expert rank waits.
 
     @triton.jit
     def _glu_columns(cols, F, IL: tl.constexpr):
@@ -113,7 +116,7 @@ if triton is not None:
             up = gate + IL
         return gate, up
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _swiglu_fwd_kernel(h_ptr, p_ptr, a_ptr, R, F, IL: tl.constexpr, HAS_P: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
         # grid (row blocks, column blocks); rows on axis 0, whose limit is 2^31 - 1.
@@ -131,7 +134,7 @@ if triton is not None:
             a = a * tl.load(p_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(a_ptr + rows64[:, None] * F + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _swiglu_bwd_kernel(h_ptr, p_ptr, ga_ptr, gh_ptr, gp_ptr, R, F, IL: tl.constexpr,
                            HAS_P: tl.constexpr, NEED_GP: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -166,7 +169,7 @@ if triton is not None:
         if NEED_GP:
             tl.store(gp_ptr + rows, gp.to(gp_ptr.dtype.element_ty), mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "R"])
     def _unpermute_fwd_kernel(y_ptr, w_ptr, pos_ptr, out_ptr, T, R, D, K: tl.constexpr,
                               HAS_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
         # grid (token blocks, column blocks): out[t] = sum_k w[t, k] y[pos[t, k]], summed
@@ -187,7 +190,7 @@ if triton is not None:
         tl.store(out_ptr + tok[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tok_ok[:, None] & col_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _unpermute_bwd_kernel(g_ptr, y_ptr, w_ptr, pos_ptr, gy_ptr, gw_ptr, R, D,
                               K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr,
                               NEED_GY: tl.constexpr, NEED_GW: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -221,7 +224,7 @@ if triton is not None:
         if NEED_GW:
             tl.store(gw_ptr + t * K + ks, dot.to(gw_ptr.dtype.element_ty), mask=k_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R", "TK"])
     def _zero_padding_rows_kernel(gy_ptr, src_ptr, R, D, TK, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         # The token-major backward writes only rows that hold an assignment; padding rows
         # (row_source == T * K) get a zero gradient here, as the torch path's zero pad does.

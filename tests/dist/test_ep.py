@@ -107,6 +107,10 @@ def test_dispatch_combine_round_trip(world, first_rank_only):
         torch.testing.assert_close(res["grad"], 2 * res["upstream"], rtol=0, atol=0)
         if first_rank_only and rank > 0:
             assert res["local_rows"] == 0 and res["segments"] == [0, 0]
+        # the order and segments built before the host read (bounded, then cut) are the
+        # exact ones; rank 0, given every token with fewer of its own, rebuilds them after it
+        assert res["same_plan"]
+        assert res["over_bound"] == (first_rank_only and rank == 0)
         if not first_rank_only and rank == world - 1:
             assert res["segments"][-1] == 0  # the idle expert's segment is empty
 

@@ -249,13 +249,18 @@ def round_trip(rank, world, route_to_first_rank: bool):
     d = make_dispatch(idx, E)
     ep = ExpertParallel(mesh.ep, 2)
     ex = plan_exchange(d.rows_E, None, ep)
+    bound = world * T * K  # what moe_route passes: the most a rank receives if every rank had this one's T
+    early = plan_exchange(d.rows_E, None, ep, bound)
+    same_plan = all(torch.equal(a, b) for a, b in zip((ex.order, ex.inverse, *ex.segments[:3]),
+                                                      (early.order, early.inverse, *early.segments[:3])))
     local = dispatch(permute(x, d), ex, ep, None).wait()
     back = combine(local * 1.0, ex, ep, None).wait()
     y = unpermute(back, d)
     upstream = torch.randn(T, D, generator=g)
     y.backward(upstream)
     return {"x": x.detach(), "y": y.detach(), "grad": x.grad, "upstream": upstream, "local_rows": local.shape[0],
-            "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist()}
+            "recv_splits": ex.recv_splits, "segments": ex.segments.rows_E.tolist(), "same_plan": same_plan,
+            "over_bound": sum(ex.recv_splits) > bound}
 
 
 def token_round_trip(rank, world, route_to_first_rank: bool):
@@ -475,6 +480,7 @@ def fused_adamw_steps(rank, world, dp, ep, sharding):
 COMPILE_CASES = {
     "zero1": dict(sharding="optim"),
     "zero3_1f1b_delay": dict(sharding="optim_grads_params", schedule="1f1b_overlap", delay_wgrad=True),
+    "zero3_tokens": dict(sharding="optim_grads_params", ep_exchange="tokens"),  # compiled token dispatches
 }
 
 
