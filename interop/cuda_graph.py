@@ -11,9 +11,11 @@ Two ways to replay a step's kernels instead of launching them one by one:
   layer nodes (``attn``: attention half; ``router``: scores and top-k; ``experts``:
   the grouped expert MLP) one graph pair (forward, backward) per layer and
   microbatch, and returns the
-  ``fmoe.schedule.Kernels`` to pass as ``fmoe.step(..., kernels=...)``. Everything
-  else (gathers, exchanges, the lifecycle) stays eager, so every schedule and
-  sharding works around them.
+  ``fmoe.schedule.Kernels`` to pass as ``fmoe.step(..., kernels=...)``. A scope's
+  graph replays the plan's own kernels for it (``Plan.compile``'s compiled attention
+  and router; ``Plan.remat='selective'``'s policy left out). Everything else (gathers,
+  exchanges, the lifecycle) runs as the plan says around them, so every schedule and
+  sharding works, dropless expert parallelism included for ``attn`` and ``router``.
 
 A graph replays fixed kernels on fixed addresses, so nothing in a captured region may
 read a device value on the host or change shape between steps. ``check_capturable``
@@ -31,9 +33,10 @@ import optree
 import torch
 
 from fmoe import Plan, StepOutput
-from fmoe.layers import attention_half, expert_mlp, route
+from fmoe.layers import expert_mlp
 from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
+from fmoe.schedule.compiled import compiled_kernels, eager_kernels
 from fmoe.backends import bound_backend
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
@@ -279,19 +282,25 @@ def graph_pair(fn, inputs: tuple, warmup: int = 3):
 
 # Scopes: each graphed function takes flat tensors; these rebuild the pure function's arguments.
 
-def _attn_flat(p_layer: dict, plan: Plan, window: int = 0):
+def _scope_kernels(plan: Plan) -> Kernels:
+    """The kernels a graphed scope replays: the plan's own (compiled under
+    ``Plan.compile``), without ``Plan.remat='selective'``'s policy, which a graph
+    does not take (it keeps what it saves in its own pool)."""
+    gemms, backend = GEMMS[plan.fp8], bound_backend(plan.expert_backend)
+    return compiled_kernels(False, gemms, backend) if plan.compile else eager_kernels(False, gemms, backend)
+
+
+def _attn_flat(p_layer: dict, attn, site: tuple, window: int = 0):
     mlp = "moe" if "moe" in p_layer else "mlp"  # a dense layer's MLP norm
     sub = {"attn": p_layer["attn"], mlp: {"norm": p_layer[mlp]["norm"]}}  # every attn leaf: sinks too
     leaves, treedef = optree.tree_flatten(sub)
-    gemms = GEMMS[plan.fp8]
-    return leaves, lambda cfg: (lambda h, *w: attention_half(optree.tree_unflatten(treedef, w), h, cfg,
-                                                             window=window, gemms=gemms))
+    return leaves, lambda cfg: (lambda h, *w: attn(site, optree.tree_unflatten(treedef, w), h, cfg, None, window))
 
 
-def _router_flat(p_moe: dict):
+def _router_flat(p_moe: dict, router, site: tuple):
     names = [n for n in ("router", "expert_bias", "router_bias") if n in p_moe]
     return [p_moe[n] for n in names], \
-        lambda cfg: (lambda x, *leaves: route(dict(zip(names, leaves)), x, cfg))
+        lambda cfg: (lambda x, *leaves: router(site, dict(zip(names, leaves)), x, cfg))
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -327,19 +336,19 @@ class _ScopeGraphs:
         self.samples.clear()
 
     def kernels(self) -> Kernels:
-        chosen = {}
+        chosen, replayed = {}, _scope_kernels(self.plan)
         if "attn" in self.scopes:
             def attn(site, p, h, cfg, docs=None, window=0):
                 if docs is not None:
                     raise ValueError("a graphed 'attn' scope runs plain causal attention: batches with "
                                      "'segments' (packed documents) need the eager or compiled attention, or "
                                      "capture_step (capture without 'attn' in scopes)")
-                leaves, make = _attn_flat(p, self.plan, window)  # one graph per site: its layer's window
+                leaves, make = _attn_flat(p, replayed.attn, site, window)  # one graph per site
                 return self._call("attn", site, make, [h, *leaves])
             chosen["attn"] = attn
         if "router" in self.scopes:
             def router(site, p, x, cfg):
-                leaves, make = _router_flat(p)
+                leaves, make = _router_flat(p, replayed.router, site)
                 return self._call("router", site, make, [x, *leaves])
             chosen["router"] = router
         if "experts" in self.scopes:

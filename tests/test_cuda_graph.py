@@ -143,15 +143,13 @@ def test_scopes_not_graphed_run_as_the_plan_says():
 
 
 @pytest.mark.gpu
-def test_graphed_attention_beside_compiled_kernels_is_bitwise_their_eager_run():
-    # A graph replays the eager attention's kernels; the router, experts and head stay compiled.
-    from fmoe.schedule.compiled import compiled_kernels
-    from fmoe.layers.nodes import EAGER
-
+@pytest.mark.parametrize("scopes", [("attn",), ("attn", "router")], ids=["attn", "attn+router"])
+def test_graphed_compiled_scopes_are_bitwise_the_compiled_step(scopes):
+    # Under Plan.compile a scope's graph replays the compiled kernels; the rest stays compiled.
     plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, compile=True, **BF16)
     params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch().cuda()}
-    graphed = capture_scopes(params, batch, plan, ("attn",))
-    want = fmoe.step(params, batch, plan, compiled_kernels()._replace(attn=EAGER.attn))
+    graphed = capture_scopes(params, batch, plan, scopes)
+    want = fmoe.step(params, batch, plan)
     got = fmoe.step(params, batch, plan, graphed)
     assert torch.equal(got.loss, want.loss)
     assert_trees_equal(got.grads, want.grads)
