@@ -123,7 +123,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     rank routes ``T`` tokens), or 0. With it the received rows' order and segments are
     built before the host read, while the GPU still has work queued, and after the read
     only cut (or built again, should more rows arrive): the host's work between the
-    read and the exchange, when the GPU has nothing else to run, is a few slices."""
+    read and the exchange, when the GPU has nothing else to run, is three copies."""
     P, El = ep.group.size, ep.experts_per_rank
     device = rows_E.device
     if capacity is not None:
@@ -143,8 +143,10 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
         order, inverse = expert_major(recv_counts, total)
         return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
     (order, inverse), segments = early
-    return Exchange(send_splits, recv_splits, order[:total], inverse[:total],
-                    segments._replace(row_expert_R=segments.row_expert_R[:total]))
+    # copies, not views: the exchange is kept for the backward, and the bound may be
+    # several times the rows that came (ep x at ep ranks under uniform routing)
+    return Exchange(send_splits, recv_splits, order[:total].clone(), inverse[:total].clone(),
+                    segments._replace(row_expert_R=segments.row_expert_R[:total].clone()))
 
 
 def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel,
