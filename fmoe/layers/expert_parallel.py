@@ -83,7 +83,8 @@ class Arrivals:
     ``tokens`` rows and ``El`` in the rest, so its shape is fixed by the batch when every
     rank routes as many tokens (one compiled graph). Their Dispatch to this rank's
     ``rows`` rows is built on first use, in the experts' node: by then the tokens are on
-    their way, so the host builds it while the GPU moves them."""
+    their way, so the host launches its kernels while the GPU moves them (they run once
+    the tokens landed)."""
 
     def __init__(self, slots_NK: torch.Tensor, tokens: int, rows: int, experts: int, dispatcher=make_dispatch):
         self.slots_NK, self.tokens, self.rows, self.experts = slots_NK, tokens, rows, experts
@@ -93,15 +94,18 @@ class Arrivals:
     def dispatch(self) -> Dispatch:
         if self._dispatch is None:
             whole = self._dispatcher(self.slots_NK.long(), self.experts + 1)
-            self._dispatch = without_missing(whole, self.rows, self.experts, self.tokens)
+            cut = without_missing(whole, self.rows, self.experts, self.tokens)
+            # copies, not views of the bounded buffers: the Dispatch lives until the backward
+            self._dispatch = cut._replace(row_source_R=cut.row_source_R.clone(),
+                                          row_expert_R=cut.row_expert_R.clone())
         return self._dispatch
 
 
 class Exchange(NamedTuple):
-    """How one layer's rows travel: split sizes, and the source-major <-> expert-major
-    permutation of the received rows and their local-expert ``segments`` (dropless), or
-    None with a static capacity; when tokens travel, ``arrivals`` instead (``local``:
-    the received tokens' Dispatch to this rank's experts)."""
+    """How one layer's rows travel: split sizes and the source-major <-> expert-major
+    permutation of the received rows (dropless; None with a static capacity), and their
+    local-expert ``segments``; when tokens travel, ``arrivals`` instead of the last three
+    (``local``: the received tokens' Dispatch to this rank's experts)."""
 
     send_splits: list | None
     recv_splits: list | None
