@@ -1,9 +1,9 @@
 """fmoe vs an independent plain-PyTorch MoE LM (``benchmarks/peer.py``), side by side
 in one process: same model, batches, learning rate and precision. For each shape:
 the peer eager, the peer with each block ``torch.compile``d (as torchtitan), then fmoe
-(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``; ``only``: just that; on one GPU also
-with its whole step replayed from a CUDA graph, ``interop.capture_step``, unless
-``--fmoe-graph off``).
+(eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``, or only compiled
+with ``--fmoe-compile only``; on one GPU also with its whole step replayed from a CUDA
+graph, ``interop.capture_step``, unless ``--fmoe-graph off``).
 
     python benchmarks/vs_peer.py                                        # 1 GPU, --shape coarse
     python benchmarks/vs_peer.py --shapes coarse fine qwen3-moe-medium  # 1 GPU, three shapes
