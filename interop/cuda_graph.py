@@ -36,7 +36,6 @@ from fmoe import Plan, StepOutput
 from fmoe.layers import expert_mlp
 from fmoe.layers.fp8 import GEMMS
 from fmoe.schedule import Kernels, kernels_for
-from fmoe.schedule.compiled import compiled_kernels, eager_kernels
 from fmoe.backends import bound_backend
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
@@ -286,8 +285,7 @@ def _scope_kernels(plan: Plan) -> Kernels:
     """The kernels a graphed scope replays: the plan's own (compiled under
     ``Plan.compile``), without ``Plan.remat='selective'``'s policy, which a graph
     does not take (it keeps what it saves in its own pool)."""
-    gemms, backend = GEMMS[plan.fp8], bound_backend(plan.expert_backend)
-    return compiled_kernels(False, gemms, backend) if plan.compile else eager_kernels(False, gemms, backend)
+    return kernels_for(plan.replace(remat="none"))
 
 
 def _attn_flat(p_layer: dict, attn, site: tuple, window: int = 0):

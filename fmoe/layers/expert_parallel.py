@@ -62,19 +62,13 @@ class Segments(NamedTuple):
     capacity: int | None = None  # rows of every segment, when a static capacity fixes them
 
 
-def segments_of(rows_E: torch.Tensor, total: int, capacity: int | None = None) -> Segments:
-    """The Segments of ``total`` rows grouped by expert, ``rows_E`` of each."""
-    experts = torch.arange(rows_E.shape[0], device=rows_E.device)
-    return Segments(rows_E, torch.cumsum(rows_E, 0).to(torch.int32),
-                    torch.repeat_interleave(experts, rows_E, output_size=total), capacity)
-
-
-def _bounded_segments(rows_E: torch.Tensor, bound: int) -> Segments:
-    """``segments_of`` for an unknown total of at most ``bound`` rows: ``row_expert_R``
-    has ``bound`` entries (``E`` past the total), to be cut once the total is known."""
+def segments_of(rows_E: torch.Tensor, rows: int, capacity: int | None = None) -> Segments:
+    """The Segments of rows grouped by expert, ``rows_E`` of each. ``rows``: the length of
+    ``row_expert_R``, at least ``rows_E.sum()`` (past it the entries are ``E``, to be cut
+    once the total is known)."""
     offsets_E = torch.cumsum(rows_E, 0)
-    row_expert = torch.searchsorted(offsets_E, torch.arange(bound, device=rows_E.device), right=True)
-    return Segments(rows_E, offsets_E.to(torch.int32), row_expert)
+    row_expert = torch.searchsorted(offsets_E, torch.arange(rows, device=rows_E.device), right=True)
+    return Segments(rows_E, offsets_E.to(torch.int32), row_expert, capacity)
 
 
 class Arrivals:
@@ -138,7 +132,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     t0 = now()
     ep.group.all_to_all(recv_counts.view(-1), send_counts.reshape(-1)).wait()
     splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)])
-    early = (expert_major(recv_counts, bound), _bounded_segments(recv_counts.sum(0), bound)) if bound else None
+    early = (expert_major(recv_counts, bound), segments_of(recv_counts.sum(0), bound)) if bound else None
     # The one host sync dropless dispatch needs: both split lists in one read.
     send_splits, recv_splits = splits.tolist()
     ep.events.append(Event("a2a_splits", None, None, -1, t0, now(), recv_counts.numel() * 8, "dispatch"))
