@@ -89,7 +89,7 @@ def main():
     kinds = [MODES[m] for m in args.modes
              if (not MODES[m][0] or fmoe_has_compile(args)) and (not MODES[m][1] or fmoe_graphs(args, bench))]
     for name in args.shapes:
-        cfg = shape_config(name, args, toy=False)
+        cfg = shape_config(name, args, toy=False, aux_loss=args.aux_loss)
         bench.draw(cfg.vocab)
         rows = [((c, g, f), freed(bench, run_fmoe(bench, cfg, "dp", c, g, **({"fp8": f} if f != "none" else {}))))
                 for c, g in kinds for f in args.recipes]

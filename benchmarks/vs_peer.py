@@ -18,7 +18,7 @@ graph, ``interop.capture_step``, unless ``--fmoe-graph off``).
     python benchmarks/vs_peer.py --shapes qwen3-moe-medium glm4.5-medium gpt-oss-medium deepseek-v3-medium
 
 Shapes (``--shape NAME`` or ``--shapes NAME...``; model flags such as ``--layers``
-override the shape's value; aux-loss coefficient 0 on both sides):
+override the shape's value; aux-loss coefficient 0 on both sides unless --aux-loss):
   coarse: vocab 32000, D=2048, 8 layers, 16 heads, E=16 experts of F=1408, top-4 (issue 14).
   fine: the same with E=64 of F=704, top-8.
   qwen3-moe-medium: the model of ``fmoe/trainer/presets/qwen3-moe-medium.toml`` (D=1536,
@@ -155,6 +155,9 @@ def parse(more=None):
                     help="one more step per system under the profiler: NCCL time, exposed part, GPU idle")
     ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--aux-loss", type=float, default=0.0,
+                    help="the router's load-balancing loss coefficient on both sides (0: none; without it routing "
+                         "drifts from balance over the steps, which slows expert-parallel meshes, not data-parallel ones)")
     ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off", "only"),
                     help="auto: fmoe also with Plan(compile=True) where Plan has that field; only: just with it")
     ap.add_argument("--fmoe-graph", default="auto", choices=("auto", "off"),
@@ -171,11 +174,12 @@ def parse(more=None):
     return args
 
 
-def shape_config(name: str, args, toy: bool) -> fmoe.ModelConfig:
-    """The shape's ModelConfig (its toy on the CPU), with any model flag given overriding."""
+def shape_config(name: str, args, toy: bool, aux_loss: float = 0.0) -> fmoe.ModelConfig:
+    """The shape's ModelConfig (its toy on the CPU), with any model flag given overriding;
+    ``aux_loss``: the router's balancing-loss coefficient (``--aux-loss``)."""
     fields = {**SHAPES[name](), **TOY, **CPU_SHAPES[name]} if toy else dict(SHAPES[name]())
     fields.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
-    return fmoe.ModelConfig(**{"aux_loss_coef": 0.0, **fields})
+    return fmoe.ModelConfig(**{**fields, "aux_loss_coef": aux_loss})
 
 
 def describe(cfg: fmoe.ModelConfig) -> str:
@@ -235,8 +239,9 @@ def mesh_of(name: str, world: int) -> dict:
     gradients, ``+tokens`` -> ``ep_exchange='tokens'``, ``+capF`` -> a static expert capacity
     of F x the even share (``ModelConfig.capacity_factor``: no host read of split sizes;
     assignments past it dropped), ``+graphs`` -> each layer's attention and router replayed
-    from CUDA graphs (``interop.capture_scopes``, the trainer's ``--cuda-graph attn,router``)."""
-    options_re = r"((?:\+1f1b|\+dw|\+tokens|\+graphs|\+cap\d+(?:\.\d+)?)*)"
+    from CUDA graphs (``interop.capture_scopes``, the trainer's ``--cuda-graph attn,router``),
+    ``+dispatch`` -> the permutation's index work too (``--cuda-graph ...,dispatch``)."""
+    options_re = r"((?:\+1f1b|\+dw|\+tokens|\+graphs|\+dispatch|\+cap\d+(?:\.\d+)?)*)"
     m = re.fullmatch(r"dp(?:(\d+)(?:ep(\d+))?(?:tp(\d+))?(?:cp(\d+))?)?" + options_re, name)
     degrees = [int(d) if d else 1 for d in m.groups()[:4]] if m and m[1] else [world, 1, 1, 1]
     options = m[5].split("+")[1:] if m else []
@@ -244,11 +249,12 @@ def mesh_of(name: str, world: int) -> dict:
     if not m or math.prod(degrees) != world or len(set(options)) != len(options) or len(caps) > 1:
         raise SystemExit(f"--meshes {name!r}: want 'dp' or 'dpX' with any of 'epY', 'tpZ', 'cpW' after it, the "
                          f"degrees' product {world} ranks, optionally followed by '+1f1b', '+dw', '+tokens', "
-                         "'+graphs' and/or '+capF' once each")
+                         "'+graphs', '+dispatch' and/or '+capF' once each")
     dp, ep, tp, cp = degrees
     return dict(dp=dp, ep=ep, tp=tp, cp=cp, schedule="1f1b_overlap" if "1f1b" in options else "standard",
                 delay_wgrad="dw" in options, ep_exchange="tokens" if "tokens" in options else "rows",
-                capacity_factor=caps[0] if caps else 0.0, scopes=("attn", "router") if "graphs" in options else ())
+                capacity_factor=caps[0] if caps else 0.0,
+                scopes=(("attn", "router") if "graphs" in options else ()) + (("dispatch",) if "dispatch" in options else ()))
 
 
 class Bench:
@@ -426,7 +432,7 @@ def run_shape(bench: Bench, name: str) -> dict:
     """Every system on one shape; prints its table and returns its summary."""
     args = bench.args
     on_gpu = args.device == "cuda"
-    cfg = shape_config(name, args, toy=not on_gpu)
+    cfg = shape_config(name, args, toy=not on_gpu, aux_loss=args.aux_loss)
     bench.draw(cfg.vocab)
     bench.say(f"\n## {name}")
     peers = [freed(bench, run_peer(bench, cfg, compile=kind == "compiled"))
@@ -594,7 +600,7 @@ def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
 def check(args) -> bool:
     """One batch per shape's toy, CPU fp32: fmoe's loss and grads vs the peer's with the same
     weights, and the compiled peer's vs the eager peer's. True when all agree."""
-    return all([check_shape(shape_config(name, args, toy=True), name, args.batch, args.seq) for name in args.shapes])
+    return all([check_shape(shape_config(name, args, toy=True, aux_loss=args.aux_loss), name, args.batch, args.seq) for name in args.shapes])
 
 
 def check_shape(cfg: fmoe.ModelConfig, name: str, batch: int, seq: int, compiled: bool = True) -> bool:

@@ -8,20 +8,23 @@ Two ways to replay a step's kernels instead of launching them one by one:
   into those buffers and replays: a step after an optimizer update sees the new
   weights.
 - ``capture_scopes(params, batch, plan, scopes)`` graphs the functions inside the
-  layer nodes (``attn``: attention half; ``router``: scores and top-k; ``experts``:
-  the grouped expert MLP) one graph pair (forward, backward) per layer and
-  microbatch, and returns the
+  layer nodes (``attn``: attention half; ``router``: scores and top-k; ``dispatch``:
+  the permutation's index work, forward only; ``experts``: the grouped expert MLP)
+  one graph pair (forward, backward) per layer and microbatch, and returns the
   ``fmoe.schedule.Kernels`` to pass as ``fmoe.step(..., kernels=...)``. A scope's
-  graph replays the plan's own kernels for it (``Plan.compile``'s compiled attention
-  and router; ``Plan.remat='selective'``'s policy left out). Everything else (gathers,
-  exchanges, the lifecycle) runs as the plan says around them, so every schedule and
-  sharding works, dropless expert parallelism included for ``attn`` and ``router``.
+  graph replays the plan's own kernels for it (``Plan.compile``'s compiled attention,
+  router and dispatch; ``Plan.remat='selective'``'s policy left out). Everything else
+  (gathers, exchanges, the lifecycle) runs as the plan says around them, so every
+  schedule and sharding works, dropless expert parallelism included for ``attn``,
+  ``router`` and ``dispatch``; under ``Plan.tp`` a graphed attention holds its
+  tensor-parallel all-gather and reduce-scatter, under ``Plan.etp`` a graphed
+  ``experts`` runs between its group's exchanges.
 
 A graph replays fixed kernels on fixed addresses, so nothing in a captured region may
 read a device value on the host or change shape between steps. ``check_capturable``
 refuses such plans (dropless expert parallelism, padded dropless routing, host-split
-expert backends) with the plan setting that makes them capturable, before any CUDA
-work.
+expert backends, the etp group's row counts in a whole step, context and pipeline
+parallelism) with the plan setting that makes them capturable, before any CUDA work.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from fmoe.schedule import Kernels, kernels_for
 from fmoe.backends import bound_backend
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
-SCOPES = ("attn", "router", "experts")
+SCOPES = ("attn", "router", "dispatch", "experts")
 
 
 def _expert_host_reads(plan: Plan) -> list[str]:
@@ -71,7 +74,7 @@ def _expert_host_reads(plan: Plan) -> list[str]:
 
 def check_capturable(plan: Plan, scopes) -> None:
     """Raise ValueError unless every scope in ``scopes`` (``attn``, ``router``,
-    ``experts`` or ``step``, the whole step) can be captured under ``plan``.
+    ``dispatch``, ``experts`` or ``step``, the whole step) can be captured under ``plan``.
 
     Checks only the plan: it runs on any machine, before any CUDA work.
     """
@@ -79,23 +82,36 @@ def check_capturable(plan: Plan, scopes) -> None:
     if unknown or not scopes:
         raise ValueError(f"scopes={list(scopes)!r} is invalid: allowed scopes are "
                          f"{', '.join(map(repr, (*SCOPES, 'step')))} (at least one)")
-    parallel = {name: getattr(plan, name) for name in ("tp", "cp", "etp", "pp") if getattr(plan, name) > 1}
+    parallel = {name: getattr(plan, name) for name in ("cp", "pp") if getattr(plan, name) > 1}
     if parallel:
         raise ValueError("cannot capture CUDA graphs under " + ", ".join(f"Plan.{k}={v}" for k, v in parallel.items())
-                         + ": the graphed scopes do not take the tensor-, context- or expert-tensor-parallel "
-                         "groups or the pipeline's transfers yet (allowed: tp = cp = etp = pp = 1, or no CUDA graph)")
-    reasons = []
+                         + ": the graphed scopes do not take the context-parallel chunks or the pipeline's "
+                         "transfers yet (allowed: cp = pp = 1, or no CUDA graph)")
+    reasons = {}  # where -> why
     if "step" in scopes:
-        reasons = _expert_host_reads(plan)
+        reasons["a whole step"] = _expert_host_reads(plan)
+        if plan.etp > 1:
+            reasons["a whole step"].append(f"Plan.etp={plan.etp} reads its group's row counts on the host before "
+                                           "the experts (graph the scopes instead: 'experts' runs between those "
+                                           "exchanges)")
     elif "experts" in scopes:
-        reasons = _expert_host_reads(plan)
+        reasons["scope 'experts'"] = _expert_host_reads(plan)
+        if plan.etp > 1 and not plan.model.capacity_factor:
+            reasons["scope 'experts'"].append(f"Plan.etp={plan.etp} with dropless routing gives the experts "
+                                              "their group's rows together, a different count every step (set "
+                                              "ModelConfig.capacity_factor > 0)")
         if plan.delay_wgrad:
-            reasons.append("Plan.delay_wgrad=True defers the experts' weight GEMMs out of their backward, "
-                           "which a graphed 'experts' scope runs whole (set delay_wgrad=False or leave "
-                           "'experts' out)")
-    if reasons:
-        where = "a whole step" if "step" in scopes else "scope 'experts'"
-        raise ValueError(f"cannot capture {where} in a CUDA graph: " + "; ".join(reasons))
+            reasons["scope 'experts'"].append("Plan.delay_wgrad=True defers the experts' weight GEMMs out of "
+                                              "their backward, which a graphed 'experts' scope runs whole (set "
+                                              "delay_wgrad=False or leave 'experts' out)")
+    cfg = plan.model
+    if "dispatch" in scopes and cfg.pad_multiple and not cfg.capacity_factor:
+        reasons["scope 'dispatch'"] = [f"padded dropless routing (ModelConfig.pad_multiple={cfg.pad_multiple}) "
+                                       "reads the permuted row count on the host (set pad_multiple=0 or "
+                                       "capacity_factor > 0, or leave 'dispatch' out)"]
+    refused = [f"cannot capture {where} in a CUDA graph: " + "; ".join(why) for where, why in reasons.items() if why]
+    if refused:
+        raise ValueError("; ".join(refused))
     if torch.device(plan.device).type != "cuda":
         raise ValueError(f"CUDA graphs need Plan.device='cuda' (or 'cuda:N'), got {plan.device!r}")
 
@@ -288,17 +304,17 @@ def _scope_kernels(plan: Plan) -> Kernels:
     return kernels_for(plan.replace(remat="none"))
 
 
-def _attn_flat(p_layer: dict, attn, site: tuple, window: int = 0):
+def _attn_flat(p_layer: dict, attn, site: tuple, cfg, window: int, tp):
     mlp = "moe" if "moe" in p_layer else "mlp"  # a dense layer's MLP norm
     sub = {"attn": p_layer["attn"], mlp: {"norm": p_layer[mlp]["norm"]}}  # every attn leaf: sinks too
     leaves, treedef = optree.tree_flatten(sub)
-    return leaves, lambda cfg: (lambda h, *w: attn(site, optree.tree_unflatten(treedef, w), h, cfg, None, window))
+    extra = {} if tp is None else {"tp": tp}
+    return leaves, lambda: (lambda h, *w: attn(site, optree.tree_unflatten(treedef, w), h, cfg, None, window, **extra))
 
 
-def _router_flat(p_moe: dict, router, site: tuple):
+def _router_flat(p_moe: dict, router, site: tuple, cfg):
     names = [n for n in ("router", "expert_bias", "router_bias") if n in p_moe]
-    return [p_moe[n] for n in names], \
-        lambda cfg: (lambda x, *leaves: router(site, dict(zip(names, leaves)), x, cfg))
+    return [p_moe[n] for n in names], lambda: (lambda x, *leaves: router(site, dict(zip(names, leaves)), x, cfg))
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -310,48 +326,87 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 
+def graph_forward(fn, inputs: tuple, warmup: int = 3):
+    """``fn`` (tensors in, no gradient) as one CUDA graph on the static ``inputs``.
+
+    Each call copies new arguments into ``inputs`` (unless already there), replays the
+    graph and returns the captured output itself, whose tensors the next call
+    overwrites. Captured in thread-local mode, as ``graph_pair``'s graphs are.
+    """
+    with torch.no_grad():
+        _warm_up(lambda: fn(*inputs), warmup)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            output = fn(*inputs)
+
+    def call(*tensors):
+        with torch.no_grad():
+            for static, new in zip(inputs, tensors):
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+        graph.replay()
+        return output
+
+    return call
+
+
 class _ScopeGraphs:
     """Per scope and site ``(layer, microbatch)``: the arguments seen in a recording
     step, then the graphed callable made from them."""
 
     def __init__(self, plan: Plan, scopes):
         self.plan, self.scopes = plan, tuple(scopes)
-        self.samples: dict = {}
+        self.samples: dict = {}  # key -> (fn, sample inputs, how to graph it)
         self.graphed: dict = {}
+        self.recording = True  # until capture: the step that records the arguments
 
-    def _call(self, scope, site, make, tensors):
-        key = (scope, site)
+    def _call(self, key, make, tensors, capture=graph_pair):
         if key in self.graphed:
             return self.graphed[key](*tensors)
-        fn = make(self.plan.model)
-        if key not in self.samples:  # recording: remember fresh copies, compute eagerly
-            self.samples[key] = (fn, [_sample(t) for t in tensors])
-        return fn(*tensors)
+        fn = make()
+        if self.recording and key not in self.samples:  # remember fresh copies, compute eagerly
+            self.samples[key] = (fn, [_sample(t) for t in tensors], capture)
+        return fn(*tensors)  # after the capture, a call no graph was made for runs eagerly
 
     def capture(self) -> None:
-        for key, (fn, sample) in self.samples.items():
-            self.graphed[key] = graph_pair(fn, tuple(sample))
+        for key, (fn, sample, capture) in self.samples.items():
+            self.graphed[key] = capture(fn, tuple(sample))
         self.samples.clear()
+        self.recording = False
 
     def kernels(self) -> Kernels:
         chosen, replayed = {}, _scope_kernels(self.plan)
         if "attn" in self.scopes:
-            def attn(site, p, h, cfg, docs=None, window=0):
+            def attn(site, p, h, cfg, docs=None, window=0, tp=None, cp=None):
                 if docs is not None:
                     raise ValueError("a graphed 'attn' scope runs plain causal attention: batches with "
                                      "'segments' (packed documents) need the eager or compiled attention, or "
                                      "capture_step (capture without 'attn' in scopes)")
-                leaves, make = _attn_flat(p, replayed.attn, site, window)  # one graph per site
-                return self._call("attn", site, make, [h, *leaves])
+                if cp is not None:
+                    raise ValueError("a graphed 'attn' scope does not take context-parallel chunks (Plan.cp > 1)")
+                leaves, make = _attn_flat(p, replayed.attn, site, cfg, window, tp)  # one graph per site
+                return self._call(("attn", site), make, [h, *leaves])
             chosen["attn"] = attn
         if "router" in self.scopes:
             def router(site, p, x, cfg):
-                leaves, make = _router_flat(p, replayed.router, site)
-                return self._call("router", site, make, [x, *leaves])
+                leaves, make = _router_flat(p, replayed.router, site, cfg)
+                return self._call(("router", site), make, [x, *leaves])
             chosen["router"] = router
+        if "dispatch" in self.scopes:
+            chosen["dispatch"] = functools.partial(self._dispatch, replayed.dispatch)
         if "experts" in self.scopes:
             chosen["experts"] = functools.partial(self._experts, bound_backend(self.plan.expert_backend))
         return kernels_for(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
+
+    def _dispatch(self, dispatcher, site, indices_TK, num_experts, pad_multiple=0, capacity=None):
+        # A site may build more than one permutation (tokens travelling: of (token, rank)
+        # pairs, then of the tokens that came): one graph for each.
+        key = ("dispatch", site, tuple(indices_TK.shape), num_experts, pad_multiple, capacity)
+        if self.recording and key in self.samples:
+            raise ValueError(f"scope 'dispatch' saw two permutations of the same shape at site {site} in one "
+                             "step: their graph would overwrite one with the other (leave 'dispatch' out)")
+        return self._call(key, lambda: (lambda idx: dispatcher(site, idx, num_experts, pad_multiple, capacity)),
+                          [indices_TK], graph_forward)
 
     def _experts(self, backend, site, p, rows, segs, cfg, probs, deferred):
         if deferred is not None:
@@ -362,7 +417,7 @@ class _ScopeGraphs:
         seg_fields = [(i, v) for i, v in enumerate(segs) if isinstance(v, torch.Tensor)]
         has_probs = probs is not None
 
-        def make(cfg):
+        def make():
             def fn(rows, *rest):
                 rest = list(rest)
                 pr = rest.pop(0) if has_probs else None
@@ -374,7 +429,7 @@ class _ScopeGraphs:
                                   gemms=GEMMS[self.plan.fp8])
             return fn
         tensors = [rows, *([probs] if has_probs else []), *(p[n] for n in names), *(v for _, v in seg_fields)]
-        return self._call("experts", site, make, tensors)
+        return self._call(("experts", site), make, tensors)
 
 
 def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> Kernels:
@@ -387,7 +442,7 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
 
     Arguments:
         params, batch, plan: as for ``fmoe.step``; fixes the shapes.
-        scopes: any of ``attn``, ``router``, ``experts``.
+        scopes: any of ``attn``, ``router``, ``dispatch``, ``experts``.
 
     Returns:
         Kernels for ``fmoe.step(params, batch, plan, kernels=...)``. A graphed scope
@@ -408,4 +463,4 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
     return kernels
 
 
-__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable", "graph_pair"]
+__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable", "graph_forward", "graph_pair"]

@@ -40,6 +40,14 @@ BF16 = dict(dtype="bfloat16", device="cuda")
     (fmoe.Plan(model=MODEL), ("attn",), r"need Plan.device='cuda'.*got 'cpu'"),
     (fmoe.Plan(model=MODEL, **BF16), ("attn", "mlp"), r"scopes=\['attn', 'mlp'\] is invalid.*'router'"),
     (fmoe.Plan(model=MODEL, **BF16), (), r"at least one"),
+    (fmoe.Plan(model=MODEL.replace(pad_multiple=16), **BF16), ("attn", "dispatch"),
+     r"scope 'dispatch'.*pad_multiple=16\) reads the permuted row count.*leave 'dispatch' out"),
+    (fmoe.Plan(model=MODEL, cp=2, **BF16), ("attn",), r"Plan.cp=2.*context-parallel chunks.*cp = pp = 1"),
+    (fmoe.Plan(model=MODEL, pp=2, **BF16), ("router",), r"Plan.pp=2.*pipeline's transfers"),
+    (fmoe.Plan(model=MODEL.replace(capacity_factor=1.5), dp=2, ep=2, etp=2, **BF16), ("step",),
+     r"whole step.*Plan.etp=2 reads its group's row counts.*graph the scopes instead"),
+    (fmoe.Plan(model=MODEL, dp=2, etp=2, **BF16), ("experts",),
+     r"scope 'experts'.*Plan.etp=2 with dropless routing.*capacity_factor > 0"),
 ])
 def test_uncapturable_plans_are_refused_with_the_setting_that_fixes_them(plan, scopes, match):
     with pytest.raises(ValueError, match=match):
@@ -53,6 +61,14 @@ def test_capturable_plans_pass_the_check():
     check_capturable(fmoe.Plan(model=MODEL, ep=2, delay_wgrad=True, **BF16), ("attn", "router"))
     check_capturable(fmoe.Plan(model=MODEL.replace(capacity_factor=1.0), expert_backend="te", **BF16),
                      ("experts",))
+    # the dispatch's index work has static shapes beside dropless expert parallelism too
+    check_capturable(fmoe.Plan(model=MODEL, ep=2, **BF16), ("attn", "router", "dispatch"))
+    check_capturable(fmoe.Plan(model=MODEL.replace(pad_multiple=16, capacity_factor=1.0), **BF16), ("dispatch",))
+    # tensor parallelism's collectives are captured with the attention; etp's row counts
+    # are read outside a graphed 'experts'
+    check_capturable(fmoe.Plan(model=MODEL, tp=2, **BF16), ("step",))
+    check_capturable(fmoe.Plan(model=MODEL.replace(capacity_factor=1.5), dp=2, ep=2, etp=2, **BF16),
+                     ("attn", "router", "dispatch", "experts"))
 
 
 def test_capture_refuses_before_any_work():
@@ -120,13 +136,26 @@ def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
 
     plan = fmoe.Plan(model=CFG.replace(capacity_factor=capacity), microbatches=2)
     params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch()}
-    graphs = _ScopeGraphs(plan, ("attn", "router", "experts"))
+    scopes = ("attn", "router", "dispatch", "experts")
+    graphs = _ScopeGraphs(plan, scopes)
     got = fmoe.step(params, batch, plan, graphs.kernels())
     want = fmoe.step(params, batch, plan)
-    assert {scope for scope, _ in graphs.samples} == {"attn", "router", "experts"}
-    assert len(graphs.samples) == 3 * CFG.layers * plan.microbatches
+    assert {key[0] for key in graphs.samples} == set(scopes)
+    assert len(graphs.samples) == len(scopes) * CFG.layers * plan.microbatches
     assert torch.equal(got.loss, want.loss)
     assert_trees_equal(got.grads, want.grads)
+
+
+def test_a_dispatch_scope_refuses_two_permutations_it_cannot_tell_apart():
+    from interop.cuda_graph import _ScopeGraphs
+
+    graphs = _ScopeGraphs(fmoe.Plan(model=CFG), ("dispatch",))
+    dispatch = graphs.kernels().dispatch
+    indices = torch.randint(0, CFG.experts, (8, CFG.topk))
+    dispatch((0, 0), indices, CFG.experts)
+    dispatch((0, 0), indices, CFG.experts + 1)  # another number of groups: a graph of its own
+    with pytest.raises(ValueError, match=r"two permutations of the same shape at site \(0, 0\)"):
+        dispatch((0, 0), indices.flip(0), CFG.experts)
 
 
 def test_scopes_not_graphed_run_as_the_plan_says():
@@ -143,7 +172,8 @@ def test_scopes_not_graphed_run_as_the_plan_says():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scopes", [("attn",), ("attn", "router")], ids=["attn", "attn+router"])
+@pytest.mark.parametrize("scopes", [("attn",), ("attn", "router"), ("attn", "router", "dispatch")],
+                         ids=["attn", "attn+router", "attn+router+dispatch"])
 def test_graphed_compiled_scopes_are_bitwise_the_compiled_step(scopes):
     # Under Plan.compile a scope's graph replays the compiled kernels; the rest stays compiled.
     plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), microbatches=2, compile=True, **BF16)

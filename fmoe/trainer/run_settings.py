@@ -75,7 +75,7 @@ class RunSettings:
     stop_after: int = _option(0, "end this run after that step, with a checkpoint (0: run to --steps)")
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
-    cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, experts; or 'step' "
+    cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
                                   "(python -m interop.train)")
     peak_tflops: float = _option(0.0, "the device's peak for MFU (0: known GPUs only)")
     sample_tokens: int = _option(64, "tokens to generate from a held-out prompt at the end (0: none)")

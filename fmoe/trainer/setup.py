@@ -88,11 +88,11 @@ _ADAPTERS_NEEDED = "it needs fmoe's adapters: run python -m interop.train with t
 
 
 def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
-    """``--cuda-graph``: "" (none), "step", or scopes from attn, router, experts."""
+    """``--cuda-graph``: "" (none), "step", or scopes from attn, router, dispatch, experts."""
     if not text:
         return ()
     scopes = tuple(s.strip() for s in text.split(",") if s.strip())
-    allowed = ("attn", "router", "experts")
+    allowed = ("attn", "router", "dispatch", "experts")
     if scopes != ("step",) and not all(s in allowed for s in scopes):
         invalid("cuda_graph", text, "'step', or comma-separated scopes from " + ", ".join(allowed))
     if adapters is None:

@@ -55,7 +55,7 @@ def global_batch(rows: int = 8, seq: int = 16) -> dict:
 
 
 def plan_of(kw: dict) -> fmoe.Plan:
-    return fmoe.Plan(model=CFG, **dict({"microbatches": 2}, **kw))
+    return fmoe.Plan(**dict({"model": CFG, "microbatches": 2}, **kw))
 
 
 def train(plan: fmoe.Plan, batch: dict, steps: int = STEPS, params=None, state=None) -> dict:
@@ -105,6 +105,24 @@ def gradients_group(plan: fmoe.Plan) -> dict:
             "ranks": tuple(dist.get_process_group_ranks(first))}
 
 
+# Where CUDA-graphed scopes take the tensor-parallel groups: every scope, before capture
+SCOPE_PLANS = {2: dict(tp=2), 4: dict(ep=2, tp=2, etp=2, sharding="optim_grads_params",
+                                      model=CFG.replace(capacity_factor=1.5))}
+
+
+def scope_steps(plan: fmoe.Plan, rank: int) -> dict:
+    """One step through ``interop.cuda_graph``'s scope kernels as they record (the flat
+    argument lists the graphs are made from, the groups passed through) and one plain
+    step: ``{"scoped" | "plain": (loss, grads)}``."""
+    from interop.cuda_graph import SCOPES, _ScopeGraphs
+
+    params, batch = fmoe.init(plan, seed=0), fmoe.local_batch(global_batch(), plan, rank)
+    graphs = _ScopeGraphs(plan, SCOPES)
+    runs = {"scoped": fmoe.step(params, batch, plan, graphs.kernels()), "plain": fmoe.step(params, batch, plan)}
+    assert {key[0] for key in graphs.samples} == set(SCOPES)
+    return {name: (out.loss, out.grads) for name, out in runs.items()}
+
+
 def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
     """Every plan of ``PLANS[world]`` trained on this rank's part of the global batch;
     with ``checkpoint`` (a directory), also one saved under ``dp2_tp2_zero3`` after its
@@ -120,6 +138,7 @@ def parallel_plans(rank: int, world: int, checkpoint=None) -> dict:
                       step=STEPS)
         out[name] = {k: v for k, v in res.items() if k not in ("state", "last")}
     out["mesh"] = mesh_ranks(plan_of(dict(ep=2, tp=2, etp=2) if world == 4 else dict(cp=2)))
+    out["scopes"] = scope_steps(plan_of(SCOPE_PLANS[world]), rank)
     if world == 2:
         out["gradients_group"] = gradients_group(plan_of(PLANS[2]["pp2_v2"]))
     if checkpoint is not None:

@@ -14,6 +14,7 @@ from ..reference import assert_trees_close, assert_trees_equal
 from .harness import run_ranks
 from .workloads import (
     CFG,
+    GRAPH_MESHES,
     SCALE_MESHES,
     SCHEDULE_CASES,
     STRATEGIES,
@@ -38,9 +39,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 @functools.lru_cache(maxsize=None)
 def nccl(fn, *args):
     """``fn(rank, 2, *args, "cuda")`` on two GPUs with bitwise-repeatable settings."""
+    return _nccl_ranks(2, fn, *args)
+
+
+def _nccl_ranks(world, fn, *args):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("NCCL_ALGO", "Ring")
-    return run_ranks(2, fn, *args, "cuda", backend="nccl")
+    return run_ranks(world, fn, *args, "cuda", backend="nccl")
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,10 +158,16 @@ def test_nccl_te_experts_with_zero3_delayed_wgrad_ep2():
             assert err <= max(2 * base_err, 2 ** -8), (path, err, base_err)
 
 
-@pytest.mark.parametrize("mesh", ["dp2-zero3", "ep2-capacity"])
+@pytest.mark.parametrize("mesh", list(GRAPH_MESHES))
 def test_nccl_cuda_graphs_are_bitwise_eager(mesh):
     # Graphs replay the eager kernels on the same inputs: 5 training steps (AdamW and
-    # expert-bias updates between them) give the same loss bits.
-    for res in nccl(graph_configs, mesh):
-        for mode in ("attn", "attn+router", "step"):
+    # expert-bias updates between them) give the same loss bits. Under tp the graphed
+    # attention holds its all-gather and reduce-scatter; under etp the graphed experts
+    # run between the group's exchanges.
+    _, world, modes = GRAPH_MESHES[mesh]
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    for res in (nccl(graph_configs, mesh) if world == 2 else _nccl_ranks(world, graph_configs, mesh)):
+        assert set(res) == set(modes)
+        for mode in modes:
             assert torch.equal(res[mode], res["eager"]), (mesh, mode, res[mode], res["eager"])

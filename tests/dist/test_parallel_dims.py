@@ -114,6 +114,16 @@ def test_tokens_cross_as_tokens_under_tp_and_etp(four):
         assert "slots" not in res["ep2_tp2_etp2"]["purposes"]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_graph_scopes_take_the_tensor_parallel_groups(two, four, world):
+    # Before capture the CUDA-graph scopes run the kernels through the flat arguments
+    # their graphs are made from, with tp's and etp's groups: bitwise the plain step.
+    for rank in (two if world == 2 else four[0]):
+        (loss, grads), (want_loss, want_grads) = rank["scopes"]["scoped"], rank["scopes"]["plain"]
+        assert torch.equal(loss, want_loss)
+        assert_trees_equal(grads, want_grads)
+
+
 def test_the_trace_shows_each_dimension_on_its_own_row(two):
     for res in two:
         assert "tp" in res["tp2"]["purposes"] and "cp" in res["cp2"]["purposes"]

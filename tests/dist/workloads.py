@@ -346,8 +346,10 @@ def te_seed_scenario(rank, world, device="cuda"):
             for name, (backend, dtype) in runs.items()}
 
 
-GRAPH_MODES = {"eager": None, "attn": ("attn",), "attn+router": ("attn", "router"),
-               "attn+router+experts": ("attn", "router", "experts"), "step": "step"}
+GRAPH_MODES = {"eager": None, "attn": ("attn",), "router": ("router",), "attn+router": ("attn", "router"),
+               "attn+router+dispatch": ("attn", "router", "dispatch"),
+               "attn+router+experts": ("attn", "router", "experts"),
+               "every scope": ("attn", "router", "dispatch", "experts"), "step": "step"}
 
 
 def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODES), steps: int = 5) -> dict:
@@ -377,17 +379,29 @@ def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODE
     return out
 
 
-GRAPH_MESHES = {"dp2-zero3": dict(dp=2, sharding="optim_grads_params"),
-                "ep2-capacity": dict(ep=2, sharding="optim_grads_params", capacity_factor=1.5)}
+# name: (plan settings, world, graph modes)
+GRAPH_MESHES = {
+    "dp2-zero3": (dict(dp=2, sharding="optim_grads_params"), 2, ("eager", "attn", "attn+router", "step")),
+    "ep2-capacity": (dict(ep=2, sharding="optim_grads_params", capacity_factor=1.5), 2,
+                     ("eager", "attn", "attn+router", "every scope", "step")),
+    "ep2-dropless": (dict(ep=2, sharding="optim_grads_params"), 2, ("eager", "router", "attn+router+dispatch")),
+    "ep2-tokens": (dict(ep=2, sharding="optim_grads_params", ep_exchange="tokens"), 2,
+                   ("eager", "attn+router+dispatch")),
+    "tp2": (dict(tp=2, sharding="optim_grads_params"), 2,
+            ("eager", "attn", "router", "attn+router+dispatch", "every scope", "step")),
+    "ep2-tp2-etp2-capacity": (dict(ep=2, tp=2, etp=2, sharding="optim_grads_params", capacity_factor=1.5), 4,
+                              ("eager", "attn", "router", "attn+router+dispatch", "every scope")),
+}
 
 
 def graph_configs(rank, world, mesh, device="cuda"):
-    """``graphed_losses`` at a two-rank mesh of ``GRAPH_MESHES``, 2 microbatches."""
-    kw = dict(GRAPH_MESHES[mesh])
+    """``graphed_losses`` at a mesh of ``GRAPH_MESHES``, 2 microbatches."""
+    kw, _, modes = GRAPH_MESHES[mesh]
+    kw = dict(kw)
     model = CFG.replace(dim=64, ffn=32, shared_ffn=16, capacity_factor=kw.pop("capacity_factor", 0.0))
     plan = fmoe.Plan(model=model, microbatches=2, dtype="bfloat16", device=device, **kw)
-    return graphed_losses(plan, rank_rows(global_batch(), rank, world).to(device),
-                          modes=("eager", "attn", "attn+router", "step"))
+    tokens = fmoe.local_batch({"tokens": global_batch()}, plan, rank)["tokens"]
+    return graphed_losses(plan, tokens.to(device), modes=modes)
 
 
 # Grouped-query attention with a head size of its own, per-head q/k norms, a qkv bias,
