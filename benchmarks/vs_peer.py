@@ -2,8 +2,9 @@
 in one process: same model, batches, learning rate and precision. For each shape:
 the peer eager, the peer with each block ``torch.compile``d (as torchtitan), then fmoe
 (eager, and with ``Plan(compile=True)`` unless ``--fmoe-compile off``, or only compiled
-with ``--fmoe-compile only``; on one GPU also with its whole step replayed from a CUDA
-graph, ``interop.capture_step``, unless ``--fmoe-graph off``).
+with ``--fmoe-compile only``; also with its whole step replayed from a CUDA graph,
+``interop.capture_step``, on every mesh without a dropless exchange over expert ranks,
+unless ``--fmoe-graph off``).
 
     python benchmarks/vs_peer.py                                        # 1 GPU, --shape coarse
     python benchmarks/vs_peer.py --shapes coarse fine qwen3-moe-medium  # 1 GPU, three shapes
@@ -161,7 +162,8 @@ def parse(more=None):
     ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off", "only"),
                     help="auto: fmoe also with Plan(compile=True) where Plan has that field; only: just with it")
     ap.add_argument("--fmoe-graph", default="auto", choices=("auto", "off"),
-                    help="auto: on one GPU, fmoe also with its whole step captured as a CUDA graph")
+                    help="auto: fmoe also with its whole step captured as a CUDA graph (meshes without a "
+                         "dropless exchange over expert ranks)")
     ap.add_argument("--check", action="store_true",
                     help="CPU fp32: the peer with fmoe's weights gives fmoe's loss; compiled peer = eager")
     if more is not None:
@@ -215,9 +217,17 @@ def fmoe_compiles(args) -> tuple[bool, ...]:
 
 
 def fmoe_graphs(args, bench) -> bool:
-    """``--fmoe-graph auto``: fmoe also as a whole-step CUDA graph, on one GPU (a
-    dropless exchange over several ranks reads split sizes on the host)."""
-    return args.fmoe_graph == "auto" and bench.device == "cuda" and bench.world == 1
+    """``--fmoe-graph auto``: fmoe also as a whole-step CUDA graph (on CUDA, for the meshes
+    ``whole_step_graphable`` allows)."""
+    return args.fmoe_graph == "auto" and bench.device == "cuda"
+
+
+def whole_step_graphable(mesh_name: str, world: int) -> bool:
+    """Whether a ``--meshes`` entry's step can be one CUDA graph: no dropless exchange
+    over expert ranks (its split sizes are read on the host), no context parallelism,
+    no scopes graphed already."""
+    mesh = mesh_of(mesh_name, world)
+    return (mesh["ep"] == 1 or mesh["capacity_factor"] > 0) and mesh["cp"] == 1 and not mesh["scopes"]
 
 
 def fmoe_optimizer(plan: fmoe.Plan, lr: float) -> fmoe.Optimizer:
@@ -441,7 +451,8 @@ def run_shape(bench: Bench, name: str) -> dict:
     for compile in fmoe_compiles(args):
         rows += [freed(bench, run_fmoe(bench, cfg, m, compile)) for m in args.meshes]
     if fmoe_graphs(args, bench):
-        rows += [freed(bench, run_fmoe(bench, cfg, m, fmoe_has_compile(args), graph=True)) for m in args.meshes]
+        rows += [freed(bench, run_fmoe(bench, cfg, m, fmoe_has_compile(args), graph=True)) for m in args.meshes
+                 if whole_step_graphable(m, bench.world)]
 
     tokens = args.batch * args.seq  # per GPU per step
     flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
