@@ -100,15 +100,15 @@ def main():
         tokens = args.batch * args.seq
         flops = fmoe.train_flops_per_token(cfg, args.seq) * tokens
         bench.say(f"\n## {name}: D={cfg.dim}, {cfg.layers} layers, E={cfg.experts} top-{cfg.topk} F={cfg.ffn}, "
-              f"vocab {cfg.vocab}; {args.batch} x {args.seq} tokens, {torch.cuda.get_device_name()}, "
-              f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup}\n")
+                  f"vocab {cfg.vocab}; {args.batch} x {args.seq} tokens, {torch.cuda.get_device_name()}, "
+                  f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup}\n")
         bench.say("| system | step ms | tokens/s | MFU | peak GiB | loss after last step | FP8 / bf16 |")
         bench.say("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for (c, g, f), r in rows:
             ratio = f"{bf16[(c, g)]['step_s'] / r['step_s']:.3f}x"
             bench.say(f"| {r['system']} | {r['step_s'] * 1e3:.1f} | {tokens / r['step_s']:,.0f} | "
-                  f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | "
-                  f"{ratio if f == 'none' else f'**{ratio}**'} |")
+                      f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | "
+                      f"{ratio if f == 'none' else f'**{ratio}**'} |")
         if families:
             print("\nGPU ms of one step + update by kernel family:\n")
             systems = {key: r["system"] for key, r in rows if not key[1]}

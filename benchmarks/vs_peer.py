@@ -157,8 +157,9 @@ def parse(more=None):
     ap.add_argument("--out", help="append rows to this JSON-lines file and print its weak-scaling table")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--aux-loss", type=float, default=0.0,
-                    help="the router's load-balancing loss coefficient on both sides (0: none; without it routing "
-                         "drifts from balance over the steps, which slows expert-parallel meshes, not data-parallel ones)")
+                    help="the router's load-balancing loss coefficient on both sides (0: none; without it "
+                         "routing drifts from balance over the steps, which slows expert-parallel meshes, not "
+                         "data-parallel ones)")
     ap.add_argument("--fmoe-compile", default="auto", choices=("auto", "off", "only"),
                     help="auto: fmoe also with Plan(compile=True) where Plan has that field; only: just with it")
     ap.add_argument("--fmoe-graph", default="auto", choices=("auto", "off"),
@@ -264,7 +265,8 @@ def mesh_of(name: str, world: int) -> dict:
     return dict(dp=dp, ep=ep, tp=tp, cp=cp, schedule="1f1b_overlap" if "1f1b" in options else "standard",
                 delay_wgrad="dw" in options, ep_exchange="tokens" if "tokens" in options else "rows",
                 capacity_factor=caps[0] if caps else 0.0,
-                scopes=(("attn", "router") if "graphs" in options else ()) + (("dispatch",) if "dispatch" in options else ()))
+                scopes=(("attn", "router") if "graphs" in options else ())
+                + (("dispatch",) if "dispatch" in options else ()))
 
 
 class Bench:
@@ -611,7 +613,8 @@ def peer_loss_and_grads(cfg, params: dict, tokens: torch.Tensor, compile: bool):
 def check(args) -> bool:
     """One batch per shape's toy, CPU fp32: fmoe's loss and grads vs the peer's with the same
     weights, and the compiled peer's vs the eager peer's. True when all agree."""
-    return all([check_shape(shape_config(name, args, toy=True, aux_loss=args.aux_loss), name, args.batch, args.seq) for name in args.shapes])
+    return all([check_shape(shape_config(name, args, toy=True, aux_loss=args.aux_loss), name, args.batch, args.seq)
+                for name in args.shapes])
 
 
 def check_shape(cfg: fmoe.ModelConfig, name: str, batch: int, seq: int, compiled: bool = True) -> bool:
