@@ -110,21 +110,21 @@ def main():
                       f"{flops / r['step_s'] / (PEAK_TFLOPS * 1e12):.1%} | {r['peak']:.2f} | {r['loss']:.4f} | "
                       f"{ratio if f == 'none' else f'**{ratio}**'} |")
         if families:
-            print("\nGPU ms of one step + update by kernel family:\n")
+            bench.say("\nGPU ms of one step + update by kernel family:\n")
             systems = {key: r["system"] for key, r in rows if not key[1]}
             found = {key: profile_families(cfg, key[0], key[2]) for key in systems}
             torch._dynamo.reset()
             names = sorted({k for fams, _ in found.values() for k in fams})
-            print("| system | " + " | ".join(names) + " | total |")
-            print("| --- |" + " ---: |" * (len(names) + 1))
+            bench.say("| system | " + " | ".join(names) + " | total |")
+            bench.say("| --- |" + " ---: |" * (len(names) + 1))
             for key, (fams, _) in found.items():
-                print(f"| {systems[key]} | " + " | ".join(f"{fams.get(n, 0):.1f}" for n in names)
-                      + f" | {sum(fams.values()):.1f} |")
+                bench.say(f"| {systems[key]} | " + " | ".join(f"{fams.get(n, 0):.1f}" for n in names)
+                          + f" | {sum(fams.values()):.1f} |")
             for key, (_, top) in found.items():
                 if key[2] != "none":
-                    print(f"\ntop kernels, {systems[key]}:")
+                    bench.say(f"\ntop kernels, {systems[key]}:")
                     for kernel, took in top:
-                        print(f"  {took:7.2f} ms  {kernel}")
+                        bench.say(f"  {took:7.2f} ms  {kernel}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ run() {  # run <gpus> <port> <microbatches> <log> <meshes...>
   local gpus=$1 port=$2 mb=$3 log=$4; shift 4
   local n=$(( $(tr -cd , <<< "$gpus" | wc -c) + 1 ))
   (cd benchmarks && CUDA_VISIBLE_DEVICES=$gpus torchrun --nproc-per-node $n --master-port "$port" vs_peer.py \
-    --shapes fine --peers --fmoe-compile only --microbatches "$mb" --steps ${STEPS:-12} --aux-loss ${AUX:-0} --warmup 3 --profile \
+    --shapes fine --peers --fmoe-compile only --fmoe-graph off --microbatches "$mb" --steps ${STEPS:-12} \
+    --aux-loss ${AUX:-0} --warmup 3 --profile \
     --meshes "$@" > "$OUT/$log" 2>&1)
   echo "== $log"; grep "^| fmoe\|Error" "$OUT/$log" | tail -8
 }

@@ -9,7 +9,7 @@
 set -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 (cd benchmarks && CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 --master-port 29611 vs_peer.py \
-  --shapes fine --peers --fmoe-compile only --microbatches 1 --steps 12 --warmup 3 --profile \
+  --shapes fine --peers --fmoe-compile only --fmoe-graph off --microbatches 1 --steps 12 --warmup 3 --profile \
   --meshes ${MESHES:-dp dp+graphs dp1ep2 dp1ep2+graphs dp1ep2+graphs+dispatch} > "$OUT/graph_scopes_bench.log" 2>&1) &
 bench=$!
 CUDA_VISIBLE_DEVICES=2,3 python -m pytest -q tests/dist/test_nccl.py -k "cuda_graphs and not etp2" \

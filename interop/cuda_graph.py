@@ -30,6 +30,7 @@ parallelism) with the plan setting that makes them capturable, before any CUDA w
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import optree
@@ -65,8 +66,10 @@ def _expert_host_reads(plan: Plan) -> list[str]:
         reasons.append("torch._grouped_mm has no float32 CUDA kernel: its fallback copies between host and "
                        "device (use Plan.dtype='bfloat16')")
     per_16_bytes = 16 // torch.empty((), dtype=plan.compute_dtype).element_size()
-    if plan.expert_backend == "torch" and any(n % per_16_bytes for n in (cfg.dim, cfg.ffn, cfg.fc1_width(cfg.ffn))):
-        reasons.append(f"ModelConfig.dim={cfg.dim} / ffn={cfg.ffn} are not multiples of 16 bytes in "
+    ffn = cfg.ffn // plan.etp  # the hidden units one rank's expert weights hold
+    if plan.expert_backend == "torch" and any(n % per_16_bytes for n in (cfg.dim, ffn, cfg.fc1_width(ffn))):
+        held = f" (ffn / Plan.etp={plan.etp} = {ffn} a rank)" if plan.etp > 1 else ""
+        reasons.append(f"ModelConfig.dim={cfg.dim} / ffn={cfg.ffn}{held} are not multiples of 16 bytes in "
                        f"{plan.dtype}, so the torch backend falls back to a per-expert loop that reads row "
                        "counts on the host (use multiples of 8 for bfloat16, 4 for float32)")
     return reasons
@@ -92,14 +95,10 @@ def check_capturable(plan: Plan, scopes) -> None:
         reasons["a whole step"] = _expert_host_reads(plan)
         if plan.etp > 1:
             reasons["a whole step"].append(f"Plan.etp={plan.etp} reads its group's row counts on the host before "
-                                           "the experts (graph the scopes instead: 'experts' runs between those "
-                                           "exchanges)")
+                                           "the experts (allowed: etp = 1; or graph the scopes instead: 'experts' "
+                                           "runs between those exchanges)")
     elif "experts" in scopes:
         reasons["scope 'experts'"] = _expert_host_reads(plan)
-        if plan.etp > 1 and not plan.model.capacity_factor:
-            reasons["scope 'experts'"].append(f"Plan.etp={plan.etp} with dropless routing gives the experts "
-                                              "their group's rows together, a different count every step (set "
-                                              "ModelConfig.capacity_factor > 0)")
         if plan.delay_wgrad:
             reasons["scope 'experts'"].append("Plan.delay_wgrad=True defers the experts' weight GEMMs out of "
                                               "their backward, which a graphed 'experts' scope runs whole (set "
@@ -350,15 +349,23 @@ def graph_forward(fn, inputs: tuple, warmup: int = 3):
     return call
 
 
+class NotGraphed(UserWarning):
+    """A graphed scope was called, after the capture, with a key the recording step never
+    saw (a dispatch of another shape: a rank received more tokens than its bound); that
+    call runs the plan's kernel instead of a graph. Warned once per key."""
+
+
 class _ScopeGraphs:
-    """Per scope and site ``(layer, microbatch)``: the arguments seen in a recording
-    step, then the graphed callable made from them."""
+    """Per key (a scope and site ``(layer, microbatch)``; for ``dispatch`` also the
+    shape and groups): the arguments seen in a recording step, then the graphed callable
+    made from them (a ``graph_pair``; for ``dispatch`` a forward-only ``graph_forward``)."""
 
     def __init__(self, plan: Plan, scopes):
         self.plan, self.scopes = plan, tuple(scopes)
         self.samples: dict = {}  # key -> (fn, sample inputs, how to graph it)
         self.graphed: dict = {}
         self.recording = True  # until capture: the step that records the arguments
+        self.not_graphed: set = set()  # keys first seen after the capture
 
     def _call(self, key, make, tensors, capture=graph_pair):
         if key in self.graphed:
@@ -366,7 +373,11 @@ class _ScopeGraphs:
         fn = make()
         if self.recording and key not in self.samples:  # remember fresh copies, compute eagerly
             self.samples[key] = (fn, [_sample(t) for t in tensors], capture)
-        return fn(*tensors)  # after the capture, a call no graph was made for runs eagerly
+        elif not self.recording and key not in self.not_graphed:
+            self.not_graphed.add(key)
+            warnings.warn(f"CUDA-graph scope {key[0]!r} at site {key[1]} has no graph for {key[2:] or 'this call'}: "
+                          "it runs the plan's kernel", NotGraphed, stacklevel=3)
+        return fn(*tensors)
 
     def capture(self) -> None:
         for key, (fn, sample, capture) in self.samples.items():
@@ -437,8 +448,11 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
 
     Runs one eager ``fmoe.step`` that records each scope's arguments, then captures
     one forward and one backward graph per (scope, layer, microbatch) with
-    ``graph_pair`` (which warms up on a side stream first).
-    Each graph has its own memory pool, so any schedule may interleave them.
+    ``graph_pair`` (which warms up on a side stream first); ``dispatch``, which has no
+    gradient, one forward graph per (layer, microbatch) and permutation shape
+    (``graph_forward``). Each graph has its own memory pool, so any schedule may
+    interleave them. A call the recording step did not see (a dispatch of another shape)
+    runs the plan's kernel and warns ``NotGraphed`` once.
 
     Arguments:
         params, batch, plan: as for ``fmoe.step``; fixes the shapes.
@@ -449,7 +463,8 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
         copies its inputs into the graph's buffers unless they are already there.
 
     Raises:
-        ValueError: a scope cannot be captured under ``plan`` (``check_capturable``).
+        ValueError: a scope cannot be captured under ``plan`` (``check_capturable``);
+            ``dispatch`` met two permutations of one shape at one site in a step.
     """
     check_capturable(plan, tuple(scopes))
     if "attn" in scopes and isinstance(batch, dict) and batch.get("segments") is not None:
@@ -463,4 +478,5 @@ def capture_scopes(params: dict, batch: dict, plan: Plan, scopes=("attn",)) -> K
     return kernels
 
 
-__all__ = ["GraphedStep", "capture_scopes", "capture_step", "check_capturable", "graph_forward", "graph_pair"]
+__all__ = ["GraphedStep", "NotGraphed", "capture_scopes", "capture_step", "check_capturable", "graph_forward",
+           "graph_pair"]

@@ -4,6 +4,7 @@ graphed steps that are bitwise the eager ones."""
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import optree
@@ -45,9 +46,9 @@ BF16 = dict(dtype="bfloat16", device="cuda")
     (fmoe.Plan(model=MODEL, cp=2, **BF16), ("attn",), r"Plan.cp=2.*context-parallel chunks.*cp = pp = 1"),
     (fmoe.Plan(model=MODEL, pp=2, **BF16), ("router",), r"Plan.pp=2.*pipeline's transfers"),
     (fmoe.Plan(model=MODEL.replace(capacity_factor=1.5), dp=2, ep=2, etp=2, **BF16), ("step",),
-     r"whole step.*Plan.etp=2 reads its group's row counts.*graph the scopes instead"),
-    (fmoe.Plan(model=MODEL, dp=2, etp=2, **BF16), ("experts",),
-     r"scope 'experts'.*Plan.etp=2 with dropless routing.*capacity_factor > 0"),
+     r"whole step.*Plan.etp=2 reads its group's row counts.*allowed: etp = 1"),
+    (fmoe.Plan(model=MODEL.replace(ffn=8), dp=2, etp=2, **BF16), ("experts",),
+     r"scope 'experts'.*ffn=8 \(ffn / Plan.etp=2 = 4 a rank\) are not multiples of 16 bytes"),
 ])
 def test_uncapturable_plans_are_refused_with_the_setting_that_fixes_them(plan, scopes, match):
     with pytest.raises(ValueError, match=match):
@@ -69,6 +70,7 @@ def test_capturable_plans_pass_the_check():
     check_capturable(fmoe.Plan(model=MODEL, tp=2, **BF16), ("step",))
     check_capturable(fmoe.Plan(model=MODEL.replace(capacity_factor=1.5), dp=2, ep=2, etp=2, **BF16),
                      ("attn", "router", "dispatch", "experts"))
+    check_capturable(fmoe.Plan(model=MODEL, dp=2, etp=2, **BF16), ("experts",))  # T * K rows a rank, fixed
 
 
 def test_capture_refuses_before_any_work():
@@ -156,6 +158,24 @@ def test_a_dispatch_scope_refuses_two_permutations_it_cannot_tell_apart():
     dispatch((0, 0), indices, CFG.experts + 1)  # another number of groups: a graph of its own
     with pytest.raises(ValueError, match=r"two permutations of the same shape at site \(0, 0\)"):
         dispatch((0, 0), indices.flip(0), CFG.experts)
+
+
+def test_a_call_no_graph_was_made_for_runs_the_kernel_and_says_so_once():
+    from fmoe.layers import make_dispatch
+    from interop.cuda_graph import NotGraphed, _ScopeGraphs
+
+    graphs = _ScopeGraphs(fmoe.Plan(model=CFG), ("dispatch",))
+    dispatch = graphs.kernels().dispatch
+    graphs.samples.clear()  # as a capture that made no graph (the capture itself needs CUDA)
+    graphs.recording = False
+    more = torch.randint(0, CFG.experts, (16, CFG.topk))  # a shape the recording step did not see
+    with pytest.warns(NotGraphed, match=r"scope 'dispatch' at site \(1, 0\) has no graph for \(\(16, 2\)"):
+        got = dispatch((1, 0), more, CFG.experts)
+    want = make_dispatch(more, CFG.experts)
+    assert all(torch.equal(a, b) for a, b in zip(got[:7], want[:7]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotGraphed)  # once per key
+        dispatch((1, 0), more, CFG.experts)
 
 
 def test_scopes_not_graphed_run_as_the_plan_says():

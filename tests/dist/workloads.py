@@ -354,29 +354,36 @@ GRAPH_MODES = {"eager": None, "attn": ("attn",), "router": ("router",), "attn+ro
 
 def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODES), steps: int = 5) -> dict:
     """``{mode: losses over steps}`` of step + AdamW + expert-bias update, eager or with
-    CUDA graphs (``GRAPH_MODES``); every mode starts from the same params."""
-    from interop.cuda_graph import capture_scopes, capture_step
+    CUDA graphs (``GRAPH_MODES``); every mode starts from the same params. A graphed scope
+    that ran its kernel instead of a graph (``NotGraphed``) fails the run."""
+    from interop.cuda_graph import NotGraphed, capture_scopes, capture_step
 
     batch = {"tokens": tokens}
     out = {}
-    for mode in modes:
-        scopes = GRAPH_MODES[mode]
-        params = fmoe.init(plan, seed=0)
-        opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
-        state = opt.init(params)
-        if scopes == "step":
-            run = capture_step(params, batch, plan)
-        else:
-            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
-            run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
-        losses = []
-        for _ in range(steps):
-            res = run(params, batch)
-            losses.append(res.loss.clone())
-            params, state = opt.update(res.grads, state, params)
-            params = fmoe.update_expert_bias(params, res.metrics["expert_counts"], plan.model.expert_bias_rate)
-        out[mode] = torch.stack(losses).cpu()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotGraphed)
+        for mode in modes:
+            out[mode] = _graphed_run(plan, batch, GRAPH_MODES[mode], steps, capture_scopes, capture_step)
     return out
+
+
+def _graphed_run(plan, batch, scopes, steps, capture_scopes, capture_step) -> torch.Tensor:
+    """One mode of ``graphed_losses``: its losses over ``steps``."""
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
+    state = opt.init(params)
+    if scopes == "step":
+        run = capture_step(params, batch, plan)
+    else:
+        kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
+        run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
+    losses = []
+    for _ in range(steps):
+        res = run(params, batch)
+        losses.append(res.loss.clone())
+        params, state = opt.update(res.grads, state, params)
+        params = fmoe.update_expert_bias(params, res.metrics["expert_counts"], plan.model.expert_bias_rate)
+    return torch.stack(losses).cpu()
 
 
 # name: (plan settings, world, graph modes)
