@@ -113,11 +113,11 @@ def test_the_step_refuses_batches_the_dimensions_cannot_split():
         check_batch({"tokens": tokens, "segments": torch.zeros(4, 16, dtype=torch.long)}, fmoe.Plan(model=CFG, cp=2))
 
 
-def test_cuda_graphs_refuse_the_new_dimensions_by_name():
+def test_cuda_graphs_refuse_context_parallelism_by_name():
     from interop.cuda_graph import check_capturable
 
-    with pytest.raises(ValueError, match=r"Plan\.tp=2.*allowed: tp = cp = etp = pp = 1"):
-        check_capturable(fmoe.Plan(model=CFG, tp=2), ("attn",))
+    with pytest.raises(ValueError, match=r"Plan\.cp=2.*allowed: cp = pp = 1"):
+        check_capturable(fmoe.Plan(model=CFG, cp=2, device="cuda", dtype="bfloat16"), ("attn",))
 
 
 @pytest.mark.parametrize("kw, words", [
