@@ -134,7 +134,7 @@ def test_captures_on_cold_caches_after_other_work_are_bitwise_eager(tmp_path):
 def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
     # Before capture, the scope kernels call the pure functions through the flat
     # tensor lists the graphs are made from: a step through them is bitwise eager.
-    from interop.cuda_graph import _ScopeGraphs
+    from interop.graph_scopes import _ScopeGraphs
 
     plan = fmoe.Plan(model=CFG.replace(capacity_factor=capacity), microbatches=2)
     params, batch = fmoe.init(plan, seed=0), {"tokens": global_batch()}
@@ -149,7 +149,7 @@ def test_scope_arguments_rebuild_the_pure_functions_exactly(capacity):
 
 
 def test_a_dispatch_scope_refuses_two_permutations_it_cannot_tell_apart():
-    from interop.cuda_graph import _ScopeGraphs
+    from interop.graph_scopes import _ScopeGraphs
 
     graphs = _ScopeGraphs(fmoe.Plan(model=CFG), ("dispatch",))
     dispatch = graphs.kernels().dispatch
@@ -162,7 +162,7 @@ def test_a_dispatch_scope_refuses_two_permutations_it_cannot_tell_apart():
 
 def test_a_call_no_graph_was_made_for_runs_the_kernel_and_says_so_once():
     from fmoe.layers import make_dispatch
-    from interop.cuda_graph import NotGraphed, _ScopeGraphs
+    from interop.graph_scopes import NotGraphed, _ScopeGraphs
 
     graphs = _ScopeGraphs(fmoe.Plan(model=CFG), ("dispatch",))
     dispatch = graphs.kernels().dispatch
@@ -182,7 +182,7 @@ def test_scopes_not_graphed_run_as_the_plan_says():
     # Under Plan.compile the scopes left out of the capture keep their compiled kernels.
     from fmoe.schedule.compiled import compiled_kernels
     from fmoe.layers.nodes import EAGER
-    from interop.cuda_graph import _ScopeGraphs
+    from interop.graph_scopes import _ScopeGraphs
 
     compiled = compiled_kernels()
     kernels = _ScopeGraphs(fmoe.Plan(model=MODEL, compile=True, **BF16), ("attn",)).kernels()

@@ -114,7 +114,8 @@ def scope_steps(plan: fmoe.Plan, rank: int) -> dict:
     """One step through ``interop.cuda_graph``'s scope kernels as they record (the flat
     argument lists the graphs are made from, the groups passed through) and one plain
     step: ``{"scoped" | "plain": (loss, grads)}``."""
-    from interop.cuda_graph import SCOPES, _ScopeGraphs
+    from interop.capturable import SCOPES
+    from interop.graph_scopes import _ScopeGraphs
 
     params, batch = fmoe.init(plan, seed=0), fmoe.local_batch(global_batch(), plan, rank)
     graphs = _ScopeGraphs(plan, SCOPES)

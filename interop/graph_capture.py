@@ -1,0 +1,132 @@
+"""CUDA-graph capture of a function on static inputs, every capture thread-local:
+``graph_pair`` (a forward and a backward graph, replayed by an autograd function) and
+``graph_forward`` (one graph, no gradient); ``warm_up`` runs a function on a side stream
+first, so lazy initialisation is not captured."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import optree
+import torch
+
+
+def warm_up(run, iters: int) -> None:
+    # Lazy initialisation (cuBLAS handles, NCCL communicators, allocator pools) must
+    # happen outside the capture, on a side stream as capture itself uses.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+class _Replay(torch.autograd.Function):
+    """Forward: copy the inputs into the pair's own, replay its forward graph. Backward:
+    copy the output gradients in, replay its backward graph."""
+
+    @staticmethod
+    def forward(ctx, pair: _GraphPair, *inputs):
+        ctx.pair = pair
+        with torch.no_grad():
+            for static, new in zip(pair.inputs, inputs):
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+        pair.forward_graph.replay()
+        return tuple(o.detach() for o in pair.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        pair = ctx.pair
+        for static, grad in zip(pair.output_grads, grads):
+            if static is not None and grad is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        pair.backward_graph.replay()
+        return (None, *(None if g is None else g.detach() for g in pair.input_grads))
+
+
+class _GraphPair(NamedTuple):
+    forward_graph: torch.cuda.CUDAGraph
+    backward_graph: torch.cuda.CUDAGraph
+    inputs: tuple  # the static tensors both graphs read
+    outputs: tuple  # the forward's outputs, flat
+    output_grads: tuple  # where the backward reads each output's gradient (None: not differentiable)
+    input_grads: tuple  # where it writes each input's (None: none wanted or unused)
+    treespec: optree.PyTreeSpec  # the outputs' tree
+
+
+def _input_grads(outputs: list, output_grads: list, inputs: tuple) -> tuple:
+    wanted = [t for t in inputs if t.requires_grad]
+    differentiable = [(o, g) for o, g in zip(outputs, output_grads) if g is not None]
+    if not wanted or not differentiable:
+        return (None,) * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in differentiable], wanted, [g for _, g in differentiable],
+                                   allow_unused=True))
+    return tuple(next(got) if t.requires_grad else None for t in inputs)
+
+
+def graph_pair(fn, inputs: tuple, warmup: int = 3):
+    """``fn`` (tensors in, a tree of tensors out) as a forward and a backward CUDA graph
+    on the static ``inputs``, replayed by an autograd function.
+
+    As ``torch.cuda.make_graphed_callables`` does, but both graphs are captured in
+    thread-local mode, as ``capture_step`` is: a CUDA call another thread makes meanwhile
+    (a communicator's watchdog, autograd's device thread) cannot invalidate the capture,
+    where the global mode refuses every thread's. The backward runs on autograd's device
+    thread, so it is that thread's calls the global mode would have refused.
+
+    Arguments:
+        fn: the function; every call computes the same kernels on the same shapes.
+        inputs: its arguments; the graphs read these tensors, and each call copies new
+            arguments into them unless they are already there.
+        warmup: forward and backward passes run on a side stream before capture, so
+            lazy initialisation (kernel loads, cuBLAS workspaces) is not captured.
+
+    Returns:
+        ``call(*tensors)`` returning ``fn``'s tree of outputs, differentiable.
+    """
+    def forward_backward():
+        outputs = optree.tree_leaves(fn(*inputs))
+        _input_grads(outputs, [torch.empty_like(o) if o.requires_grad else None for o in outputs], inputs)
+
+    warm_up(forward_backward, warmup)
+    pool = torch.cuda.graph_pool_handle()  # the backward graph reads the forward's saved tensors
+    forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+        outputs, treespec = optree.tree_flatten(fn(*inputs))
+    output_grads = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
+    with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode="thread_local"):
+        input_grads = _input_grads(outputs, output_grads, inputs)
+    pair = _GraphPair(forward_graph, backward_graph, inputs, tuple(outputs), tuple(output_grads), input_grads,
+                      treespec)
+    return lambda *tensors: optree.tree_unflatten(pair.treespec, _Replay.apply(pair, *tensors))
+
+
+def graph_forward(fn, inputs: tuple, warmup: int = 3):
+    """``fn`` (tensors in, no gradient) as one CUDA graph on the static ``inputs``.
+
+    Each call copies new arguments into ``inputs`` (unless already there), replays the
+    graph and returns the captured output itself, whose tensors the next call
+    overwrites. Captured in thread-local mode, as ``graph_pair``'s graphs are.
+    """
+    with torch.no_grad():
+        warm_up(lambda: fn(*inputs), warmup)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            output = fn(*inputs)
+
+    def call(*tensors):
+        with torch.no_grad():
+            for static, new in zip(inputs, tensors):
+                if static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+        graph.replay()
+        return output
+
+    return call
+
+
+__all__ = ["graph_forward", "graph_pair", "warm_up"]
