@@ -65,13 +65,17 @@ class Routed(NamedTuple):
     @property
     def tokens_travel(self) -> bool:
         """Whether tokens, not rows, cross ranks (``Plan.ep_exchange='tokens'``)."""
-        return self.exchange is not None and self.exchange.arrivals is not None
+        return _tokens_travel(self.exchange)
 
     @property
     def local(self) -> Dispatch | None:
         """When tokens travel: the received tokens' Dispatch to this rank's experts
         (built on first use)."""
         return None if self.exchange is None else self.exchange.local
+
+
+def _tokens_travel(ex: Exchange | None) -> bool:
+    return ex is not None and ex.arrivals is not None
 
 
 def _crosses_ranks(ep: ExpertParallel | None) -> bool:
@@ -105,7 +109,7 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
             if cfg.capacity_factor else None
         d = segments = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
     rows_RD = permute(x_TD, d)
-    tokens_travel = ex is not None and ex.arrivals is not None
+    tokens_travel = _tokens_travel(ex)
     if tokens_travel:
         row_probs_R1 = permute(r.probs_TK, d)
     else:
