@@ -36,7 +36,12 @@ def test_two_ranks_match_one_process(runs, feature, name):
         got = res[name]
         torch.testing.assert_close(got["losses"], single["losses"], rtol=1e-5, atol=1e-6)
         assert_trees_close(got["grads"], single["grads"], rtol=1e-4, atol=1e-6)
-        assert_trees_close(got["params"], single["params"], rtol=1e-4, atol=2e-5)
+        # A key bias's gradient is zero in exact arithmetic (softmax ignores a shift all keys
+        # share); what is computed is rounding noise (~1e-12), which AdamW turns into steps of
+        # lr * noise / eps (~5e-6 each at lr 1e-2, eps 1e-8), so runs that sum in another order
+        # part there by a few 1e-5 after 3 steps (2.3e-5 seen on one CPU); a sharding bug moves
+        # params by ~lr.
+        assert_trees_close(got["params"], single["params"], rtol=1e-4, atol=2e-4)
     if feature == "hf":
         assert "head" not in single["params"] and single["grads"]["embed"].abs().sum() > 0
     elif feature == "gpt_oss":
