@@ -1,12 +1,15 @@
 """CUDA-graph capture of node scopes and of a whole ``fmoe.step``.
 
-Two ways to replay a step's kernels instead of launching them one by one:
+Three ways to replay a step's kernels instead of launching them one by one:
 
 - ``capture_step(params, batch, plan)`` captures ``fmoe.step`` whole (every node,
   gather, all-to-all and reduce of every microbatch) into one graph over static
   parameter and token buffers. Calling the result copies the new params and batch
   into those buffers and replays: a step after an optimizer update sees the new
   weights.
+- ``GraphedTrainStep(plan, update)`` captures the step and the update after it
+  (the optimizer, the expert biases' update) into one graph, after ``warmup``
+  eager steps; the params and optimizer state it returns are the graph's own.
 - ``capture_scopes(params, batch, plan, scopes)`` graphs the functions inside the
   layer nodes (``attn``: attention half; ``router``: scores and top-k; ``dispatch``:
   the permutation's index work, forward only; ``experts``: the grouped expert MLP)
@@ -36,6 +39,7 @@ from __future__ import annotations
 import optree
 import torch
 
+import fmoe
 from fmoe import Plan, StepOutput
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
@@ -76,9 +80,7 @@ class GraphedStep:
                              "(capture another for a new shape; a loss_mask may come and go)")
         total = global_targets(checked, self.setup.mesh)
         with torch.no_grad():
-            for new, static_leaf in zip(optree.tree_leaves(params), optree.tree_leaves(self.static_params)):
-                if not _same_memory(new, static_leaf):  # an optimizer that donated updated them in place
-                    static_leaf.copy_(new)
+            _copy_into(self.static_params, params)
             for new, static_tensor in zip(checked[:3], static[:3]):
                 if new is not None:
                     static_tensor.copy_(new)
@@ -86,6 +88,14 @@ class GraphedStep:
         self.graph.replay()
         self.out.metrics["tokens"] = total
         return self.out
+
+
+def _copy_into(static, new) -> None:
+    """Copy every leaf of ``new`` into the same-place leaf of ``static`` unless it is
+    already there (a donating optimizer updated it in place)."""
+    for new_leaf, static_leaf in zip(optree.tree_leaves(new), optree.tree_leaves(static)):
+        if not _same_memory(new_leaf, static_leaf):
+            static_leaf.copy_(new_leaf)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -117,11 +127,7 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     prepared = prepare_step(params, batch, plan)
     # the graph's own copy unless donated: replays read it as it is
     static_params = params if donate else optree.tree_map(lambda t: t.detach().clone(), params)
-    # the graph's own copies of the batch (targets cloned apart from the tokens they may view)
-    b = prepared.batch
-    static_batch = b._replace(tokens=b.tokens.clone(), targets=b.targets.clone(),
-                              segments=None if b.segments is None else b.segments.clone())
-    prepared = prepared._replace(batch=static_batch)
+    prepared = _own_batch(prepared)
     warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -129,5 +135,88 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     return GraphedStep(plan, graph, static_params, prepared, out)
 
 
-__all__ = ["SCOPES", "GraphedStep", "NotGraphed", "capture_scopes", "capture_step", "check_capturable",
-           "graph_forward", "graph_pair"]
+def _own_batch(prepared: Prepared) -> Prepared:
+    """``prepared`` with the graph's own copies of the batch (targets cloned apart from
+    the tokens they may view), which each replay's batch is copied into."""
+    b = prepared.batch
+    static_batch = b._replace(tokens=b.tokens.clone(), targets=b.targets.clone(),
+                              segments=None if b.segments is None else b.segments.clone())
+    return prepared._replace(batch=static_batch)
+
+
+class GraphedTrainStep:
+    """A training step, ``fmoe.step`` and the update that follows it, as one CUDA graph.
+
+    ``capture_step`` graphs the step; the optimizer then runs eagerly, one launch per
+    leaf and a few more for the norm, the schedule and the skip decision. Here they
+    are captured with it, so a step is one replay and no host work is left between
+    its kernels.
+
+    Arguments:
+        plan: the Plan every step runs; refused (``check_capturable``) when its step
+            cannot be captured.
+        update: ``update(out, params, opt_state) -> (params, opt_state)``, what follows
+            the step, e.g. ``opt.update(out.grads, opt_state, params)`` and
+            ``update_expert_bias``. It must read no device value on the host and return
+            trees shaped as the ones it was given.
+        warmup: how many calls run eagerly before the one that captures. They are real
+            steps (they update params and state) that compile and load every kernel
+            outside the capture.
+
+    ``out, params, opt_state = graphed(params, opt_state, batch)`` takes one step: the
+    first ``warmup`` calls eagerly, the next captures on its batch and replays, every
+    later one replays. From the capture on, the params and state it returns are the
+    graph's own tensors, written in place by each replay (a donating optimizer writes
+    them directly; other leaves are copied back inside the graph): pass them back in.
+    Other tensors passed in are copied into them first. ``out`` lives in the graph's
+    memory, overwritten by the next call. The batch shape is fixed at the capture.
+    """
+
+    def __init__(self, plan: Plan, update, warmup: int = 2):
+        check_capturable(plan, ("step",))
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+            raise ValueError(f"warmup={warmup!r} is invalid: an int >= 1 (eager steps before the capture)")
+        self.plan, self.update, self.warmup = plan, update, warmup
+        self.eager_steps, self.graphed, self.static_state = 0, None, None
+
+    def __call__(self, params: dict, opt_state, batch: dict):
+        if self.graphed is None and self.eager_steps < self.warmup:
+            self.eager_steps += 1
+            return self._eager(params, opt_state, batch)
+        if self.graphed is None:
+            self.graphed, self.static_state = self._capture(params, opt_state, batch)
+        elif optree.tree_structure(opt_state) != optree.tree_structure(self.static_state):
+            raise ValueError("opt_state has another structure than the state this graph was captured with "
+                             "(pass back the state each call returns)")
+        else:
+            with torch.no_grad():
+                _copy_into(self.static_state, opt_state)
+        out = self.graphed(params, batch)
+        return out, self.graphed.static_params, self.static_state
+
+    def _eager(self, params, opt_state, batch):
+        # on a side stream, as the capture runs: lazy state is made where it will be used
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = fmoe.step(params, batch, self.plan)
+            params, opt_state = self.update(out, params, opt_state)
+        torch.cuda.current_stream().wait_stream(side)
+        return out, params, opt_state
+
+    def _capture(self, params, opt_state, batch):
+        prepared = _own_batch(prepare_step(params, batch, self.plan))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = run_step(params, prepared, self.plan)
+            new_params, new_state = self.update(out, params, opt_state)
+            for name, new, static in (("params", new_params, params), ("opt_state", new_state, opt_state)):
+                if optree.tree_structure(new) != optree.tree_structure(static):
+                    raise ValueError(f"update returned {name} of another structure than it was given")
+                with torch.no_grad():  # the next replay reads the new values where this one read
+                    _copy_into(static, new)
+        return GraphedStep(self.plan, graph, params, prepared, out), opt_state
+
+
+__all__ = ["SCOPES", "GraphedStep", "GraphedTrainStep", "NotGraphed", "capture_scopes", "capture_step",
+           "check_capturable", "graph_forward", "graph_pair"]

@@ -4,7 +4,7 @@
     python -m interop.train --device cuda --dtype bfloat16 --capacity-factor 1.25 --cuda-graph attn,experts
     torchrun --nproc-per-node 8 -m interop.train --config mixtral-small --expert-backend te
 
-``--cuda-graph`` captures the step or its layer scopes (``interop.cuda_graph``);
+``--cuda-graph`` captures the step with its update, or its layer scopes (``interop.cuda_graph``);
 ``--expert-backend te`` runs the experts on TransformerEngine (``interop.te``, imported
 only when asked for, since it loads TransformerEngine).
 """
@@ -16,7 +16,8 @@ import importlib
 from fmoe import train
 from fmoe.trainer.setup import Adapters
 
-from .cuda_graph import capture_scopes, capture_step, check_capturable
+from .cuda_graph import GraphedTrainStep, capture_scopes, check_capturable
+
 
 def load_backend(module: str) -> None:
     """Import ``module`` (``interop.te``), which registers the expert backend it
@@ -25,7 +26,7 @@ def load_backend(module: str) -> None:
     importlib.import_module(module)
 
 
-ADAPTERS = Adapters(check_capturable, capture_step, capture_scopes, load_backend)
+ADAPTERS = Adapters(check_capturable, GraphedTrainStep, capture_scopes, load_backend)
 
 
 def main(argv=None) -> dict:

@@ -102,12 +102,16 @@ def test_cuda_cached_generation_matches_full_forward():
     assert got.device.type == "cuda" and torch.equal(got, ids)
 
 
-@pytest.mark.parametrize("graphs", ["step", "attn,router,experts"])
-def test_cuda_graphed_main_job_is_bitwise_eager(tmp_path, graphs):
+@pytest.mark.parametrize("graphs,extra", [
+    ("step", []),  # the step, the chain AdamW and the skip decision in one graph
+    ("step", ["--fused-optimizer", "--moments", "bfloat16", "--expert-bias-rate", "1e-3"]),  # donated, biases too
+    ("attn,router,experts", []),
+], ids=["step", "step-fused-bias", "scopes"])
+def test_cuda_graphed_main_job_is_bitwise_eager(tmp_path, graphs, extra):
     from interop.train import main as interop_main
 
     common = ["--device", "cuda", "--dtype", "bfloat16", "--capacity-factor", "1.5", "--steps", "6",
-              "--eval-every", "6", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+              "--eval-every", "6", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", *extra]
     eager = interop_main(common + ["--out", str(tmp_path / "eager")])
     graphed = interop_main(common + ["--cuda-graph", graphs, "--out", str(tmp_path / "graphed")])
 

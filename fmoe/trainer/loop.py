@@ -35,26 +35,43 @@ _SAMPLE_MAX_BYTES = 8 << 30
 
 
 class _Stepper:
-    """``fmoe.step`` for this run: eager, with CUDA-graphed scopes, or a graphed whole
-    step, captured on the first batch it sees."""
+    """A training step of this run, ``(params, opt_state, batch) -> (out, params,
+    opt_state)``: ``fmoe.step`` and ``update``, eager or with CUDA-graphed scopes, or
+    both as one CUDA graph (``--cuda-graph step``), built on the first batch it sees."""
 
-    def __init__(self, run: Run):
-        self.run, self.call = run, None
+    def __init__(self, run: Run, update: Callable):
+        self.run, self.update, self.call = run, update, None
 
-    def __call__(self, params, batch):
+    def __call__(self, params, opt_state, batch):
         if self.call is None:
             self.call = self._build(params, batch)
-        return self.call(params, batch)
+        return self.call(params, opt_state, batch)
 
     def _build(self, params, batch):
         plan, scopes, adapters = self.run.plan, self.run.scopes, self.run.adapters
-        if scopes == ("step",):
-            # the fused optimizer updates the params' buffers in place: the graph reads them there
-            return adapters.capture_step(params, batch, plan, donate=self.run.settings.fused_optimizer)
-        if scopes:
-            kernels = adapters.capture_scopes(params, batch, plan, scopes)
-            return lambda p, b: step(p, b, plan, kernels)
-        return lambda p, b: step(p, b, plan)
+        if scopes == ("step",):  # the update inside the step's graph, after two eager steps
+            return adapters.graph_train_step(plan, self.update)
+        kernels = adapters.capture_scopes(params, batch, plan, scopes) if scopes else None
+
+        def eager(params, opt_state, batch):
+            out = step(params, batch, plan, kernels)
+            return (out, *self.update(out, params, opt_state))
+        return eager
+
+
+def _update(run: Run, opt: Optimizer) -> Callable:
+    """What follows a step: ``(out, params, opt_state) -> (params, opt_state)``, the
+    optimizer's update and, with ``expert_bias_rate``, the expert biases'. It reads
+    nothing on the host, so ``--cuda-graph step`` captures it with the step."""
+    rate, skipping = run.plan.model.expert_bias_rate, bool(run.settings.max_skips)
+
+    def update(out, params, opt_state):
+        params, opt_state = opt.update(out.grads, opt_state, params)
+        if rate:  # a skipped step changes no parameter, the expert biases included
+            params = update_expert_bias(params, out.metrics["expert_counts"], rate, donate=True,
+                                        applied=opt_state.applied if skipping else None)
+        return params, opt_state
+    return update
 
 
 class _Job(NamedTuple):
@@ -166,7 +183,7 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     _introduce(run, baseline)
     tokens_per_step = s.batch * s.seq
     job = _Job(run, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
-               checkpoints=checkpoints, stepper=_Stepper(run), first=first,
+               checkpoints=checkpoints, stepper=_Stepper(run, _update(run, opt)), first=first,
                last=min(s.steps, s.stop_after) if s.stop_after else s.steps, baseline=baseline,
                tokens_per_step=tokens_per_step,
                flops_per_step=train_flops_per_token(plan.model, s.seq) * tokens_per_step,
@@ -216,7 +233,7 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
     batch = context_chunks(train_batch(run.corpus, s.batch, s.seq, s.seed, step_num, *row_block(plan, run.world.rank)),
                        plan, run.world.rank)
     try:
-        out = job.stepper(state.params, batch)
+        out, state.params, state.opt_state = job.stepper(state.params, state.opt_state, batch)
     except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
         raise ValueError(f"step {step_num}, a batch of {run.corpus.source}: {err}") from None
     # On one process a signal is a Python flag; several agree on it with a host read,
@@ -226,13 +243,8 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
     logged = logged or stop
     reads = {"loss": out.loss, "aux_loss": out.metrics["aux_loss"], "dropped_tokens": out.metrics["dropped_tokens"],
              "expert_load": expert_load(out.metrics["expert_counts"])} if logged else None
-    if logged and not job.norm_in_state:
-        reads["grad_norm"] = global_norm(out.grads, plan)  # before a donated update reuses the grads
-    state.params, state.opt_state = job.opt.update(out.grads, state.opt_state, state.params)
-    rate = plan.model.expert_bias_rate
-    if rate:  # a skipped step changes no parameter, the expert biases included
-        state.params = update_expert_bias(state.params, out.metrics["expert_counts"], rate, donate=True,
-                                          applied=state.opt_state.applied if s.max_skips else None)
+    if logged and not job.norm_in_state:  # no clipping, so the update left the grads as they were
+        reads["grad_norm"] = global_norm(out.grads, plan)
     window.steps += 1
     window.trained += out.metrics["tokens"]  # the global batch's counted targets: a host int
     state.done = step_num

@@ -76,7 +76,8 @@ class RunSettings:
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
     cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
-                                  "(python -m interop.train)")
+                                  "(the step and its update as one graph, after two eager steps; "
+                                  "python -m interop.train)")
     peak_tflops: float = _option(0.0, "the device's peak for MFU (0: known GPUs only)")
     sample_tokens: int = _option(64, "tokens to generate from a held-out prompt at the end (0: none)")
     threads: int = _option(0, "CPU threads per process (0: torch's default)")

@@ -33,13 +33,14 @@ class Adapters(NamedTuple):
     it: the core never imports its adapters, they are handed in.
 
     Attributes:
-        check_capturable, capture_step, capture_scopes: ``interop.cuda_graph``'s.
+        check_capturable, capture_scopes: ``interop.cuda_graph``'s; graph_train_step:
+            its ``GraphedTrainStep`` (the step and the update as one graph).
         load_backend: imports the ``interop`` module that registers an expert
             backend (``interop.te``); the backend's own check says what is missing.
     """
 
     check_capturable: Callable
-    capture_step: Callable
+    graph_train_step: Callable
     capture_scopes: Callable
     load_backend: Callable[[str], None]
 
