@@ -1,6 +1,6 @@
 """Expert MLP throughput per backend: fc1 -> GLU x router prob -> fc2, forward + backward.
 
-    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20] [--permute] [--no-fused]
+    python benchmarks/expert_mlp.py [--backends torch te] [--iters 20] [--permute] [--no-fused] [--graph]
 
 The shapes of ../shared/device/ceilings.md's anchors (bf16): rows = tokens x topk.
 Default: equal splits, no permute, the probability scales the GLU output (the
@@ -11,7 +11,10 @@ then ``unpermute`` weighted by the probabilities. FLOPs are 3 x the forward's GE
 (``interop.te``). Each backend runs with fmoe's Triton kernels for the non-GEMM work
 (SwiGLU x prob; with ``--permute`` also unpermute: ``fmoe/layers/triton_kernels.py``)
 and again with ``FMOE_FUSED_KERNELS=0`` (the pure-torch path), side by side;
-``--no-fused`` runs the torch path only. Prints a table last.
+``--no-fused`` runs the torch path only. ``--graph`` also times each case replayed
+from a CUDA graph: the GPU's time without the host's launch gaps (each eager call
+starts on an idle GPU after a sync), as the expert path runs inside a graphed step.
+Prints a table last.
 """
 
 from __future__ import annotations
@@ -20,44 +23,48 @@ import argparse
 import collections
 import importlib
 import os
-import statistics
 
 import torch
 
 import fmoe
 from fmoe.layers import expert_mlp, fused_kernels_available, make_dispatch, permute, unpermute
+from kernel_time import median_ms
 
 SHAPES = [(65536, 2048, 1408, 16), (262144, 4096, 1536, 32)]  # rows, D, F, E
 TOPK = {16: 4, 32: 8}  # issue 9's shapes: T=16384 top-4, T=32768 top-8
 
 
-def _time_ms(fn, iters: int) -> float:
-    for _ in range(3):
+def _time_graph_ms(fn, iters: int) -> float:
+    """``fn`` captured once (after warm-up on a side stream) and timed as replays: the
+    GPU's time alone, without the host's launch gaps, as inside a graphed step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    ms = median_ms(graph.replay, iters)
+    del graph
+    return ms
 
 
-def _print_top_kernels(fn, title: str, top: int = 12) -> None:
+def _print_top_kernels(fn, title: str, top: int = 24) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    by_name = collections.Counter()
+    by_name, launches = collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type.name == "CUDA":
-            by_name[e.name[:90]] += (e.time_range.end - e.time_range.start) / 1e3
-    print(f"top kernels, {title} (ms; all kernels {sum(by_name.values()):.2f}):")
+            by_name[e.name[:110]] += (e.time_range.end - e.time_range.start) / 1e3
+            launches[e.name[:110]] += 1
+    print(f"top kernels, {title} (ms; all kernels {sum(by_name.values()):.2f}, {sum(launches.values())} launches):")
     for name, ms in by_name.most_common(top):
-        print(f"  {ms:8.2f}  {name}")
+        print(f"  {ms:8.2f} x{launches[name]:<3d} {name}")
 
 
 def main():
@@ -67,6 +74,8 @@ def main():
     ap.add_argument("--permute", action="store_true")
     ap.add_argument("--profile", action="store_true", help="top kernels of one torch-backend call per shape")
     ap.add_argument("--no-fused", action="store_true", help="only the pure-torch path (FMOE_FUSED_KERNELS=0)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time each case replayed from a CUDA graph (no host launch gaps)")
     args = ap.parse_args()
     os.environ.pop("FMOE_FUSED_KERNELS", None)
     fused_modes = [False] if args.no_fused or not fused_kernels_available(torch.empty(0, device="cuda")) \
@@ -107,8 +116,10 @@ def main():
                 else:
                     y = expert_mlp(p, x, fixed, cfg, probs, backend)
                 torch.autograd.grad(y, [x, probs, p["fc1"], p["fc2"]], grad_y)
-            ms = _time_ms(fwd_bwd, args.iters)
-            results.append((rows, D, F, E, backend, {True: "yes", False: "no", None: "-"}[fused], ms, flops / ms / 1e9))
+            ms = median_ms(fwd_bwd, args.iters)
+            graph_ms = _time_graph_ms(fwd_bwd, args.iters) if args.graph else float("nan")
+            fused_text = {True: "yes", False: "no", None: "-"}[fused]
+            results.append((rows, D, F, E, backend, fused_text, ms, flops / ms / 1e9, graph_ms, flops / graph_ms / 1e9))
             if args.profile and backend == "torch":
                 _print_top_kernels(fwd_bwd, f"rows={rows} D={D} F={F} E={E} torch, fused kernels {fused}")
             del fwd_bwd
@@ -118,9 +129,11 @@ def main():
         "swiglu x prob, equal splits, no permute"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; expert MLP fwd+bwd, bf16, {what}; "
           f"median of {args.iters}")
-    print(f"{'rows':>7s} {'D':>5s} {'F':>5s} {'E':>3s} {'backend':>8s} {'fused':>5s} {'ms':>8s} {'TFLOP/s':>8s}")
-    for rows, D, F, E, backend, fused, ms, tflops in results:
-        print(f"{rows:7d} {D:5d} {F:5d} {E:3d} {backend:>8s} {fused:>5s} {ms:8.2f} {tflops:8.1f}")
+    head = f"{'rows':>7s} {'D':>5s} {'F':>5s} {'E':>3s} {'backend':>8s} {'fused':>5s} {'ms':>8s} {'TFLOP/s':>8s}"
+    print(head + (f" {'graph ms':>9s} {'TFLOP/s':>8s}" if args.graph else ""))
+    for rows, D, F, E, backend, fused, ms, tflops, graph_ms, graph_tflops in results:
+        graphed = f" {graph_ms:9.2f} {graph_tflops:8.1f}" if args.graph else ""
+        print(f"{rows:7d} {D:5d} {F:5d} {E:3d} {backend:>8s} {fused:>5s} {ms:8.2f} {tflops:8.1f}{graphed}")
 
 
 if __name__ == "__main__":

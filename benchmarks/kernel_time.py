@@ -1,6 +1,27 @@
-"""Kernel intervals from a CUDA profile: how much communication ran with no compute beside it."""
+"""Kernel intervals from a CUDA profile: how much communication ran with no compute beside it;
+and ``median_ms``, a call's GPU time by CUDA events."""
 
 from __future__ import annotations
+
+import statistics
+
+
+def median_ms(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` between two CUDA events, each call after the last
+    one finished (``warmup`` calls first)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def union(intervals):
