@@ -349,53 +349,65 @@ def te_seed_scenario(rank, world, device="cuda"):
 GRAPH_MODES = {"eager": None, "attn": ("attn",), "router": ("router",), "attn+router": ("attn", "router"),
                "attn+router+dispatch": ("attn", "router", "dispatch"),
                "attn+router+experts": ("attn", "router", "experts"),
-               "every scope": ("attn", "router", "dispatch", "experts"), "step": "step"}
+               "every scope": ("attn", "router", "dispatch", "experts"), "step": "step",
+               "train step": "train step"}  # the step and the update as one graph (GraphedTrainStep)
 
 
 def graphed_losses(plan: fmoe.Plan, tokens: torch.Tensor, modes=tuple(GRAPH_MODES), steps: int = 5) -> dict:
     """``{mode: losses over steps}`` of step + AdamW + expert-bias update, eager or with
     CUDA graphs (``GRAPH_MODES``); every mode starts from the same params. A graphed scope
     that ran its kernel instead of a graph (``NotGraphed``) fails the run."""
-    from interop.cuda_graph import NotGraphed, capture_scopes, capture_step
+    from interop.cuda_graph import NotGraphed
 
     batch = {"tokens": tokens}
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("error", NotGraphed)
         for mode in modes:
-            out[mode] = _graphed_run(plan, batch, GRAPH_MODES[mode], steps, capture_scopes, capture_step)
+            out[mode] = _graphed_run(plan, batch, GRAPH_MODES[mode], steps)
     return out
 
 
-def _graphed_run(plan, batch, scopes, steps, capture_scopes, capture_step) -> torch.Tensor:
+def _graphed_run(plan, batch, scopes, steps) -> torch.Tensor:
     """One mode of ``graphed_losses``: its losses over ``steps``."""
+    from interop.cuda_graph import GraphedTrainStep, capture_scopes, capture_step
+
     params = fmoe.init(plan, seed=0)
     opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, plan=plan)
     state = opt.init(params)
-    if scopes == "step":
-        run = capture_step(params, batch, plan)
+
+    def update(res, params, state):
+        params, state = opt.update(res.grads, state, params)
+        return fmoe.update_expert_bias(params, res.metrics["expert_counts"], plan.model.expert_bias_rate), state
+    if scopes == "train step":
+        train_step = GraphedTrainStep(plan, update)
     else:
-        kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
-        run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
+        if scopes == "step":
+            run = capture_step(params, batch, plan)
+        else:
+            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
+            run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
+
+        def train_step(params, state, batch):
+            res = run(params, batch)
+            return (res, *update(res, params, state))
     losses = []
     for _ in range(steps):
-        res = run(params, batch)
+        res, params, state = train_step(params, state, batch)
         losses.append(res.loss.clone())
-        params, state = opt.update(res.grads, state, params)
-        params = fmoe.update_expert_bias(params, res.metrics["expert_counts"], plan.model.expert_bias_rate)
     return torch.stack(losses).cpu()
 
 
 # name: (plan settings, world, graph modes)
 GRAPH_MESHES = {
-    "dp2-zero3": (dict(dp=2, sharding="optim_grads_params"), 2, ("eager", "attn", "attn+router", "step")),
+    "dp2-zero3": (dict(dp=2, sharding="optim_grads_params"), 2, ("eager", "attn", "attn+router", "step", "train step")),
     "ep2-capacity": (dict(ep=2, sharding="optim_grads_params", capacity_factor=1.5), 2,
-                     ("eager", "attn", "attn+router", "every scope", "step")),
+                     ("eager", "attn", "attn+router", "every scope", "step", "train step")),
     "ep2-dropless": (dict(ep=2, sharding="optim_grads_params"), 2, ("eager", "router", "attn+router+dispatch")),
     "ep2-tokens": (dict(ep=2, sharding="optim_grads_params", ep_exchange="tokens"), 2,
                    ("eager", "attn+router+dispatch")),
     "tp2": (dict(tp=2, sharding="optim_grads_params"), 2,
-            ("eager", "attn", "router", "attn+router+dispatch", "every scope", "step")),
+            ("eager", "attn", "router", "attn+router+dispatch", "every scope", "step", "train step")),
     "ep2-tp2-etp2-capacity": (dict(ep=2, tp=2, etp=2, sharding="optim_grads_params", capacity_factor=1.5), 4,
                               ("eager", "attn", "router", "attn+router+dispatch", "every scope")),
 }
