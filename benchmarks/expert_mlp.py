@@ -28,6 +28,7 @@ import torch
 
 import fmoe
 from fmoe.layers import expert_mlp, fused_kernels_available, make_dispatch, permute, unpermute
+from interop.graph_capture import warm_up
 from kernel_time import median_ms
 
 SHAPES = [(65536, 2048, 1408, 16), (262144, 4096, 1536, 32)]  # rows, D, F, E
@@ -37,12 +38,7 @@ TOPK = {16: 4, 32: 8}  # issue 9's shapes: T=16384 top-4, T=32768 top-8
 def _time_graph_ms(fn, iters: int) -> float:
     """``fn`` captured once (after warm-up on a side stream) and timed as replays: the
     GPU's time alone, without the host's launch gaps, as inside a graphed step."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up(fn, 3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         fn()

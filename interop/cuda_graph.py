@@ -195,14 +195,10 @@ class GraphedTrainStep:
         return out, self.graphed.static_params, self.static_state
 
     def _eager(self, params, opt_state, batch):
-        # on a side stream, as the capture runs: lazy state is made where it will be used
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        def one_step():  # on a side stream, as the capture runs: lazy state is made where it is used
             out = fmoe.step(params, batch, self.plan)
-            params, opt_state = self.update(out, params, opt_state)
-        torch.cuda.current_stream().wait_stream(side)
-        return out, params, opt_state
+            return (out, *self.update(out, params, opt_state))
+        return warm_up(one_step, 1)
 
     def _capture(self, params, opt_state, batch):
         prepared = _own_batch(prepare_step(params, batch, self.plan))

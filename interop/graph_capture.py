@@ -11,16 +11,28 @@ import optree
 import torch
 
 
-def warm_up(run, iters: int) -> None:
+def warm_up(run, iters: int):
+    """``run()`` ``iters`` times on a side stream, then synchronised; returns the last
+    call's result."""
     # Lazy initialisation (cuBLAS handles, NCCL communicators, allocator pools) must
     # happen outside the capture, on a side stream as capture itself uses.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    result = None
     with torch.cuda.stream(side):
         for _ in range(iters):
-            run()
+            result = run()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    return result
+
+
+def _copy_in(statics, tensors) -> None:
+    """Copy each of ``tensors`` into its static input unless it already is that tensor."""
+    with torch.no_grad():
+        for static, new in zip(statics, tensors):
+            if static.data_ptr() != new.data_ptr():
+                static.copy_(new)
 
 
 class _Replay(torch.autograd.Function):
@@ -30,10 +42,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pair: _GraphPair, *inputs):
         ctx.pair = pair
-        with torch.no_grad():
-            for static, new in zip(pair.inputs, inputs):
-                if static.data_ptr() != new.data_ptr():
-                    static.copy_(new)
+        _copy_in(pair.inputs, inputs)
         pair.forward_graph.replay()
         return tuple(o.detach() for o in pair.outputs)
 
@@ -119,10 +128,7 @@ def graph_forward(fn, inputs: tuple, warmup: int = 3):
             output = fn(*inputs)
 
     def call(*tensors):
-        with torch.no_grad():
-            for static, new in zip(inputs, tensors):
-                if static.data_ptr() != new.data_ptr():
-                    static.copy_(new)
+        _copy_in(inputs, tensors)
         graph.replay()
         return output
 
