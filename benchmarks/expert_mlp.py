@@ -28,23 +28,10 @@ import torch
 
 import fmoe
 from fmoe.layers import expert_mlp, fused_kernels_available, make_dispatch, permute, unpermute
-from interop.graph_capture import warm_up
-from kernel_time import median_ms
+from kernel_time import graph_median_ms, median_ms
 
 SHAPES = [(65536, 2048, 1408, 16), (262144, 4096, 1536, 32)]  # rows, D, F, E
 TOPK = {16: 4, 32: 8}  # issue 9's shapes: T=16384 top-4, T=32768 top-8
-
-
-def _time_graph_ms(fn, iters: int) -> float:
-    """``fn`` captured once (after warm-up on a side stream) and timed as replays: the
-    GPU's time alone, without the host's launch gaps, as inside a graphed step."""
-    warm_up(fn, 3)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    ms = median_ms(graph.replay, iters)
-    del graph
-    return ms
 
 
 def _print_top_kernels(fn, title: str, top: int = 24) -> None:
@@ -113,7 +100,7 @@ def main():
                     y = expert_mlp(p, x, fixed, cfg, probs, backend)
                 torch.autograd.grad(y, [x, probs, p["fc1"], p["fc2"]], grad_y)
             ms = median_ms(fwd_bwd, args.iters)
-            graph_ms = _time_graph_ms(fwd_bwd, args.iters) if args.graph else float("nan")
+            graph_ms = graph_median_ms(fwd_bwd, args.iters) if args.graph else float("nan")
             fused_text = {True: "yes", False: "no", None: "-"}[fused]
             results.append((rows, D, F, E, backend, fused_text, ms, flops / ms / 1e9, graph_ms, flops / graph_ms / 1e9))
             if args.profile and backend == "torch":

@@ -1,5 +1,6 @@
 """Kernel intervals from a CUDA profile: how much communication ran with no compute beside it;
-and ``median_ms``, a call's GPU time by CUDA events."""
+``median_ms``, a call's GPU time by CUDA events, and ``graph_median_ms``, the same replayed
+from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -22,6 +23,22 @@ def median_ms(fn, iters: int, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_median_ms(fn, iters: int) -> float:
+    """``median_ms`` of ``fn`` captured once (after warm-up on a side stream) and replayed:
+    the GPU's time alone, without the host's launch gaps, as inside a graphed step."""
+    import torch
+
+    from interop.graph_capture import warm_up
+
+    warm_up(fn, 3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    ms = median_ms(graph.replay, iters)
+    del graph
+    return ms
 
 
 def union(intervals):
