@@ -2,15 +2,19 @@
 
 Workers use one intra-op thread each (bitwise-repeatable CPU kernels), send their
 results as bytes (tensors in shared memory vanish when a worker exits), and a
-worker that dies without reporting fails the run at once.
+worker that dies without reporting fails the run at once. gloo ranks stay alive
+between runs of one world size (see ``run_ranks``).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -26,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _report(rank, world, fn, args, results) -> None:
+    """Run ``fn`` and put ``(rank, ok, bytes or traceback)`` on ``results``."""
+    try:
+        value = fn(rank, world, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
 def _worker(rank, world, port, backend, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -34,10 +49,7 @@ def _worker(rank, world, port, backend, fn, args, results):
             torch.cuda.set_device(rank)
             torch.use_deterministic_algorithms(True)
         dist.init_process_group(backend, rank=rank, world_size=world)
-        value = fn(rank, world, *args)
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        results.put((rank, True, buf.getvalue()))
+        _report(rank, world, fn, args, results)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -45,12 +57,107 @@ def _worker(rank, world, port, backend, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600.0) -> list:
-    """``[fn(rank, world, *args) for each rank]``, each in its own process.
+def _pool_worker(rank, world, port, tasks, results):
+    # A gloo rank that runs one function after another, each from the state a fresh
+    # process starts a run in: the same seed, environment and no compiled code.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seed, environ = torch.initial_seed(), dict(os.environ)
+    try:
+        for fn, args in iter(tasks.get, None):
+            torch.manual_seed(seed)
+            _report(rank, world, fn, args, results)
+            os.environ.clear()
+            os.environ.update(environ)
+            if "torch._dynamo" in sys.modules:
+                torch._dynamo.reset()
+            gc.collect()
+    finally:
+        dist.destroy_process_group()
 
-    ``backend="nccl"`` gives rank r GPU r, with deterministic algorithms on (the
-    caller sets ``CUBLAS_WORKSPACE_CONFIG`` and ``NCCL_ALGO`` for bitwise runs).
+
+def _collect(procs, results, world: int, timeout: float) -> list:
+    """Each rank's result from ``results``; raises at the first failure, a rank that died
+    or ``timeout`` seconds."""
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < world:
+        try:
+            rank, ok, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
+            if dead:
+                raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes "
+                                   f"{[procs[i].exitcode for i in dead]})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not report in {timeout}s")
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return [got[r] for r in range(world)]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+
+
+class _Pool:
+    """``world`` gloo ranks kept between runs. Starting ranks costs 3-5 s for two and
+    ~13 s for four on 2 cores (spawning, importing torch and fmoe), most of a small
+    run; the suite starts ranks dozens of times."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.results = world, ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.tasks[r], self.results),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout: float) -> list:
+        for tasks in self.tasks:
+            tasks.put((fn, args))
+        return _collect(self.procs, self.results, self.world, timeout)
+
+    def close(self) -> None:
+        for tasks in self.tasks:
+            tasks.put(None)
+        _stop(self.procs)
+
+
+_POOLS: dict[int, _Pool] = {}
+FRESH_RANKS = os.environ.get("FMOE_TEST_FRESH_RANKS") == "1"  # every run in new processes (to rule the pool out)
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600.0) -> list:
+    """``[fn(rank, world, *args) for each rank]``, each rank in its own process.
+
+    gloo ranks are kept between runs of the same ``world`` (``_Pool``), each run starting
+    from a fresh process's seed and environment; a run that fails or times out ends its
+    ranks, so the next one starts new processes (``FMOE_TEST_FRESH_RANKS=1``: every run).
+    ``backend="nccl"`` starts new processes per run and gives rank r GPU r, with
+    deterministic algorithms on (the caller sets ``CUBLAS_WORKSPACE_CONFIG`` and
+    ``NCCL_ALGO`` for bitwise runs).
     """
+    if backend == "gloo" and not FRESH_RANKS:
+        pool = _POOLS.get(world) or _POOLS.setdefault(world, _Pool(world))
+        try:
+            return pool.run(fn, args, timeout)
+        except BaseException:
+            _POOLS.pop(world).close()
+            raise
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -58,28 +165,10 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600
              for r in range(world)]
     for p in procs:
         p.start()
-    got, deadline = {}, time.monotonic() + timeout
     try:
-        while len(got) < world:
-            try:
-                rank, ok, payload = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in got]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes "
-                                       f"{[procs[i].exitcode for i in dead]})")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not report in {timeout}s")
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            got[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        return _collect(procs, results, world, timeout)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    return [got[r] for r in range(world)]
+        _stop(procs)
 
 
 def _each_case(rank, world, fn, cases):
@@ -88,6 +177,6 @@ def _each_case(rank, world, fn, cases):
 
 def run_cases(world: int, fn, cases, backend: str = "gloo") -> list:
     """``[{case: fn(rank, world, *case) for case in cases} for each rank]``: every case in
-    one start of the ranks (a start costs ~3 s for 2 processes, ~12 s for 8 on 2 cores).
+    one run (one start of the ranks where they start anew: nccl, or after a failure).
     Each ``case`` is a tuple of ``fn``'s further arguments."""
     return run_ranks(world, _each_case, fn, tuple(cases), backend=backend)

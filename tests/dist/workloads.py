@@ -35,12 +35,15 @@ def rank_rows(tokens, rank, world):
 
 
 def live_tensor_bytes() -> int:
-    """Bytes of every distinct tensor storage alive in this process."""
+    """Bytes of every distinct tensor storage alive in this process (fake tensors, which
+    a compiled run leaves in its caches, hold none)."""
+    from torch._subclasses.fake_tensor import is_fake
+
     gc.collect()
     seen, total = set(), 0
     with warnings.catch_warnings():  # isinstance() touches deprecated module attributes
         warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and not is_fake(obj)]
     for t in tensors:
         storage = t.untyped_storage()
         if storage.data_ptr() not in seen:
