@@ -59,14 +59,15 @@ def _worker(rank, world, port, backend, fn, args, results):
 
 def _pool_worker(rank, world, port, tasks, results):
     # A gloo rank that runs one function after another, each from the state a fresh
-    # process starts a run in: the same seed, environment and no compiled code.
+    # process starts a run in: its environment, no compiled code, and a seed drawn anew
+    # (torch seeds a new process at random: a run must not depend on the last one's).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    seed, environ = torch.initial_seed(), dict(os.environ)
+    environ = dict(os.environ)
     try:
         for fn, args in iter(tasks.get, None):
-            torch.manual_seed(seed)
+            torch.seed()
             _report(rank, world, fn, args, results)
             os.environ.clear()
             os.environ.update(environ)
@@ -145,7 +146,7 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600
     """``[fn(rank, world, *args) for each rank]``, each rank in its own process.
 
     gloo ranks are kept between runs of the same ``world`` (``_Pool``), each run starting
-    from a fresh process's seed and environment; a run that fails or times out ends its
+    from a fresh process's environment and a new random seed; a run that fails or times out ends its
     ranks, so the next one starts new processes (``FMOE_TEST_FRESH_RANKS=1``: every run).
     ``backend="nccl"`` starts new processes per run and gives rank r GPU r, with
     deterministic algorithms on (the caller sets ``CUBLAS_WORKSPACE_CONFIG`` and
