@@ -146,8 +146,9 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600
     """``[fn(rank, world, *args) for each rank]``, each rank in its own process.
 
     gloo ranks are kept between runs of the same ``world`` (``_Pool``), each run starting
-    from a fresh process's environment and a new random seed; a run that fails or times out ends its
-    ranks, so the next one starts new processes (``FMOE_TEST_FRESH_RANKS=1``: every run).
+    from a fresh process's environment and a new random seed; a run that fails or times
+    out ends its ranks, so the next one starts new processes (``FMOE_TEST_FRESH_RANKS=1``:
+    every run).
     ``backend="nccl"`` starts new processes per run and gives rank r GPU r, with
     deterministic algorithms on (the caller sets ``CUBLAS_WORKSPACE_CONFIG`` and
     ``NCCL_ALGO`` for bitwise runs).
