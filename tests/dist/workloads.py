@@ -520,11 +520,11 @@ COMPILE_CASES = {
 }
 
 
-def compiled_configs(rank, world, dp, ep):
+def compiled_configs(rank, world, dp, ep, device="cpu"):
     """``{(case, compile): train(...)}``: each case eager and with ``Plan.compile``, 2 microbatches."""
-    tokens = rank_rows(global_batch(), rank, world)
-    return {(case, compiled): train(fmoe.Plan(model=CFG, dp=dp, ep=ep, microbatches=2, compile=compiled, **kw),
-                                    tokens, steps=2)
+    tokens = rank_rows(global_batch(), rank, world).to(device)
+    return {(case, compiled): train(fmoe.Plan(model=CFG, dp=dp, ep=ep, microbatches=2, compile=compiled,
+                                              device=device, **kw), tokens, steps=2)
             for case, kw in COMPILE_CASES.items() for compiled in (False, True)}
 
 
