@@ -8,7 +8,9 @@
 (``fmoe.hf``). Text is tokenized with ``--tokenizer`` (a ``tokenizer.json``), else
 with the tokenizer the checkpoint's run recorded (kept in its run folder and checked by
 content; a ``tokenizer.json`` that merely lies nearby is never taken) or a Hugging Face
-directory's own, else as UTF-8 bytes (a vocabulary of 256 or less).
+directory's own, else as UTF-8 bytes (a vocabulary of 256 or less). A ``--tokenizer``
+that is not the checkpoint's own (by content: ``fmoe.data.tokenizer_match``) gets a
+one-line warning on stderr: the model would read ids it was not trained on.
 
 The model runs one token at a time after the prompt, reading keys and values of the
 earlier positions from a cache instead of recomputing them (linear, not quadratic,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -233,6 +236,23 @@ def checkpoint_tokenizer(checkpoint) -> Path | None:
     return None
 
 
+def foreign_tokenizer(tokenizer, checkpoint) -> str | None:
+    """The warning ``python -m fmoe.generate`` prints when ``--tokenizer`` is not the
+    checkpoint's own tokenizer (``checkpoint_tokenizer``; the same content digest), or
+    None when it is, or when the checkpoint names none to compare with."""
+    from .data.tokenizer_match import describe, same_tokenizer, tokenizer_digest
+
+    try:
+        own = checkpoint_tokenizer(checkpoint)
+    except ValueError:  # no tokenizer of its own on record: --tokenizer is the only one there is
+        return None
+    if same_tokenizer(tokenizer, own):
+        return None
+    theirs = " (its ids are UTF-8 bytes)" if own is None else f", {describe(own, tokenizer_digest(own))}"
+    return (f"fmoe.generate: warning: --tokenizer {describe(tokenizer, tokenizer_digest(tokenizer))} is not "
+            f"{checkpoint}'s own tokenizer{theirs}; the model reads ids it was not trained on")
+
+
 class Loaded(NamedTuple):
     params: dict
     cfg: ModelConfig
@@ -284,6 +304,8 @@ def main(argv=None) -> str:
             raise ValueError(f"--device={args.device!r}, but CUDA is not available here (allowed: cpu)")
         checkpoint = Path(args.checkpoint)
         tokenizer = load_tokenizer(args.tokenizer or checkpoint_tokenizer(checkpoint))
+        if args.tokenizer and (warning := foreign_tokenizer(args.tokenizer, checkpoint)):
+            print(warning, file=sys.stderr)
         prompt = torch.tensor([tokenizer.encode(args.prompt)], device=args.device)
         if prompt.numel() == 0:
             raise ValueError("generate: --prompt is empty")

@@ -319,6 +319,12 @@ BAD_LINES = [
     ('{"messages": "hi"}', "'messages' must be a list"),
     ('{"messages": ["hi"]}', "messages[0] must be an object with 'role' and 'content'"),
     (r'{"prompt": "a\ud800", "completion": "b"}', "'\\ud800' is not a character (a lone surrogate"),
+    # both forms on one line: neither is taken silently
+    ('{"messages": [{"role": "user", "content": "hi"}], "prompt": "p", "completion": "c"}',
+     "the line has both 'messages' and 'prompt'/'completion'; a chat line holds either 'messages' or 'prompt' and "
+     "'completion', not both"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "completion": "c"}',
+     "the line has both 'messages' and 'completion'; a chat line holds"),
 ]
 
 
@@ -350,7 +356,9 @@ def test_tokenizers_without_the_special_tokens_the_template_needs(tmp_path):
         ({"chat_template": CHATML}, ("<|im_start|>",), None, "'<|im_end|>' (written by the chat_template of"),
         # the template writes eos_token, which nothing sets
         ({"chat_template": "{{ messages[0]['content'] + eos_token }}"}, (), None,
-         "writes eos_token, which it does not set (or pass --eos TOKEN)"),
+         "writes eos_token, which /"),
+        ({"chat_template": "{{ messages[0]['content'] + eos_token }}"}, (), None,
+         "/tokenizer_config.json does not set (or pass --eos TOKEN)"),
         ({"chat_template": "{{ bos_token + messages[0]['content'] }}", "bos_token": "<s>"}, (), None,
          "'<s>' (bos_token of"),
         # the plain template needs an end-of-sequence token
@@ -434,7 +442,8 @@ def test_cli_prints_the_summary_and_fails_with_one_line(tmp_path, chatml_tok):
     content = round(meta["packed"]["packing_efficiency"] * meta["tokens"])
     assert ok.stdout.startswith(f"fmoe.data: 4 conversations (0 split, 0 truncated), {content:,} tokens in "
                                 f"{meta['packed']['rows']} rows of 128, ")
-    assert ok.stdout.endswith(f"% -> {tmp_path / 'out'}\n") and "trained on, packing " in ok.stdout
+    assert ok.stdout.endswith(f"%, template {path.parent.resolve() / 'tokenizer_config.json'} -> {tmp_path / 'out'}\n")
+    assert "trained on, packing " in ok.stdout
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
     bad = cli("--chat", tmp_path / "bad.jsonl", "--seq", 8, "--out", tmp_path / "o2", "--quiet")
     assert bad.returncode == 1 and bad.stderr == (f"fmoe.data: {tmp_path / 'bad.jsonl'}:1: messages[0] has role "

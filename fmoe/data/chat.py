@@ -5,16 +5,17 @@
 Input: one conversation per line of each ``.jsonl`` file (directories: their ``*.jsonl``,
 recursively, sorted), either ``{"messages": [{"role": "system" | "user" | "assistant",
 "content": "..."}, ...]}`` or ``{"prompt": "...", "completion": "..."}`` (one user turn,
-then one assistant turn). Other keys are passed to the template untouched; blank lines
-are skipped.
+then one assistant turn); a line with both ``messages`` and ``prompt``/``completion`` is
+refused. Other keys are passed to the template untouched; blank lines are skipped.
 
-Template: when the tokenizer's folder holds a ``tokenizer_config.json`` with a
-``chat_template`` (a string, or a list of ``{"name", "template"}`` of which the one named
-``"default"`` is taken), conversations are rendered with it as Hugging Face's
-``apply_chat_template`` does (jinja2's sandbox, ``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``, ``tojson``; the variables ``messages``, ``bos_token``,
-``eos_token`` (``--eos`` overrides the config's), ``add_generation_prompt``). Otherwise
-the plain template renders each message as::
+Template: when the tokenizer's folder holds a ``chat_template.jinja`` (as transformers
+>= 4.50 saves it; it wins over the config's, as in transformers), or a
+``tokenizer_config.json`` with a ``chat_template`` (a string, or a list of ``{"name",
+"template"}`` of which the one named ``"default"`` is taken), conversations are
+rendered with it as Hugging Face's ``apply_chat_template`` does (jinja2's sandbox,
+``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``; the variables
+``messages``, ``bos_token``, ``eos_token`` (``--eos`` overrides the config's),
+``add_generation_prompt``). Otherwise the plain template renders each message as::
 
     <|{role}|>\\n{content}\\n                  (system and user)
     <|assistant|>\\n{content}{EOS}\\n           (assistant)
@@ -54,11 +55,13 @@ Output directory (written beside ``--out`` and renamed into place when complete)
   target ``j`` of a row (the token at ``j + 1``) counts iff ``loss_mask[j + 1] == 1``;
 - ``segments.bin``: ``uint32``, one per id: its document's number within its row,
   non-decreasing along a row;
-- ``tokenizer.json`` (and ``tokenizer_config.json``, when there is one), copied;
+- ``tokenizer.json`` (and ``tokenizer_config.json`` and ``chat_template.jinja``, when
+  there are), copied;
 - ``meta.json``: the keys of ``fmoe.data.tokens``' format, with ``documents`` the
   conversations read, plus ``"packed": {"row_tokens", "rows", "conversations",
   "trained_tokens", "split", "truncated", "template": "tokenizer" | "plain",
-  "train_on", "packing_efficiency"}`` (the fraction of positions that are not padding).
+  "template_file" (the file the template was read from, or null), "train_on",
+  "packing_efficiency"}`` (the fraction of positions that are not padding).
 """
 
 from __future__ import annotations
@@ -77,11 +80,12 @@ import numpy as np
 from tqdm import tqdm
 
 from ..checkpoint.files import swap_into_place, write_atomically
-from .chat_template import CONFIG, Template, describe_kind, load_template, message_starts, render_conversation, \
-    single_token
+from .chat_template import CONFIG, JINJA, Template, describe_kind, load_template, message_starts, \
+    render_conversation, single_token
 from .encoding import IN_FLIGHT, find_inputs, open_tokenizer
 from .format import FORMAT, VERSION, check_out, temporary_sibling, token_dtype
 from .packing import OPEN_ROWS, Packer, split_points
+from .tokenizer_match import tokenized_with
 
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "all")
@@ -105,6 +109,10 @@ def parse_conversation(line: str, where: str) -> list[dict]:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: a chat line must be a JSON object with 'messages' (or 'prompt' and "
                          f"'completion'), not a {type(row).__name__}")
+    both = [key for key in ("prompt", "completion") if key in row]
+    if "messages" in row and both:
+        raise ValueError(f"{where}: the line has both 'messages' and {'/'.join(map(repr, both))}; a chat line holds "
+                         "either 'messages' or 'prompt' and 'completion', not both")
     if "messages" not in row:
         if "prompt" not in row and "completion" not in row:
             raise ValueError(f"{where}: no 'messages' (nor 'prompt' and 'completion'); the line's keys are "
@@ -396,16 +404,18 @@ def prepare_chat(inputs, out, seq: int | None, tokenizer=None, eos: str | None =
                              f"{', '.join(map(str, inputs))})")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-            if (tokenizer.parent / CONFIG).is_file():
-                shutil.copyfile(tokenizer.parent / CONFIG, tmp / CONFIG)
+            for name in (CONFIG, JINJA):
+                if (tokenizer.parent / name).is_file():
+                    shutil.copyfile(tokenizer.parent / name, tmp / name)
         positions = packer.closed * row_tokens
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab": vocab, "tokens": positions,
                 "max_id": packer.max_id, "documents": counts.conversations,
-                "tokenizer": "tokenizer.json" if tokenizer is not None else None, "eos_id": eos_id,
+                "tokenizer": "tokenizer.json" if tokenizer is not None else None,
+                "tokenized_with": tokenized_with(tokenizer), "eos_id": eos_id,
                 "sources": [str(Path(p).resolve()) for p in inputs], "files": len(files),
                 "packed": {"row_tokens": row_tokens, "rows": packer.closed, "conversations": counts.conversations,
                            "trained_tokens": packer.trained, "split": counts.split, "truncated": counts.truncated,
-                           "template": template.name, "train_on": train_on,
+                           "template": template.name, "template_file": template.file, "train_on": train_on,
                            "packing_efficiency": packer.content / positions}}
         write_atomically(json.dumps(meta, indent=1), tmp / "meta.json")
         swap_into_place(tmp, out)
@@ -419,6 +429,7 @@ def summary(meta: dict, out) -> str:
     packed = meta["packed"]
     content = round(packed["packing_efficiency"] * meta["tokens"])
     trained = packed["trained_tokens"] / content if content else 0.0
+    template = f"template {packed['template_file']}" if packed.get("template_file") else "the plain template"
     return (f"fmoe.data: {packed['conversations']} conversations ({packed['split']} split, {packed['truncated']} "
             f"truncated), {content:,} tokens in {packed['rows']} rows of {packed['row_tokens']}, "
-            f"{trained:.1%} trained on, packing {packed['packing_efficiency']:.1%} -> {out}")
+            f"{trained:.1%} trained on, packing {packed['packing_efficiency']:.1%}, {template} -> {out}")

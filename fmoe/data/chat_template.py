@@ -14,6 +14,9 @@ from typing import Callable, NamedTuple
 from .encoding import EOS_CANDIDATES
 
 CONFIG = "tokenizer_config.json"
+# where transformers >= 4.50 saves a tokenizer's (default) chat template, beside
+# tokenizer.json; it wins over the config's "chat_template", as in transformers
+JINJA = "chat_template.jinja"
 PLAIN_GENERATION_PROMPT = "<|assistant|>\n"
 # a token a chat template writes as literal text, such as ChatML's <|im_start|>: the
 # tokenizer must hold it as one token, or every turn silently becomes ordinary text
@@ -35,6 +38,8 @@ class Template(NamedTuple):
         direct: for the plain template, ``messages -> (text, assistant spans, message
             starts)`` in one pass: what incremental rendering finds, without re-rendering.
         source: where the template comes from, for error messages.
+        file: the file it was read from (``chat_template.jinja`` or
+            ``tokenizer_config.json``), or None for the plain template.
     """
 
     name: str
@@ -42,6 +47,7 @@ class Template(NamedTuple):
     eos: str | None
     direct: Callable[[list[dict]], tuple[str, list[tuple[int, int]], list[int]]] | None = None
     source: str = "the plain chat template"
+    file: str | None = None
 
 
 def plain_render(messages: list[dict], add_generation_prompt: bool, eos: str = "") -> str:
@@ -172,7 +178,8 @@ def load_template(tokenizer: Path | None, tok, eos: str | None) -> Template:
     checked against ``tok``.
 
     Arguments:
-        tokenizer: the ``tokenizer.json`` (its folder may hold ``tokenizer_config.json``),
+        tokenizer: the ``tokenizer.json`` (its folder may hold ``tokenizer_config.json``
+            and ``chat_template.jinja``, which wins over the config's ``chat_template``),
             or None for UTF-8 bytes.
         tok: the ``tokenizers.Tokenizer`` read from it (None for bytes).
         eos: ``--eos``: overrides the config's ``eos_token`` (``""``: none).
@@ -181,10 +188,11 @@ def load_template(tokenizer: Path | None, tok, eos: str | None) -> Template:
         if eos:
             raise ValueError(f"--eos {eos!r} names a token of a tokenizer; byte-level data has none")
         return plain_template(None)
-    config_path = Path(tokenizer).parent / CONFIG
+    config_path, jinja = Path(tokenizer).parent / CONFIG, Path(tokenizer).parent / JINJA
     config = _read_config(config_path) if config_path.is_file() else {}
     eos_text = (eos or None) if eos is not None else _token_text(config.get("eos_token"))
-    source = _chat_template_source(config, config_path)
+    source, origin = (_read_jinja(jinja), jinja) if jinja.is_file() else \
+        (_chat_template_source(config, config_path), config_path)
     if source is None:
         if eos_text is None:
             have = [c for c in EOS_CANDIDATES if tok.token_to_id(c) is not None]
@@ -197,19 +205,26 @@ def load_template(tokenizer: Path | None, tok, eos: str | None) -> Template:
     variables = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
     variables["eos_token"] = eos_text
     render, used = compile_chat_template(source, {k: v for k, v in variables.items() if v is not None},
-                                         str(config_path))
+                                         str(origin))
     needed = {}
     for name in ("bos_token", "eos_token"):
         if name in used:
             if variables[name] is None:
                 flag = " (or pass --eos TOKEN)" if name == "eos_token" else ""
                 raise ValueError(f"{tokenizer}: a tokenizer without the special tokens the template needs: the "
-                                 f"chat_template of {config_path} writes {name}, which it does not set{flag}")
+                                 f"chat_template of {origin} writes {name}, which {config_path} does not set{flag}")
             needed[variables[name]] = f"{name} of {config_path}"
     for text in sorted(set(_LITERAL_SPECIAL.findall(source))):
-        needed.setdefault(text, f"written by the chat_template of {config_path}")
+        needed.setdefault(text, f"written by the chat_template of {origin}")
     _require_tokens(tok, tokenizer, needed)
-    return Template("tokenizer", render, eos_text, None, f"the chat_template of {config_path}")
+    return Template("tokenizer", render, eos_text, None, f"the chat_template of {origin}", str(origin.resolve()))
+
+
+def _read_jinja(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err})") from None
 
 
 def _render(template: Template, messages: list[dict], add_generation_prompt: bool, where: str) -> str:

@@ -13,7 +13,10 @@ With ``--tokenizer`` (a Hugging Face ``tokenizer.json``; needs the ``tokenizers`
 package) every document is followed by the end-of-document token: ``--eos TOKEN``, by
 default the tokenizer's ``<|endoftext|>``, ``</s>`` or ``<|im_end|>``. Without one
 (byte-level, the default: ids are UTF-8 bytes, vocab 256; or ``--eos ''``) every
-document is followed by a blank line, ``"\\n\\n"``, encoded with it.
+document is followed by a blank line, ``"\\n\\n"``, encoded with it. ``meta.json``'s
+``"tokenized_with"`` records the tokenizer by path and content digest (or ``"bytes"``):
+``python -m fmoe.train --init-from-hf DIR`` refuses a corpus of another tokenizer than
+``DIR/tokenizer.json``.
 
 The corpus is streamed: documents are encoded in batches of a few MB (several at once,
 each spread over the tokenizer's threads, while the next is read) and appended to
@@ -39,6 +42,7 @@ from ..checkpoint.files import swap_into_place, write_atomically
 from .chat import GLOBS as CHAT_GLOBS, prepare_chat, summary
 from .encoding import GLOBS, IN_FLIGHT, SEPARATOR, Encoder, find_inputs, load_encoder
 from .format import FORMAT, VERSION, check_out, temporary_sibling
+from .tokenizer_match import tokenized_with
 
 # a batch is encoded when it holds this many documents or bytes: enough work for
 # encode_batch to spread over its threads, bounded memory, and a progress bar that moves;
@@ -159,7 +163,8 @@ def prepare(inputs, out, tokenizer=None, eos: str | None = None, overwrite: bool
             shutil.copyfile(enc.tokenizer, tmp / "tokenizer.json")
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab": enc.vocab, "tokens": count,
                 "max_id": max_id, "documents": n_docs,
-                "tokenizer": "tokenizer.json" if enc.tokenizer is not None else None, "eos_id": enc.eos_id,
+                "tokenizer": "tokenizer.json" if enc.tokenizer is not None else None,
+                "tokenized_with": tokenized_with(enc.tokenizer), "eos_id": enc.eos_id,
                 "separator": None if enc.eos_id is not None else SEPARATOR,
                 "sources": [str(Path(p).resolve()) for p in inputs], "files": len(files), "globs": list(globs)}
         write_atomically(json.dumps(meta, indent=1), tmp / "meta.json")

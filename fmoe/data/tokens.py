@@ -6,7 +6,9 @@ A corpus directory (written by ``python -m fmoe.data prepare``) holds
   vocabulary fits, else ``uint32`` (as nanoGPT and Megatron store theirs), read
   through ``numpy.memmap`` and never loaded whole;
 - ``meta.json``: ``{"format": "fmoe-tokens", "version": 1, "dtype", "vocab", "tokens",
-  "max_id", "documents", "tokenizer", "eos_id", "sources"}``;
+  "max_id", "documents", "tokenizer", "tokenized_with", "eos_id", "sources"}``
+  (``tokenized_with``: the tokenizer that made the ids, by path and content digest, or
+  ``"bytes"``; see ``fmoe.data.tokenizer_match``; older corpora lack it);
 - ``tokenizer.json`` when a Hugging Face tokenizer made the ids (byte-level otherwise).
 
 A packed corpus (``python -m fmoe.data prepare --chat``: conversations packed into rows
