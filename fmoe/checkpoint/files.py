@@ -35,6 +35,16 @@ def write_atomically(text: str, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def chmod_as_umask(path: Path) -> None:
+    """Give the file ``path`` the mode ``open`` gives a new file under the process's umask
+    (0644 under the usual 022): writers that go through a private temporary file
+    (``tempfile.mkstemp``'s 0600, as safetensors' ``save_file`` does) leave it readable by
+    its owner alone."""
+    umask = os.umask(0o022)  # the only way to read it; set back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def swap_into_place(tmp: Path, path: Path) -> None:
     """Replace ``path`` by the complete directory ``tmp``; the old one is removed last.
 

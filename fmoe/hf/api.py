@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.convert import safetensors_torch
-from ..checkpoint.files import staged_directory, write_atomically
+from ..checkpoint.files import chmod_as_umask, staged_directory, write_atomically
 from ..config import ModelConfig, Plan
 from ..params import named_leaves
 from ..runtime import check_runtime
@@ -189,7 +189,8 @@ def save(directory, params: dict, plan: Plan, dtype: str = "float32", max_shard_
     topk_softmax: GPT-OSS; else ``qk_norm`` head: Qwen3-MoE, full: OLMoE, a gated shared
     expert: Qwen2-MoE, otherwise Mixtral). Weights are written unquantised (no
     ``quantization_config``), whatever the source's were. Atomic: files go
-    to a temporary sibling renamed into place.
+    to a temporary sibling renamed into place, each readable as the umask allows
+    (0644 under the usual 022).
 
     Arguments:
         directory: the output directory (created, or replaced if it holds a config.json).
@@ -265,8 +266,9 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         if self.pending:
-            safetensors_torch("hf").save_file(self.pending, str(self.directory / f"part-{len(self.files)}.safetensors"),
-                      metadata={"format": "pt"})
+            path = self.directory / f"part-{len(self.files)}.safetensors"
+            safetensors_torch("hf").save_file(self.pending, str(path), metadata={"format": "pt"})
+            chmod_as_umask(path)  # safetensors writes through a 0600 temporary file
             self.files.append({k: t.numel() * t.element_size() for k, t in self.pending.items()})
             self.pending = {}
 

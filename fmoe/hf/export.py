@@ -2,15 +2,23 @@
 
     python -m fmoe.hf export runs/mine/checkpoint --out hf/mine             # bf16 safetensors
     python -m fmoe.hf export runs/ft/checkpoint --out hf/ft --source ~/models/Qwen3-30B-A3B
+    python -m fmoe.hf export runs/mine/checkpoint --out hf/mine --overwrite # replace an earlier export
 
 Writes ``config.json`` and safetensors (``fmoe.hf.save``), the tokenizer and a
 ``generation_config.json``, so ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` read the folder. The source Hugging Face directory
 (``--source``; by default the ``init_from_hf`` of the run's ``settings.toml``) gives
-the keys of its ``config.json`` that fmoe did not change, its tokenizer files and its
-generation config; a model trained from scratch gets the ``tokenizer.json`` its run
-recorded (if its corpus had one; checked by content, never a file that merely lies
-beside the checkpoint) and the end-of-text id its checkpoint names.
+the keys of its ``config.json`` that fmoe did not change, its tokenizer files (chat
+template included) and its generation config; it must describe the checkpoint's model
+(same family, same shapes). A model trained from scratch gets the ``tokenizer.json``
+its run recorded (checked by content, never a file that merely lies beside the
+checkpoint) and the end-of-text id its checkpoint names, or, trained on UTF-8 bytes, a
+byte-level ``tokenizer.json`` (``fmoe.hf.export_tokenizer``).
+
+An existing non-empty ``--out`` is refused unless ``--overwrite`` (and then only a
+Hugging Face model folder); the source folder and the checkpoint never. The folder is
+written beside ``--out`` and renamed into place when complete, so a failure or Ctrl-C
+(exit 130) leaves ``--out`` as it was (``fmoe.hf.export_folder``).
 """
 
 from __future__ import annotations
@@ -18,18 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ..checkpoint import load, read_config
 from ..checkpoint.files import write_atomically
-from ..config import Plan
-from ..data import recorded_tokenizer
-from .api import save
+from ..config import ModelConfig, Plan
+from .api import _architecture_diff, _read_config_json, config, save
+from .export_folder import check_out, staged_folder
+from .export_tokenizer import choose_tokenizer
+from .families import family_of
 
-# Files of a Hugging Face tokenizer, copied from the source when it has them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -42,55 +52,97 @@ def run_source(checkpoint: Path) -> Path | None:
     return Path(source) if source else None
 
 
-def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16") -> Path:
-    """Write the fmoe checkpoint ``checkpoint`` as a Hugging Face directory ``out``.
+def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+    """Write the fmoe checkpoint ``checkpoint`` as a Hugging Face directory ``out``,
+    all at once: nothing of it appears in ``out`` until it is complete.
 
     Arguments:
         checkpoint: an fmoe checkpoint (``runs/x/checkpoint``).
-        out: the output directory (created, or replaced if it holds a ``config.json``).
+        out: the output directory: absent or empty, or (``overwrite``) a Hugging Face
+            model folder to replace; never the source nor the checkpoint.
         source: the Hugging Face directory the run started from; None: the run's
             ``init_from_hf`` if its ``settings.toml`` names one.
         tokenizer: a ``tokenizer.json`` to include; None: the source's tokenizer files,
-            else the one the checkpoint's run recorded, if any.
+            else the one the checkpoint's run recorded, else a byte-level one.
         dtype: the weights' dtype in the files, ``bfloat16 | float16 | float32``.
+        overwrite: replace an existing non-empty ``out`` (only once the new folder is complete).
 
     Returns:
         ``out`` as a Path.
 
     Raises:
-        ValueError: naming what cannot be exported (a missing file, a model no
-            Hugging Face family holds, a trained expert bias).
+        ValueError: naming what cannot be exported (``--out`` taken, a missing file, a
+            source of another model, a model no Hugging Face family holds, a trained
+            expert bias), before anything is written.
     """
     checkpoint, out = Path(checkpoint), Path(out)
-    source = Path(source) if source else run_source(checkpoint)
+    named = source is not None
+    source = Path(source) if named else run_source(checkpoint)
+    where = f"--source {source}" + ("" if named else " (the run's init_from_hf)")
     if source is not None and not (source / "config.json").is_file():
-        raise ValueError(f"--source {source}: no config.json (a Hugging Face model directory has one)")
+        raise ValueError(f"{where}: no config.json (a Hugging Face model directory has one)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
+    target = check_out(out, overwrite, {f"the folder the run started from ({source})": source,
+                                        "the checkpoint": checkpoint})
     cfg = read_config(checkpoint)
+    if source is not None:
+        check_source(source, cfg, where)
     plan = Plan(model=cfg)
-    ck = load(checkpoint, plan)
-    tokenizer_files = _tokenizer_files(checkpoint, ck.extra, cfg.vocab, source, tokenizer)  # refused before writing
-    save(out, ck.params, plan, dtype=dtype, source=source)
-    hf_config = json.loads((out / "config.json").read_text())
-    if ck.extra.get("eos_id") is not None and "eos_token_id" not in hf_config:
-        hf_config["eos_token_id"] = ck.extra["eos_id"]  # the corpus's end-of-document id
-        write_atomically(json.dumps(hf_config, indent=2), out / "config.json")
-    for name, path in tokenizer_files.items():
-        shutil.copyfile(path, out / name)
-    _write_generation_config(out, source, hf_config)
+    ck = _load(checkpoint, plan)
+    shipped = choose_tokenizer(checkpoint, ck.extra, cfg.vocab, source, tokenizer, _eos_id(ck.extra, source))
+    with staged_folder(target) as stage:
+        save(stage, ck.params, plan, dtype=dtype, source=source)
+        hf_config = json.loads((stage / "config.json").read_text())
+        if ck.extra.get("eos_id") is not None and "eos_token_id" not in hf_config:
+            hf_config["eos_token_id"] = ck.extra["eos_id"]  # the corpus's end-of-document id
+            write_atomically(json.dumps(hf_config, indent=2), stage / "config.json")
+        shipped.write(stage)
+        _write_generation_config(stage, source, hf_config)
     return out
 
 
-def _tokenizer_files(checkpoint: Path, extra: dict, vocab: int, source: Path | None, tokenizer) -> dict[str, Path]:
-    """The tokenizer to ship, ``{name in out: file}``: ``--tokenizer``, else the
-    source's files, else the one the run recorded (checked by content; none for bytes)."""
-    if tokenizer is not None:
-        return {"tokenizer.json": Path(tokenizer)}
-    found = {name: source / name for name in TOKENIZER_FILES if source is not None and (source / name).is_file()}
-    if not found and (recorded := recorded_tokenizer(checkpoint, extra, vocab)):
-        found = {"tokenizer.json": recorded}
-    return found
+def _load(checkpoint: Path, plan: Plan):
+    """``fmoe.load``; a Ctrl-C that torch's checkpoint reader wrapped (as the failure of
+    its step) raised as itself."""
+    try:
+        return load(checkpoint, plan)
+    except CheckpointException as err:
+        failures = [f[0] if isinstance(f, tuple) else f for f in (getattr(err, "failures", None) or {}).values()]
+        if any(isinstance(f, KeyboardInterrupt) for f in failures):
+            raise KeyboardInterrupt from None
+        raise
+
+
+def check_source(source: Path, cfg: ModelConfig, where: str) -> None:
+    """Refuse a source folder that describes another model than ``cfg`` (its keys would be
+    written over the checkpoint's): another family, or other shapes or features.
+
+    Raises:
+        ValueError: naming ``where`` (the ``--source``) and the first difference, both values.
+    """
+    family = family_of(cfg)
+    theirs = _read_config_json(source).get("model_type")
+    if theirs != family:
+        raise ValueError(f"{where}: its config.json has model_type={theirs!r}, but this checkpoint is written as "
+                         f"{family!r}: pass the --source the run started from, or none")
+    try:
+        diff = _architecture_diff(config(source), cfg)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if diff:
+        raise ValueError(f"{where} describes another model than the checkpoint: its {diff[0]}; pass the --source "
+                         "the run started from, or none")
+
+
+def _eos_id(extra: dict, source: Path | None) -> int | None:
+    """The end-of-document id: the checkpoint's corpus's, else the source config's."""
+    if extra.get("eos_id") is not None:
+        return extra["eos_id"]
+    if source is None:
+        return None
+    eos = _read_config_json(source).get("eos_token_id")
+    return eos if isinstance(eos, int) else None
 
 
 def _write_generation_config(out: Path, source: Path | None, hf_config: dict) -> None:
@@ -102,20 +154,31 @@ def _write_generation_config(out: Path, source: Path | None, hf_config: dict) ->
 
 
 def main(argv=None) -> Path:
+    """``python -m fmoe.hf export ...``: errors exit non-zero with one line on stderr,
+    Ctrl-C with 130 and one line."""
     ap = argparse.ArgumentParser(prog="python -m fmoe.hf", description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="an fmoe checkpoint -> a Hugging Face model directory", allow_abbrev=False)
+    ex = sub.add_parser("export", help="an fmoe checkpoint -> a Hugging Face model directory", allow_abbrev=False,
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ex.add_argument("checkpoint", help="an fmoe checkpoint, e.g. runs/mine/checkpoint")
-    ex.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    ex.add_argument("--out", required=True, help="the Hugging Face directory to write (absent or empty, unless "
+                                                 "--overwrite)")
+    ex.add_argument("--overwrite", action="store_true", help="replace an existing --out that is a Hugging Face model "
+                                                             "folder, once the new one is complete")
     ex.add_argument("--source", default=None, help="the Hugging Face directory the run started from "
                                                    "(default: the run's --init-from-hf, if any)")
-    ex.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the source's, else the run's)")
+    ex.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the source's, else the run's, "
+                                                      "else UTF-8 bytes)")
     ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = ap.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.source, args.tokenizer, args.dtype)
+        out = export(args.checkpoint, args.out, args.source, args.tokenizer, args.dtype, args.overwrite)
     except (ValueError, OSError) as err:
         raise SystemExit(f"fmoe.hf export: {err}") from None
+    except KeyboardInterrupt:  # staged_folder has removed what was written
+        kept = "is as it was" if Path(args.out).exists() else "was not created"
+        print(f"fmoe.hf export: interrupted (Ctrl-C); nothing was written (--out {args.out} {kept})", file=sys.stderr)
+        raise SystemExit(130) from None
     print(f"fmoe.hf export: wrote {out} (" + ", ".join(sorted(p.name for p in out.iterdir())) + ")")
     return out
