@@ -142,39 +142,50 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# skip_nonfinite: apply_if_finite around the chain (3), or the default's record in Adam's state (None)
+SKIPS = pytest.mark.parametrize("skips", [3, None], ids=["max_skips", "default"])
+
+
+def finite_record(state) -> ApplyIfFiniteState:
+    return state if isinstance(state, ApplyIfFiniteState) else state["adam"].skips
+
+
+@SKIPS
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["noclip", "clip"])
 @FUSED
-def test_an_update_reads_no_value_back_to_the_host(fused):
-    opt = make(fused, clip=0.5)
+def test_an_update_reads_no_value_back_to_the_host(fused, clip, skips):
+    opt = make(fused, clip, skips)
     params = tree(0)
     state = opt.init(params)
     with _HostReads() as reads:
         for g in (tree(1), poisoned(tree(2), NAN), tree(3)):
             params, state = opt.update(g, state, params)
-        bool(state.last_finite)  # the probe sees this one read, so it would see one in the update
+        bool(finite_record(state).last_finite)  # the probe sees this one read, so it would see one in the update
     assert reads.seen == ["aten._local_scalar_dense.default"]
     # Meta tensors have no values at all: .tolist(), .cpu() or .item() raise on them.
     meta = optree.tree_map(lambda t: t.to("meta"), tree(0))
     opt = fmoe.adamw(lr=1e-2 if fused else fmoe.warmup_cosine(1e-2, 2, 10),  # no meta kernel for a tensor lr
-                     max_grad_norm=0.5, fused=fused, skip_nonfinite=3)
+                     max_grad_norm=clip, fused=fused, skip_nonfinite=skips)
     opt.update(meta, opt.init(meta), meta)
 
 
+@SKIPS
 @pytest.mark.parametrize("fused,clip", [(False, 0.5), (True, 0.5), (False, None), (True, None)])
-def test_the_norm_is_computed_once_per_step(monkeypatch, fused, clip):
+def test_the_norm_is_computed_once_per_step(monkeypatch, fused, clip, skips):
     calls = []
 
     def counting(tree, plan=None, _real=fmoe.optim.transforms.global_norm):
         calls.append(1)
         return _real(tree, plan)
 
-    for module in (fmoe.optim.transforms, fmoe.optim.fused):
+    for module in (fmoe.optim.transforms, fmoe.optim.fused, fmoe.optim.nonfinite):
         monkeypatch.setattr(module, "global_norm", counting)
-    opt = make(fused, clip)
+    opt = make(fused, clip, skips)
     params = tree(0)
     state = opt.init(params)
     for g in (tree(1), poisoned(tree(2), NAN)):
         params, state = opt.update(g, state, params)
-    assert len(calls) == 2
+    assert len(calls) == 2 and counts(state) == [1, 1]
 
 
 def test_apply_if_finite_wraps_any_transform_and_its_state_checkpoints_and_resumes(tmp_path):
@@ -193,7 +204,14 @@ def test_apply_if_finite_wraps_any_transform_and_its_state_checkpoints_and_resum
     assert_bitwise(opt.update(grads, loaded.opt_state, loaded.params), opt.update(grads, state, params))
 
 
-def _rank_skips(rank, world):
+def _without_record(state):
+    """The state less its record of skipped steps (what a skipped step keeps bit for bit)."""
+    if isinstance(state, ApplyIfFiniteState):
+        return state.inner_state
+    return dict(state, adam=state["adam"]._replace(skips=None))
+
+
+def _rank_skips(rank, world, skips):
     plan = fmoe.Plan(model=fmoe.ModelConfig(vocab=32, dim=32, heads=2, experts=4, ffn=16), dp=world,
                      sharding="optim_grads_params")
     params = fmoe.init(plan, seed=0)
@@ -201,13 +219,17 @@ def _rank_skips(rank, world):
     grads = fmoe.step(params, batch, plan).grads
     if rank == 1:  # only this rank's shard holds the NaN
         grads["layers"][1]["moe"]["experts"]["fc2"].view(-1)[0] = NAN
-    opt = fmoe.adamw(lr=1e-2, max_grad_norm=1.0, plan=plan, skip_nonfinite=3)
+    # apply_if_finite reads the clip's plan-wide norm; the default with no plan and no clip
+    # checks each rank's own gradients, then all-reduces one flag
+    opt = fmoe.adamw(lr=1e-2, max_grad_norm=1.0, plan=plan, skip_nonfinite=3) if skips else fmoe.adamw(lr=1e-2)
     state = opt.init(params)
     new, new_state = opt.update(grads, state, params)
-    after, before = optree.tree_leaves((new, new_state.inner_state)), optree.tree_leaves((params, state.inner_state))
+    after = optree.tree_leaves((new, _without_record(new_state)))
+    before = optree.tree_leaves((params, _without_record(state)))
     unchanged = all(torch.equal(bits(a), bits(b)) for a, b in zip(after, before))
     return {"unchanged": unchanged, "skipped": counts(new_state)}
 
 
-def test_every_rank_skips_when_one_rank_has_a_nan():
-    assert run_ranks(2, _rank_skips) == [{"unchanged": True, "skipped": [1, 1]}] * 2
+@SKIPS
+def test_every_rank_skips_when_one_rank_has_a_nan(skips):
+    assert run_ranks(2, _rank_skips, skips) == [{"unchanged": True, "skipped": [1, 1]}] * 2

@@ -3,9 +3,10 @@
 A checkpoint is a directory: DCP's data files hold every tensor in its global shape
 (``params.<path>``, ``opt_state.<path>``, ``rng``), and ``fmoe.json`` holds the model
 config, step, ``extra``, the optimizer state's structure, DCP's metadata and a
-checksum per data file, all as JSON. Saves go to a temporary sibling directory
-renamed into place; loads validate everything before reading a tensor and never
-unpickle anything.
+checksum per data file, all as JSON (the optimizer state's tree: ``state_tree.py``).
+Saves go to a temporary sibling directory renamed into place; loads validate
+everything before reading a tensor and never unpickle anything. ``load(path)`` with
+no plan reads the whole model in one process, with its config.
 """
 
 from __future__ import annotations
@@ -33,62 +34,21 @@ from ..step import check_params
 from .boxes import local_boxes
 from .dcp_io import BoxedTensor, BoxLoadPlanner, BoxSavePlanner, JsonMetadataReader, metadata_from_json, metadata_to_json
 from .files import META_FILE, check_files, checkpoint_dir, checksums, staged_directory, write_atomically
+from .state_tree import decode, encode
 
 FORMAT_VERSION = 2
-_STATE_TYPES = {cls.__name__: cls for cls in (optim.EmptyState, optim.ScaleByAdamState, optim.ScheduleState,
-                                               optim.ApplyIfFiniteState, optim.ClipState)}
-
-
 class Checkpoint(NamedTuple):
-    """What ``load`` returns: params and optimizer state laid out for the load plan."""
+    """What ``load`` returns: params and optimizer state laid out for the load plan (the
+    full, unsharded pytrees on the CPU when ``load`` is given no plan), and the
+    ModelConfig the checkpoint was saved with (``config``; last, so that the fields
+    before it keep their places)."""
 
     params: dict
     opt_state: Any
     step: int
     extra: dict
     rng: torch.Tensor | None = None
-
-
-def _encode(tree, prefix: str, tensors: dict, mirrors: dict | None = None, table=None, keys: tuple = ()):
-    """A JSON description of ``tree``; its tensors go into ``tensors`` by dotted key.
-    With a ParamTable, ``mirrors`` records which parameter each tensor mirrors
-    (``{key: path}``, see ``ParamTable.mirrored_by``)."""
-    if isinstance(tree, torch.Tensor):
-        tensors[prefix] = tree.detach()
-        if table is not None and (leaf := table.mirrored_by(keys)) is not None:
-            mirrors[prefix] = leaf.path
-        return {"tensor": prefix}
-    if isinstance(tree, dict):
-        return {"dict": {str(k): _encode(v, f"{prefix}.{k}", tensors, mirrors, table, keys + (k,))
-                         for k, v in tree.items()}}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        name = type(tree).__name__
-        if name not in _STATE_TYPES:
-            raise ValueError(f"save: cannot save opt_state {prefix!r} of type {name}; "
-                             f"allowed NamedTuple states: {sorted(_STATE_TYPES)}")
-        return {"state": name, "fields": [_encode(v, f"{prefix}.{f}", tensors, mirrors, table, keys + (f,))
-                                          for f, v in zip(tree._fields, tree)]}
-    if isinstance(tree, (list, tuple)):
-        kind = "list" if isinstance(tree, list) else "tuple"
-        return {kind: [_encode(v, f"{prefix}.{i}", tensors, mirrors, table, keys + (i,)) for i, v in enumerate(tree)]}
-    if tree is None or isinstance(tree, (bool, int, float, str)):
-        return {"value": tree}
-    raise ValueError(f"save: cannot save opt_state {prefix!r} of type {type(tree).__name__}; allowed: tensors, "
-                     f"dicts, lists, tuples, the states in {sorted(_STATE_TYPES)}, None, bool, int, float, str")
-
-
-def _decode(desc, tensors: dict):
-    if "tensor" in desc:
-        return tensors[desc["tensor"]]
-    if "dict" in desc:
-        return {k: _decode(v, tensors) for k, v in desc["dict"].items()}
-    if "state" in desc:
-        return _STATE_TYPES[desc["state"]](*(_decode(v, tensors) for v in desc["fields"]))
-    if "list" in desc:
-        return [_decode(v, tensors) for v in desc["list"]]
-    if "tuple" in desc:
-        return tuple(_decode(v, tensors) for v in desc["tuple"])
-    return desc["value"]
+    config: ModelConfig | None = None
 
 
 @contextlib.contextmanager
@@ -139,7 +99,7 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
     if opt_state is not None:
         leaves, mirrors = {}, {}
-        meta["opt_state"] = _encode(opt_state, "opt_state", leaves, mirrors, spec.table)
+        meta["opt_state"] = encode(opt_state, "opt_state", leaves, mirrors, spec.table)
         for key, t in leaves.items():
             p = mirrors.get(key)
             t = t.cpu()
@@ -261,8 +221,8 @@ def _validate(path: Path, meta: dict, plan: Plan, verify: bool) -> None:
     check_files(path, meta["dcp"]["storage"], meta.get("checksums") if verify else None)
 
 
-def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
-    """Read a checkpoint for ``plan``, whatever plan saved it (a collective).
+def load(path, plan: Plan | None = None, verify: bool = True) -> Checkpoint:
+    """Read a checkpoint for ``plan``, whatever plan saved it (a collective), or whole.
 
     Everything is checked before a tensor is read: the model config must equal
     ``plan.model``, every tensor must be present with its shape, and the data files
@@ -270,16 +230,33 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
 
     Arguments:
         path: the checkpoint directory.
-        plan: the Plan to load into (params land on ``plan.device``, sharded as it says).
+        plan: the Plan to load into (params land on ``plan.device``, sharded as it
+            says). None: this process alone reads the full params and optimizer state
+            (unsharded, fp32, on the CPU) under the saved config, with no process group
+            needed and none used if there is one: what a script that inspects a
+            checkpoint or computes logits wants (``fmoe.layers.forward(ck.params,
+            tokens, ck.config)``).
         verify: check the data files' sha256 (reads them once more).
 
     Returns:
-        A Checkpoint ``(params, opt_state, step, extra, rng)``.
+        A Checkpoint ``(params, opt_state, step, extra, rng, config)``.
     """
+    if plan is None:
+        return _load_whole(path, verify)
     check_runtime(plan)
+    return _read(path, plan, verify, Group.world())
+
+
+def _load_whole(path, verify: bool) -> Checkpoint:
+    """``load(path)``: the full pytrees, read by this process alone."""
+    cfg = read_config(path)
+    return _read(path, Plan(model=cfg), verify, Group(1, 0, None))  # one rank: every tensor whole
+
+
+def _read(path, plan: Plan, verify: bool, world: Group) -> Checkpoint:
+    """``load``'s reading, for this process as rank ``world.rank`` of ``world.size``."""
     path, meta = read_meta(path)
     _validate(path, meta, plan, verify)
-    world = Group.world()
     spec = resolve(plan).spec
     shapes = spec.table.shapes()
     local = spec.local_shapes(world.rank)
@@ -302,5 +279,6 @@ def load(path, plan: Plan, verify: bool = True) -> Checkpoint:
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
     params = spec.table.unflatten(values["params." + p] for p in shapes)
     # a state saved by an older fmoe is brought to the current form here, once
-    opt_state = None if meta["opt_state"] is None else optim.migrate_state(_decode(meta["opt_state"], values))
-    return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"))
+    opt_state = None if meta["opt_state"] is None else optim.migrate_state(decode(meta["opt_state"], values))
+    return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"),
+                      ModelConfig(**_saved_config(meta["model"])))

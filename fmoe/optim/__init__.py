@@ -10,6 +10,7 @@ every state is a NamedTuple of tensors (a ``named_chain``'s a dict of them by na
 ``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
 ``last_grad_norm`` (the norm the last update computed, read from the state);
+``nonfinite.py``: ``adamw``'s default, every non-finite step skipped and counted;
 ``optimizers.py``: ``optimizer``, ``adamw`` (a chain, or ``fused=True``: ``fused.py``,
 ``adamw_kernel.py``'s per-leaf kernel on CUDA, torch's multi-tensor fused kernel
 elsewhere, optionally donating its inputs) and ``migrate_state``

@@ -141,17 +141,18 @@ def skipped_steps(opt_state) -> tuple[torch.Tensor, torch.Tensor]:
 
     Arguments:
         opt_state: an optimizer state holding an ``ApplyIfFiniteState`` anywhere
-            (``fmoe.adamw(skip_nonfinite=n)``'s does).
+            (``fmoe.adamw``'s does, unless built with ``skip_nonfinite=0``).
 
     Returns:
         ``(in_a_row, total)``: 0-dim int64 device tensors (reading them is a host sync;
         read them when the loop syncs anyway, e.g. when it logs). Steps applied after
-        giving up count too: ``in_a_row > max_skips`` means protection has ended.
+        giving up count too: ``in_a_row > max_skips`` means protection has ended
+        (``fmoe.adamw``'s default never gives up).
     """
     found = _finite_states(opt_state)
     if not found:
-        raise ValueError("skipped_steps: the optimizer state holds no apply_if_finite state "
-                         "(build the optimizer with skip_nonfinite=n or wrap it in apply_if_finite)")
+        raise ValueError("skipped_steps: the optimizer state holds no apply_if_finite state (fmoe.adamw keeps "
+                         "one unless built with skip_nonfinite=0; wrap any other transform in apply_if_finite)")
     return found[0].notfinite_count, found[0].total_notfinite
 
 

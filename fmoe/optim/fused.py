@@ -19,6 +19,7 @@ from ..params import decays, trainable
 from ..layers.triton_kernels import fused_kernels_available
 from .adamw_kernel import adamw_leaf_
 from .finite import finite_init, next_finite_state, skip_decision
+from .nonfinite import finite_everywhere, join_record, next_record, split_record, with_fresh_record
 from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_moment_state, check_named_state, global_norm
 
 
@@ -26,16 +27,17 @@ ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
 """The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
 
 
-def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int, donate: bool,
-                moments: torch.dtype = torch.float32):
+def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int | None,
+                donate: bool, moments: torch.dtype = torch.float32):
     """``adamw(fused=True)``: the named chain's state (``clip``, ``adam``, ``decay``,
     ``lr``, ``freeze``) and meaning, one kernel per leaf (``adamw_kernel``) or, for fp32
     moments off CUDA, torch's fused kernel per class of leaves (trainable and decayed,
-    trainable, frozen). Returns ``(init, update)``."""
+    trainable, frozen). ``max_skips``: ``adamw``'s ``skip_nonfinite`` (None: skip every
+    non-finite step, ``nonfinite.py``). Returns ``(init, update)``."""
     clipping = max_grad_norm is not None
     names = list(ADAMW_STATES[0 if clipping else 1:])
 
-    def fused_update(grads, state, params, norm, apply):
+    def fused_update(grads, state, params, norm, apply, record_clip: bool):
         check_named_state(state, names)
         adam, schedule = state["adam"], state["lr"]
         check_moment_state("adamw", adam, moments)
@@ -82,18 +84,26 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
         new_state = dict(state, adam=ScaleByAdamState(adam.count + advance, treedef.unflatten(new_m),
                                                       treedef.unflatten(new_v)),
                          lr=ScheduleState(schedule.count + advance))
-        if clipping and apply is None:  # the chain's clip records the norm (apply_if_finite does, when skipping)
+        if clipping and record_clip:  # the chain's clip records the norm (apply_if_finite does, around it)
             new_state["clip"] = ClipState(norm)
         return treedef.unflatten(new_p), new_state
 
     def update(grads, state, params):
+        if max_skips is None:  # the default: every non-finite step skipped, recorded in state["adam"]
+            record, state = split_record(state, params)
+            norm = global_norm(grads, plan) if clipping else None
+            apply = finite_everywhere(grads, norm, plan)
+            new_params, new_state = fused_update(grads, state, params, norm, apply, record_clip=True)
+            return new_params, new_state if record is None else join_record(new_state, next_record(record, apply))
         if not max_skips:
-            return fused_update(grads, state, params, global_norm(grads, plan) if clipping else None, None)
+            return fused_update(grads, state, params, global_norm(grads, plan) if clipping else None, None, True)
         norm = global_norm(grads, plan)  # once, for the finite check and the clipping
         apply = skip_decision(state, norm, max_skips)
-        new_params, inner_state = fused_update(grads, state.inner_state, params, norm, apply)
+        new_params, inner_state = fused_update(grads, state.inner_state, params, norm, apply, record_clip=False)
         return new_params, next_finite_state(state, norm, apply, inner_state)
 
+    if max_skips is None:
+        return (lambda params: with_fresh_record(chain_init(params), params)), update
     return (finite_init(chain_init) if max_skips else chain_init), update
 
 

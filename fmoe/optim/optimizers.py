@@ -8,6 +8,7 @@ import optree
 from ..checks import check, check_decay, check_finite, check_int, check_lr
 from .finite import ApplyIfFiniteState, apply_if_finite_sharing, select_where, update_applied
 from .fused import ADAMW_STATES, fused_adamw
+from .nonfinite import skip_every_nonfinite
 from .transforms import (ClipState, EmptyState, Optimizer, Schedule, ScaleByAdamState, ScheduleState, StepNorm,
                          Transform, add_decayed_weights, check_moments, check_norm_scope, clip_with_norm, freeze,
                          named_chain, scale_by_adam, scale_by_learning_rate)
@@ -65,10 +66,19 @@ def optimizer(transform: Transform) -> Optimizer:
 
 def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
           weight_decay: float = 0.0, max_grad_norm: float | None = None, plan=None,
-          fused: bool = False, skip_nonfinite: int = 0, donate: bool = False,
+          fused: bool = False, skip_nonfinite: int | None = None, donate: bool = False,
           moments: str = "float32") -> Optimizer:
-    """AdamW (decoupled weight decay on matrices), optional global-norm clipping and
-    skipping of non-finite steps.
+    """AdamW (decoupled weight decay on matrices), optional global-norm clipping, and
+    non-finite steps skipped.
+
+    By default no update holding a NaN or an inf is ever written: a step whose
+    gradients are not all finite (on any rank) leaves params and state as they were,
+    bit for bit, and is counted: ``fmoe.skipped_steps(state)`` gives ``(in a row,
+    total)``. The decision stays on the device (``torch.where``; no host read, one
+    all-reduced flag on several ranks), and a finite step computes exactly what it
+    would without the check. Params that already hold a NaN give NaN gradients (and a
+    NaN ``fmoe.step`` loss) at every step, so every later step is skipped and the
+    params stay as they are: the count in a row grows by one a step; load a checkpoint.
 
     Every operation is per element, so it updates whatever each rank holds (full
     tensors or shards); only the gradient norm needs the other ranks. Settings are
@@ -91,13 +101,22 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
             they are), elsewhere torch's fused AdamW, one multi-tensor launch per class
             of leaves (trainable and decayed, trainable, frozen). False: the optax-style
             chain of elementwise transforms, bitwise the same for any sharding.
-        skip_nonfinite: 0 (off), or n > 0: wrap the update in
-            ``apply_if_finite(..., max_skips=n)``. A step whose gradients hold a NaN or
-            an inf leaves params and state unchanged, bit for bit, and is counted
-            (``fmoe.optim.skipped_steps``); the (n+1)-th such step in a row is applied.
-            The gradient norm is computed once per step for this check and the clipping.
-            With either on, the state keeps that norm: ``fmoe.optim.last_grad_norm(state)``
-            reads it (for a log) without a second reduction.
+        skip_nonfinite: None (default): skip every non-finite step, as above; the
+            record sits in ``state["adam"].skips``, so the state keeps its named
+            layout, and a state saved without it (an older fmoe, or ``skip_nonfinite=0``)
+            updates as well (its first update starts the record). The check reads the
+            clip's norm when clipping, else this rank's gradient norm (an extra pass
+            over the gradients) and, on several ranks, all-reduces one flag over the
+            world group (``plan`` given: when ``plan.world > 1``), so every rank of
+            the process group must update together. n > 0: wrap the update in
+            ``apply_if_finite(..., max_skips=n)``: skipped and counted likewise, but the
+            (n+1)-th such step in a row is applied, so a run that has gone wrong shows
+            it (the main job's ``--max-skips``); the state is an ``ApplyIfFiniteState``
+            around the named one and keeps the norm. 0: off, a non-finite update is
+            written (NaN params from then on). The gradient norm is computed once per
+            step for the check and the clipping. With clipping or n > 0 the state keeps
+            that norm: ``fmoe.optim.last_grad_norm(state)`` reads it (for a log)
+            without a second reduction.
 
         donate: with ``fused=True`` only. False (default): the update is pure; it
             copies each leaf of params and moments (and of grads, when clipping) once
@@ -127,7 +146,9 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
     if max_grad_norm is not None:
         check_finite("adamw max_grad_norm", max_grad_norm, positive=True, allowed_extra=", or None (no clipping)")
     check("adamw fused", fused, isinstance(fused, bool), "must be True or False")
-    check_int("adamw skip_nonfinite", skip_nonfinite, 0, allowed_extra=" (0: off)")
+    if skip_nonfinite is not None:
+        check_int("adamw skip_nonfinite", skip_nonfinite, 0,
+                  allowed_extra=" (0: off), or None (the default: skip every non-finite step)")
     moment_dtype = check_moments("adamw moments", moments)
     check("adamw donate", donate, isinstance(donate, bool) and (fused or not donate),
            "must be False, or True with fused=True (the chain builds new tensors)")
@@ -135,13 +156,16 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
         check_norm_scope(plan, "adamw")
     norm = StepNorm(plan)  # read by both the finite check and the clipping
     # the norm is kept in the state once: by apply_if_finite when skipping, else by the clip
-    parts = [] if max_grad_norm is None else [("clip", clip_with_norm(max_grad_norm, norm, record=not skip_nonfinite))]
+    wrapped = bool(skip_nonfinite)  # apply_if_finite around the chain, which then records the norm
+    parts = [] if max_grad_norm is None else [("clip", clip_with_norm(max_grad_norm, norm, record=not wrapped))]
     parts += [("adam", scale_by_adam(b1, b2, eps, moments)), ("decay", add_decayed_weights(weight_decay)),
               ("lr", scale_by_learning_rate(lr)), ("freeze", freeze())]
     transform = named_chain(*parts)
     if fused:
         return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
                                       skip_nonfinite, donate, moment_dtype))
-    if skip_nonfinite:
+    if skip_nonfinite is None:
+        transform = skip_every_nonfinite(transform, norm, max_grad_norm is not None, plan)
+    elif skip_nonfinite:
         transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
     return optimizer(transform)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
@@ -47,9 +47,20 @@ class EmptyState(NamedTuple):
 
 
 class ScaleByAdamState(NamedTuple):
+    """State of ``scale_by_adam``: the update count and the two moments.
+
+    ``skips`` is ``adamw``'s record of the non-finite steps it skipped, by default
+    (``skip_nonfinite=None``): an ``ApplyIfFiniteState`` with no inner state, kept next
+    to the moments that a skipped step leaves as they were (``fmoe.skipped_steps``
+    reads it). None from ``scale_by_adam`` itself, from ``adamw`` with
+    ``skip_nonfinite`` set, and in states saved before it existed (last, with a
+    default, so that those still load).
+    """
+
     count: torch.Tensor
     mu: dict
     nu: dict
+    skips: Any = None
 
 
 class ScheduleState(NamedTuple):
@@ -385,6 +396,34 @@ def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> S
         return torch.where(n < warmup, warm, decay)
 
     return schedule
+
+
+def cosine_from(schedule: Schedule, at: int, total: int, end: float) -> Schedule:
+    """``schedule`` before update ``at``; from there a cosine decay from the rate
+    ``schedule`` gives at ``at`` to ``end`` at update ``total`` (held there after).
+
+    What a run extended or shortened midway trains with: the rate at ``at`` is the one
+    the run would have had, so it goes on without a jump, and the rest of the decay
+    fits the new length. Written with tensor ops, as ``warmup_cosine``.
+
+    Arguments:
+        schedule: the rate before (a function of the update count).
+        at: the update count from which the decay restarts (an int >= 0).
+        total: the update at which it ends (an int > ``at``).
+        end: the final rate (finite, >= 0).
+    """
+    check_int("cosine_from at", at, 0)
+    check_int("cosine_from total", total, at + 1, f" (after at={at})")
+    check_finite("cosine_from end", end, positive=False)
+    start = float(schedule(at))  # once, on the host: the closure below reads no device value
+
+    def continued(count):
+        n = torch.as_tensor(count, dtype=torch.float64)
+        progress = ((n - at) / (total - at)).clamp(0.0, 1.0)
+        decay = end + (start - end) * 0.5 * (1 + torch.cos(math.pi * progress))
+        return torch.where(n < at, schedule(count), decay)
+
+    return continued
 
 
 def _moe_layers(params: dict) -> list[dict]:
