@@ -32,11 +32,14 @@ def parse_args(argv=None, adapters: setup.Adapters | None = None, lock: bool = F
     """The checked run for these arguments (SystemExit naming a bad setting); its
     ``plan`` is what ``fmoe.load`` of the run's checkpoints needs. ``lock``: hold the
     run folder's lock in ``run.lock`` (``main`` does; release it with
-    ``fmoe.trainer.run_lock.release``)."""
+    ``fmoe.trainer.run_lock.release``). Under ``python -m fmoe.torchrun`` the error
+    goes to the worker's error file instead of stderr (``fmoe.trainer.launch.exit_with``),
+    and fmoe.torchrun prints it once."""
     try:
-        run = setup.prepare(argv, adapters, lock)
+        with launch.parser_errors_to_file():  # a mistyped flag: argparse's lines
+            run = setup.prepare(argv, adapters, lock)
     except ValueError as err:
-        raise SystemExit(f"fmoe.train: {err}") from None
+        raise launch.exit_with(f"fmoe.train: {err}") from None
     if isinstance(run, str):  # --print-config
         print(run, end="")
         raise SystemExit(0)
@@ -60,11 +63,18 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
     traceback. A collective that fails (another rank died, or did not answer within
     ``--timeout``) ends this rank with an error naming it, instead of a hang: torchrun then stops the
     others, and ``--max-restarts`` with ``--resume`` picks the run up again.
+
+    Under ``python -m fmoe.torchrun`` these one-line errors go to torchrun's error file
+    for the worker instead of stderr, and fmoe.torchrun prints the one of the lowest
+    failing rank (a rank's own error before a failed collective, which follows another's).
     """
     try:
         run = parse_args(argv, adapters, lock=True)
     except KeyboardInterrupt:
         raise SystemExit(_interrupted("before the first step: nothing was written")) from None
+    except Exception as err:  # not a bad setting (parse_args says those in one line): a traceback
+        launch.record_unexpected(err)
+        raise
     try:
         launch.start(run.world, run.plan.device, run.settings.timeout)
         return loop.train(run)
@@ -72,18 +82,23 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
         latest = run.out / "checkpoint"
         saved = f"the last checkpoint is {latest.resolve()}" if latest.exists() else "no checkpoint was saved"
         raise SystemExit(_interrupted(f"stopped at once, without saving; {saved}")) from None
+    except SystemExit as err:  # the loop's own one-line stops (cannot resume, non-finite steps)
+        if isinstance(err.code, str):
+            raise launch.exit_with(err.code) from None
+        raise
     except Exception as err:
         if run.world.size > 1 and launch.is_collective_failure(err):
-            raise SystemExit(f"fmoe.train: rank {run.world.rank} of {run.world.size}: a collective failed "
-                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); another rank "
-                             "has probably died or hung. The last checkpoint is "
-                             f"{run.out / 'checkpoint'}; restart with --resume") from None
+            raise launch.exit_with(f"fmoe.train: rank {run.world.rank} of {run.world.size}: a collective failed "
+                                   f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                                   "another rank has probably died or hung. The last checkpoint is "
+                                   f"{run.out / 'checkpoint'}; restart with --resume", consequence=True) from None
         if not isinstance(err, (ValueError, OSError)) or os.environ.get("FMOE_DEBUG") == "1":
+            launch.record_unexpected(err)
             raise
         # a file, setting or datum found wrong after setup: one line, not a traceback
         where = f"rank {run.world.rank} of {run.world.size}: " if run.world.size > 1 else ""
-        raise SystemExit(f"fmoe.train: {where}{type(err).__name__}: {err} (FMOE_DEBUG=1 shows the traceback)") \
-            from None
+        raise launch.exit_with(f"fmoe.train: {where}{type(err).__name__}: {err} (FMOE_DEBUG=1 shows the "
+                               "traceback)") from None
     finally:
         try:
             launch.stop()

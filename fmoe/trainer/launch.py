@@ -4,12 +4,22 @@ torchrun sets ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; the main job reads th
 before anything else so that a plan that does not fit the world is refused before a
 process group exists. GPUs use NCCL (rank ``r`` of a node on ``cuda:LOCAL_RANK``),
 CPUs gloo.
+
+Under ``python -m fmoe.torchrun`` (which sets ``FMOE_ERRORS_TO_FILE=1``) a worker's
+one-line error goes to the error file torchrun gives each worker
+(``TORCHELASTIC_ERROR_FILE``) instead of stderr, and fmoe.torchrun prints one of them
+once (``exit_with``); elsewhere it is printed, as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
+import json
 import os
+import sys
+import time
 from typing import NamedTuple
 
 import torch
@@ -86,3 +96,76 @@ def is_collective_failure(err: BaseException) -> bool:
 def stop() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+ERRORS_TO_FILE = "FMOE_ERRORS_TO_FILE"
+"""Set to ``1`` by ``python -m fmoe.torchrun`` for its workers (see the module's docstring)."""
+
+
+def error_file() -> str | None:
+    """Where this worker's one-line error goes instead of stderr: torchrun's error file for
+    it when ``python -m fmoe.torchrun`` started it; None (print it) otherwise."""
+    if os.environ.get(ERRORS_TO_FILE) != "1":
+        return None
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") or None  # "" where torchrun keeps no logs
+
+
+def write_error_file(path: str, message: str, consequence: bool = False) -> None:
+    """Write ``message`` as torchrun's ``ProcessFailure`` reads an error file (a str
+    ``message`` and a ``timestamp``), atomically. ``consequence``: the error follows
+    another rank's failure (a collective that failed), so fmoe.torchrun prefers a
+    rank's own error to it."""
+    data = {"message": message, "timestamp": int(time.time()), "fmoe": {"consequence": consequence}}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def exit_with(line: str, consequence: bool = False) -> SystemExit:
+    """The SystemExit that ends this process with the one-line error ``line``.
+
+    Returns:
+        ``SystemExit(line)`` (Python prints it, exit status 1); under fmoe.torchrun
+        ``SystemExit(1)`` with ``line`` written to the error file instead.
+    """
+    path = error_file()
+    if path is None:
+        return SystemExit(line)
+    write_error_file(path, line, consequence)
+    return SystemExit(1)
+
+
+def record_unexpected(err: BaseException) -> None:
+    """Under fmoe.torchrun, an error with a traceback (which still prints) also leaves
+    its type and message in the error file, as torch's ``@record`` does."""
+    if error_file() is not None:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+
+
+@contextlib.contextmanager
+def parser_errors_to_file():
+    """Under fmoe.torchrun, what argparse prints before its SystemExit (a mistyped flag)
+    goes to the error file instead of stderr; anything else written to stderr meanwhile
+    (warnings) is passed on when the block ends. Elsewhere: nothing changes."""
+    path = error_file()
+    if path is None:
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except SystemExit as err:
+        said = held.getvalue().strip()
+        if isinstance(err.code, int) and err.code != 0 and said:
+            write_error_file(path, said)
+        else:
+            sys.stderr.write(held.getvalue())
+        raise
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
+    sys.stderr.write(held.getvalue())
