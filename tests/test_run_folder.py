@@ -18,7 +18,7 @@ import fmoe
 from fmoe.generate import checkpoint_tokenizer, main as generate_main
 from fmoe.hf.export import main as export_main
 from fmoe.train import main as train_main
-from fmoe.trainer import run_lock
+from fmoe.trainer import run_lock, setup
 from tests.test_data import bpe_tokenizer
 from tests.test_trainer import SMALL, env, records
 
@@ -263,3 +263,23 @@ def test_ctrl_c_to_torchrun_ends_with_what_the_workers_saved_and_no_traceback(tm
                                                "lines above say what they saved")
     step = fmoe.checkpoint.read_meta(out / "checkpoint")[1]["step"]
     assert f"fmoe.train: stopped by SIGINT after step {step}; checkpoint {out / 'checkpoint'}" in stdout
+
+
+def test_only_the_main_rank_judges_what_the_run_folder_holds(tmp_path, monkeypatch):
+    # The main rank starts writing the folder (settings.toml, metrics.jsonl) while other
+    # ranks may still be checking theirs: they must not take its files for another run's.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "settings.toml").write_text("")
+    (out / "metrics.jsonl").write_text("")
+    argv = ["--out", str(out), "--steps", "2", "--batch", "4", "--seq", "16", "--dim", "32", "--layers", "1",
+            "--experts", "4", "--ffn", "32"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    run = setup.prepare(argv)
+    assert run.world.rank == 1 and run.plan.dp == 2
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ValueError, match=r"holds a run \(metrics.jsonl, settings.toml\): add --resume"):
+        setup.prepare(argv)

@@ -6,22 +6,20 @@ ready."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from .. import hf
-from ..checkpoint import load, save
+from ..checkpoint import Checkpoint, load, save
 from ..data import tokenizer_record
 from ..initialize import init
+from . import lr_schedule
 from .resilience import CheckpointDir, is_staging, remove, run_contents
+from .resuming import DATA_KEYS
 from .setup import Run
-
-# What the data a step sees depends on: a resumed run must agree on them. The corpus is
-# compared by content (``corpus_fingerprint``), so a moved corpus or another spelling of
-# its path resumes; ``data`` (its path) is kept in checkpoints for people to read.
-DATA_KEYS = ("seed", "batch", "seq", "corpus", "heldout_fraction")
 # Settings whose being on or off shapes the optimizer state: a resumed run must agree.
 STATE_SWITCHES = ("clip", "max_skips")
 
@@ -34,7 +32,8 @@ def threads(run: Run) -> int | None:
 class Checkpoints:
     """The run's checkpoints as the loop sees them: the state it starts from, and
     saving one (``checkpoint-<step>``, then the ``checkpoint`` link, ``CheckpointDir``)
-    with what a resumed run must agree on."""
+    with what a resumed run must agree on, and the learning-rate schedule
+    (``lr_schedule``: its record, settled by ``resumed``)."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -42,20 +41,36 @@ class Checkpoints:
         self.data = {key: getattr(run.settings, key) for key in DATA_KEYS if key != "corpus"}
         self.data["corpus"] = run.fingerprint
         self.tokenizer = tokenizer_record(run.corpus)  # the run folder's tokenizer.json, by content
+        self.lr_schedule = lr_schedule.fresh(run.settings)
 
-    def start(self, opt) -> tuple:
-        """``(params, opt_state, first step)``: fresh, from a Hugging Face checkpoint, or
-        resumed from the run's own.
+    def resumed(self) -> Checkpoint | None:
+        """The run's checkpoint, loaded and checked, when the run resumes (else None);
+        the learning-rate schedule continued from its record (said when ``--steps``
+        changed, after what this command changes of the run's settings).
 
         Raises:
             SystemExit: naming what keeps the checkpoint from being resumed.
         """
         run = self.run
+        if not run.settings.resume:
+            return None
+        ck = load(run.out / "checkpoint", run.plan)
+        self._check_resumable(ck)
+        run.say(f"resumed from {run.out / 'checkpoint'} at step {ck.step}")
+        had = run.resumed.had if run.resumed else {}
+        for line in run.resumed.overrides if run.resumed else ():
+            run.say(line)
+        self.lr_schedule, line = lr_schedule.continued(run.settings, ck.extra, ck.step, had.get("steps"))
+        if line:
+            run.say(line)
+        return ck
+
+    def start(self, opt, ck) -> tuple:
+        """``(params, opt_state, first step)``: resumed from ``ck`` (``resumed``'s), or
+        fresh, or from a Hugging Face checkpoint."""
+        run = self.run
         s = run.settings
-        if s.resume:
-            ck = load(run.out / "checkpoint", run.plan)
-            self._check_resumable(ck)
-            run.say(f"resumed from {run.out / 'checkpoint'} at step {ck.step}")
+        if ck is not None:
             return ck.params, ck.opt_state, ck.step + 1
         if s.init_from_hf:
             params = hf.load(s.init_from_hf, run.plan)
@@ -99,6 +114,7 @@ class Checkpoints:
         s = run.settings
         extra = dict(self.data, data=run.corpus.source, tokenizer=self.tokenizer, threads=threads(run))
         extra["state_switches"] = {key: bool(getattr(s, key)) for key in STATE_SWITCHES}
+        extra[lr_schedule.RECORD] = self.lr_schedule
         extra.update(samples_seen=step_num * s.batch, eos_id=run.corpus.eos_id)
         save(self.dir.path_for(step_num), run.plan, params, opt_state=opt_state, step=step_num, extra=extra)
         if run.world.is_main:
@@ -132,6 +148,13 @@ def prepare_out(run: Run) -> None:
         remove(stale)
         run.say(f"removed {len(stale)} staging folder(s) left in {run.out} by an interrupted save")
     run.out.mkdir(parents=True, exist_ok=True)
-    (run.out / "settings.toml").write_text(run.settings_toml)
+    _write_atomically(run.out / "settings.toml", run.settings_toml)  # a resumed run reads it back
     if run.corpus.tokenizer is not None:
         shutil.copyfile(run.corpus.tokenizer, run.out / "tokenizer.json")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before: never a part of either."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from ..batch import context_chunks
 from ..data import corpus_unigram, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
-from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias, warmup_cosine
+from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias
 from ..params import param_count, train_flops_per_token
 from ..gather import gather_full
 from ..step import eval_loss, step
+from . import lr_schedule
 from .checkpointing import Checkpoints, prepare_out
 from .metrics import MetricsLog, Window, expert_load, peak_tflops, to_host
 from .resilience import StopSignals
@@ -158,14 +159,17 @@ def _train(run: Run, signals: StopSignals) -> dict:
 
 
 def _setup(run: Run) -> tuple[_Job, _State]:
-    """Everything before the first step: CPU threads and the seed, the optimizer, the
-    held-out batches, the first state (fresh, from Hugging Face weights, or resumed),
-    the run folder (main rank), and what the run says of itself."""
+    """Everything before the first step: CPU threads and the seed, the checkpoint of a
+    resumed run and the schedule it continues, the optimizer, the held-out batches, the
+    first state (fresh, from Hugging Face weights, or resumed), the run folder (main
+    rank), and what the run says of itself."""
     s, plan, world, corpus = run.settings, run.plan, run.world, run.corpus
     if s.threads:
         torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
-    schedule = warmup_cosine(s.lr, s.warmup, s.steps, floor=s.min_lr_ratio)
+    checkpoints = Checkpoints(run)
+    resumed = checkpoints.resumed()  # the schedule goes on from the checkpoint's
+    schedule = lr_schedule.build(checkpoints.lr_schedule, s)
     # The job, not the optimizer, gives up on non-finite steps: it stops at the first
     # logged step that sees max_skips of them in a row, which may come up to log_every - 1
     # steps later. Until then every one must be skipped, so the optimizer is told to give
@@ -175,12 +179,13 @@ def _setup(run: Run) -> tuple[_Job, _State]:
                 skip_nonfinite=s.steps + s.max_skips if s.max_skips else 0)
     heldout = [context_chunks(b, plan, world.rank)
                for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]
-    checkpoints = Checkpoints(run)
-    params, opt_state, first = checkpoints.start(opt)
+    params, opt_state, first = checkpoints.start(opt, resumed)
     if world.is_main:  # every check has passed: now the folder changes
         prepare_out(run)
     baseline = corpus_unigram(corpus, plan.model.vocab)
     _introduce(run, baseline)
+    for note in run.notes:
+        run.say(note)
     tokens_per_step = s.batch * s.seq
     job = _Job(run, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
                checkpoints=checkpoints, stepper=_Stepper(run, _update(run, opt)), first=first,

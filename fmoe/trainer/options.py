@@ -3,12 +3,12 @@ merged from defaults, the ``cpu`` preset, a TOML file and the command line.
 
 Every setting has one name: ``--shared-ffn`` on the command line is ``shared_ffn`` in
 a TOML file. Precedence, lowest first: the fields' defaults, the ``cpu`` preset (the
-defaults of the main job), ``--config`` (a TOML file, or the name of a shipped
-preset), then the flags given. Everything is checked before any process group or
-tensor exists: an unknown key or a value of the wrong type here (``resolve``), a run
-setting out of range when its ``RunSettings`` is built (``split``), a value a
-ModelConfig or Plan refuses when ``fmoe.trainer.setup`` builds them; each is a
-ValueError naming the key.
+defaults of the main job), a resumed run's own ``settings.toml`` (``resuming``),
+``--config`` (a TOML file, or the name of a shipped preset), then the flags given.
+Everything is checked before any process group or tensor exists: an unknown key or a
+value of the wrong type here (``resolve``), a run setting out of range when its
+``RunSettings`` is built (``split``), a value a ModelConfig or Plan refuses when
+``fmoe.trainer.setup`` builds them; each is a ValueError naming the key.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import functools
 import json
 import tomllib
 from pathlib import Path
+from typing import Callable
 
 from ..config import ModelConfig, Plan, choices, field_docs
 from .run_settings import RUN_DEFAULTS, RUN_FIELDS, RUN_HELP, TYPES, RunSettings, check_type
@@ -163,22 +164,41 @@ def _defaults() -> dict:
     return settings
 
 
-def resolve(argv=None, prog: str = "python -m fmoe.train") -> tuple[dict, set]:
+def resolve(argv=None, prog: str = "python -m fmoe.train",
+            base: Callable[[dict], dict] | None = None, notes: list | None = None) -> tuple[dict, set]:
     """The merged settings and the keys set explicitly (by ``--config`` or a flag).
 
+    Arguments:
+        base: given the settings merged without it, the settings to put between the
+            defaults and ``--config`` (a resumed run's own, ``resuming.RunFile.read``);
+            they are not explicit.
+        notes: where the line saying a warm-up was cut is appended (the run says it).
+
     Returns:
-        ``(settings, explicit)``: every key of ``KNOWN`` with its value.
+        ``(settings, explicit)``: every key of ``KNOWN`` with its value. A warm-up longer
+        than ``steps`` is cut to ``steps`` unless the ``--warmup`` flag gave it (then
+        ``RunSettings`` refuses it): a preset's, a file's or the run's own was meant for
+        a longer run.
     """
     flags = vars(parser(prog).parse_args(argv))
     settings = _defaults()
-    explicit = set()
-    if flags.get("config"):
-        from_file, _ = read_toml(flags["config"])
-        settings.update(from_file)
-        explicit |= set(from_file)
-    settings.update(flags)
-    explicit |= set(flags)
-    return settings, explicit
+    given = {**(read_toml(flags["config"])[0] if flags.get("config") else {}), **flags}
+    own = base({**settings, **given}) if base is not None else {}
+    settings.update(own)
+    settings.update(given)
+    if "warmup" not in flags and settings["warmup"] > settings["steps"]:
+        if notes is not None:
+            notes.append(f"warm-up {settings['warmup']} steps ({_warmup_source(given, own)}) is longer than --steps "
+                         f"{settings['steps']}: the rate warms up over all {settings['steps']} and reaches --lr at the "
+                         "last (--warmup to choose)")
+        settings["warmup"] = max(settings["steps"], 0)  # one meant for a longer run: warm up over all of this one
+    return settings, set(given)
+
+
+def _warmup_source(given: dict, own: dict) -> str:
+    if "warmup" in given:
+        return "from --config"
+    return "the resumed run's" if "warmup" in own else "the default"
 
 
 def split(settings: dict) -> tuple[RunSettings, dict]:

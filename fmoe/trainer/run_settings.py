@@ -38,11 +38,14 @@ class RunSettings:
     config: str = _option("", "a TOML file of settings, or a shipped preset's name (see --print-config)")
     print_config: bool = _option(False, "print the merged settings as TOML and exit")
     # optimization
-    steps: int = _option(1000, "optimizer steps")
+    steps: int = _option(1000, "optimizer steps (the cosine decay ends at the last; changed on --resume, the decay "
+                               "goes on from the rate the run had reached to the new last step)")
     batch: int = _option(16, "sequences per step, over all ranks")
     seq: int = _option(128, "tokens per sequence")
     lr: float = _option(3e-3, "peak learning rate (linear warm-up, cosine decay)")
-    warmup: int = _option(30, "warm-up steps")
+    warmup: int = _option(30, "warm-up steps, at most --steps (the rate reaches --lr at the warm-up's last step); "
+                              "a longer --warmup is refused, a longer one from a preset, --config file or the "
+                              "resumed run's settings is cut to --steps")
     min_lr_ratio: float = _option(0.1, "the cosine decay ends at this fraction of --lr")
     weight_decay: float = _option(0.1, "decoupled weight decay of the matrices")
     clip: float = _option(1.0, "global grad-norm clip (0: off)")
@@ -67,12 +70,15 @@ class RunSettings:
     out: str = _option("runs/fmoe-lm", "folder for metrics.jsonl, TensorBoard events and the checkpoint")
     save_every: int = _option(250, "checkpoint every N steps (0: only at the end)")
     keep: int = _option(1, "checkpoints to keep (the newest; one is removed only after a newer one is complete)")
-    resume: bool = _option(False, "continue from the checkpoint in --out (--no-resume: not, whatever --config says)")
+    resume: bool = _option(False, "continue from the checkpoint in --out, with the run's settings.toml (flags "
+                                  "left out keep the run's values; training flags given override them; model and "
+                                  "data flags must match) (--no-resume: not, whatever --config says)")
     overwrite: bool = _option(False, "start afresh in an --out that holds a run: its settings, metrics, events and "
                                      "checkpoints are removed (and listed) first")
-    auto_resume: bool = _option(False, "continue from the checkpoint in --out if there is one, else start "
-                                       "(for torchrun --max-restarts)")
-    stop_after: int = _option(0, "end this run after that step, with a checkpoint (0: run to --steps)")
+    auto_resume: bool = _option(False, "continue from the checkpoint in --out if there is one (as --resume), else "
+                                       "start (for torchrun --max-restarts)")
+    stop_after: int = _option(0, "end this run after that step, with a checkpoint (0: run to --steps; never kept "
+                                 "for a resumed run)")
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
     cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
@@ -125,6 +131,9 @@ def _check_ranges(s: RunSettings) -> None:
         invalid("min_lr_ratio", s.min_lr_ratio, "must be in [0, 1]")
     if s.moments not in MOMENT_DTYPES:
         invalid("moments", s.moments, "must be one of " + ", ".join(MOMENT_DTYPES))
+    if s.warmup > s.steps:
+        invalid("warmup", s.warmup, f"must be <= --steps ({s.steps}): a longer warm-up ends after the run, so the "
+                "rate never reaches --lr")
     if s.stop_after and s.stop_after > s.steps:
         invalid("stop_after", s.stop_after, f"must be <= --steps ({s.steps}) or 0")
 

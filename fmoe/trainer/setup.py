@@ -15,11 +15,12 @@ from .. import hf
 from ..backends import BUILT_IN, declared_backends, expert_backend_names, registered_backend
 from ..config import ModelConfig, Plan
 from ..data import TokenCorpus, check_corpus, check_packed_seq, check_vocab, embedded_corpus, open_corpus
+from ..data.tokenizer_match import check_model_tokenizer
 from ..generate import kv_cache_bytes
 from ..hf.families import training_fields
 from ..params import param_count
 from ..runtime import check_device_and_backend, device_memory, gib
-from . import options, run_lock
+from . import options, resuming, run_lock
 from .launch import World, rank_device, world_from_env
 from .resilience import is_staging, run_contents
 from .run_settings import RunSettings, invalid
@@ -48,8 +49,9 @@ class Adapters(NamedTuple):
 class Run(NamedTuple):
     """A checked run: its ``settings`` and the keys given explicitly, the world, the
     corpus and its fingerprint (``check_corpus``), the plan (the model and plan
-    settings, built), the text of its ``settings.toml`` (``settings_file``), and the
-    run folder's lock (held by the main rank of ``fmoe.train.main``; None otherwise)."""
+    settings, built), the text of its ``settings.toml`` (``settings_file``), the
+    run folder's lock (held by the main rank of ``fmoe.train.main``; None otherwise), and
+    for a resumed run what it had and what this command changes (``resuming.Resumed``)."""
 
     settings: RunSettings
     explicit: frozenset
@@ -61,6 +63,8 @@ class Run(NamedTuple):
     scopes: tuple  # CUDA-graph scopes, or ("step",)
     adapters: Adapters | None
     lock: run_lock.RunLock | None
+    resumed: resuming.Resumed | None = None
+    notes: tuple = ()  # lines the run says before its first step (a warm-up cut to --steps)
 
     @property
     def out(self) -> Path:
@@ -164,6 +168,8 @@ def _corpus_and_model(s: RunSettings, fields: dict, explicit: set) -> tuple[RunS
     unless ``--seq`` is given."""
     base = hf.config(s.init_from_hf) if s.init_from_hf else None  # its folder named before its tokenizer
     corpus = _open_corpus(s)
+    if base is not None:  # a corpus of another tokenizer (or bytes) is refused before any compute
+        check_model_tokenizer(corpus, s.init_from_hf, base.vocab)
     if corpus.packed is not None and "seq" not in explicit:
         s = s.replace(seq=corpus.packed.row - 1)
     check_packed_seq(corpus, s.seq)
@@ -215,15 +221,17 @@ def prepare(argv=None, adapters: Adapters | None = None, lock: bool = False) -> 
 
     ``adapters``: what ``--cuda-graph`` and ``--expert-backend te`` need (handed in by
     ``python -m interop.train``); without them those settings are refused.
-    ``lock``: take the run folder's lock (main rank only) before reading the folder,
-    held in the returned ``Run`` until ``run_lock.release(run.lock)``.
+    ``lock``: take the run folder's lock (main rank only) before reading the folder
+    (but its ``settings.toml``, written atomically, which a resumed run's settings start
+    from: ``resuming``), held in the returned ``Run`` until ``run_lock.release(run.lock)``.
 
     Raises:
         ValueError: naming the setting, key or file that cannot work; ``run_lock.FolderInUse``
             when another live run holds ``--out``.
     """
     prog = "python -m interop.train" if adapters is not None else "python -m fmoe.train"
-    merged, explicit = options.resolve(argv, prog)
+    run_file, notes = resuming.RunFile(), []
+    merged, explicit = options.resolve(argv, prog, base=run_file.read, notes=notes)
     s, fields = options.split(merged)
     check_paths(s, explicit)
     if s.print_config:  # what it prints would run: the model and plan fields are checked too
@@ -234,14 +242,29 @@ def prepare(argv=None, adapters: Adapters | None = None, lock: bool = False) -> 
     check_out_place(s)
     held = run_lock.acquire(s.out) if lock and world.is_main else None
     try:
-        return _prepare_locked(s, fields, explicit, world, adapters, held)
+        return _prepare_locked(s, fields, explicit, world, adapters, held, run_file)._replace(notes=tuple(notes))
     except BaseException:
         run_lock.release(held)
         raise
 
 
+def _resumes(s: RunSettings, fields: dict, explicit: set, run_file: resuming.RunFile) -> tuple:
+    """``(s, resumed)``: ``--auto-resume`` with a checkpoint as ``--resume``; a resumed
+    run's settings checked against its own (``resuming.check``), else None."""
+    checkpoint = Path(s.out) / "checkpoint"
+    if s.auto_resume and checkpoint.exists():  # a restarted job (torchrun --max-restarts)
+        s = s.replace(resume=True)
+    if not s.resume:
+        return s, None
+    if not checkpoint.exists():
+        raise ValueError(f"--resume, but there is no checkpoint at {checkpoint}")
+    merged = options.joined(s, fields)
+    return s, resuming.check(run_file, merged, explicit, resuming.checkpoint_extra(s.out))
+
+
 def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, adapters: Adapters | None,
-                    held: run_lock.RunLock | None) -> Run:
+                    held: run_lock.RunLock | None, run_file: resuming.RunFile) -> Run:
+    s, resumed = _resumes(s, fields, explicit, run_file)
     others = fields["pp"] * fields["ep"] * fields["cp"] * fields["tp"]
     dp = fields["dp"] if "dp" in explicit else max(1, world.size // others)
     if dp * others != world.size:
@@ -265,15 +288,13 @@ def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, a
     check_device_and_backend(plan)
     check_memory(s, plan, world)
     scopes = parse_scopes(s.cuda_graph, plan, adapters)
-    checkpoint = Path(s.out) / "checkpoint"
-    if s.auto_resume and checkpoint.exists():  # a restarted job (torchrun --max-restarts)
-        s = s.replace(resume=True)
-    if s.resume and not checkpoint.exists():
-        raise ValueError(f"--resume, but there is no checkpoint at {checkpoint}")
-    check_out(s)
+    if world.is_main:  # the folder's contents are the main rank's: it may be writing them while others check
+        check_out(s)
+    else:
+        check_out_place(s)
     fingerprint = check_corpus(corpus)  # every id, before the first step needs one
     return Run(s, frozenset(explicit), world, corpus, fingerprint, plan, settings_file(s, fields, explicit, plan),
-               scopes, adapters, held)
+               scopes, adapters, held, resumed)
 
 
 def check_out_place(s: RunSettings) -> None:
