@@ -5,7 +5,9 @@
 lifecycle kept) and times them with a
 ``CostModel``; ``estimate_memory`` adds up what a rank holds; ``python -m fmoe.plan``
 prints both, a per-stage timeline and a Chrome trace, and ``--search`` ranks the plans
-that fit a memory budget on a number of GPUs.
+that fit a memory budget on a number of GPUs (``search``), each with its bubble and exposed
+communication; either way it prints the ``fmoe.train`` command that runs the plan
+(``command``). ``models`` holds the released models' shapes (``--model``).
 """
 
 from .costs import Calibration, CostModel, Links, node_flops

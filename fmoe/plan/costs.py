@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checks import is_number
 from ..params import param_table
 
 DEFAULT_EFFICIENCY = {"attn": 0.45, "experts": 0.55, "dense": 0.55, "head": 0.6, "embed": 0.6}
@@ -62,17 +63,45 @@ class Calibration:
     host_us: dict = field(default_factory=dict)
 
     @classmethod
-    def read(cls, path) -> "Calibration":
-        """A calibration file (``benchmarks/plan_calibration.py`` writes one)."""
-        data = json.loads(Path(path).read_text())
-        for key, allowed in (("efficiency", DEFAULT_EFFICIENCY), ("move_gbps", MOVES)):
-            unknown = set(data.get(key, {})) - set(allowed)
+    def read(cls, path, where: str | None = None) -> "Calibration":
+        """A calibration file (``benchmarks/plan_calibration.py`` writes one); ``where``:
+        how errors name it (default ``calibration <path>``).
+
+        Raises:
+            ValueError: naming the file, for one missing, unreadable or not a calibration
+                (not a JSON object, an unknown node kind, a number that is not one > 0).
+        """
+        where = where or f"calibration {path}"
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no such file (benchmarks/plan_calibration.py writes one)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{where}: unreadable ({err})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: not a JSON object of calibration keys")
+        for key, allowed in (("efficiency", DEFAULT_EFFICIENCY), ("move_gbps", MOVES), ("host_us", None)):
+            table = data.get(key, {})
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}: {key} must be an object of numbers by node kind")
+            unknown = set(table) - set(allowed) if allowed is not None else set()
             if unknown:
-                raise ValueError(f"calibration {path}: {key} has unknown node kinds {sorted(unknown)}; allowed: "
+                raise ValueError(f"{where}: {key} has unknown node kinds {sorted(unknown)}; allowed: "
                                  f"{', '.join(allowed)}")
+            for kind, value in table.items():
+                _check_number(where, f"{key}.{kind}", value, zero=key == "host_us")
+        for key in ("peak_tflops", "hbm_gbps"):
+            if key in data:
+                _check_number(where, key, data[key])
         return cls(float(data.get("peak_tflops", 789.0)), {**DEFAULT_EFFICIENCY, **data.get("efficiency", {})},
                    str(data.get("source", path)), float(data.get("hbm_gbps", 3000.0)),
                    {**DEFAULT_MOVE_GBPS, **data.get("move_gbps", {})}, dict(data.get("host_us", {})))
+
+
+def _check_number(where: str, key: str, value, zero: bool = False) -> None:
+    if not (is_number(value) and math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise ValueError(f"{where}: {key}={value!r} is invalid: must be a finite number "
+                         f"{'>= 0' if zero else '> 0'}")
 
 
 @dataclass(frozen=True)

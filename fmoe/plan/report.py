@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from .memory import PARTS, estimate_memory
@@ -54,12 +56,24 @@ def summary(sim: Simulation, memory: list[dict] | None = None) -> list[str]:
     return out
 
 
+def check_trace_path(path) -> None:
+    """Refuse a ``--trace`` path the trace could not be written to, before anything runs."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--trace {path}: is a directory; give a file name (step.json)")
+    if not path.parent.is_dir():
+        raise ValueError(f"--trace {path}: no directory {path.parent}")
+
+
 def chrome_trace(sim: Simulation, path) -> Path:
     """The simulated step as Chrome trace events: a process per stage (its first rank),
-    a row per lane (compute, comm, p2p)."""
+    a row per lane (compute, comm, p2p); written whole or not at all (a temporary file
+    renamed into place)."""
     events = [{"name": span.label, "ph": "X", "pid": run.rank, "tid": span.lane, "ts": span.start * 1e6,
                "dur": (span.end - span.start) * 1e6, "args": {"stage": run.stage, "mb": span.mb}}
               for run in sim.stages for span in run.spans]
     path = Path(path)
-    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    os.replace(f.name, path)
     return path

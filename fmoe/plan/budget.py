@@ -1,0 +1,96 @@
+"""How much memory a planned rank may hold, and what to say when a plan needs more.
+
+The budget is ``--memory`` when given; else the memory of the GPU the calibration was
+measured on (its ``source`` names the device: ``NVIDIA H100 80GB HBM3``), or of this
+machine's GPU when it has one; else 80 GiB, an H100's, the GPU the default links and
+calibration assume.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime import device_memory
+from .report import GIB
+
+# The total memory nvidia-smi shows, in MiB, of the GPUs the shipped calibrations name
+# (H100 80GB HBM3 and H200 SXM)
+KNOWN_GPUS_MIB = {"H100": 81559, "H200": 143771}
+ASSUMED_GIB = 80.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """GiB a rank may hold, and where that number comes from (``--memory 80 GiB``,
+    ``the calibration's NVIDIA H200 (140.4 GiB)``)."""
+
+    gib: float
+    source: str
+
+
+def _named_gpu(source: str) -> tuple[str, float] | None:
+    """The GPU a calibration's ``source`` names and its memory in GiB, if known."""
+    for name, mib in KNOWN_GPUS_MIB.items():
+        if re.search(rf"\b{re.escape(name)}\b", source):
+            return name, mib / 1024
+    return None
+
+
+def budget(memory: float | None, calibration_source: str) -> Budget:
+    """The memory a rank may hold.
+
+    Arguments:
+        memory: ``--memory`` (GiB), or None when not given.
+        calibration_source: the calibration's ``source`` (a device and date).
+
+    Returns:
+        A Budget.
+    """
+    if memory is not None:
+        return Budget(memory, f"--memory {memory:g} GiB")
+    named = _named_gpu(calibration_source)
+    if named is not None:
+        return Budget(named[1], f"the calibration's {named[0]} ({named[1]:.1f} GiB; --memory to change)")
+    if torch.cuda.is_available():
+        gib = device_memory("cuda") / GIB
+        return Budget(gib, f"this machine's {torch.cuda.get_device_name(0)} ({gib:.1f} GiB; --memory to change)")
+    return Budget(ASSUMED_GIB, f"an assumed H100's {ASSUMED_GIB:g} GiB (--memory to change)")
+
+
+# what a rank holds, in the groups the remedies act on
+_GROUPS = {"params, grads and optimizer state": ("params", "grads", "optimizer", "step copy"),
+           "gathered weights and gradient buffers": ("gathered", "grad buffers"),
+           "activations": ("activations",)}
+
+
+def _remedies(group: str, plan, moments: str, rows: int) -> list[str]:
+    """What shrinks ``group`` of what a rank of ``plan`` holds (``rows``: the global batch's)."""
+    if group == "activations":
+        rows_each = rows // (plan.dp * plan.ep * plan.microbatches)
+        return ([] if plan.remat == "full" else ["--remat full"]) + (
+            ["more --microbatches (fewer rows each)"] if rows_each > 1 else []) + ["more --tp / --cp"]
+    zero3 = [] if plan.sharding == "optim_grads_params" else ["--sharding optim_grads_params (ZeRO-3)"]
+    if group.startswith("gathered"):  # whole units at once: split the layers themselves
+        return zero3 + ["more --ep / --tp (a part of each layer a rank)", "--pp"]
+    return zero3 + (["--moments bfloat16"] if moments == "float32" else []) + [
+        "more GPUs to shard over (--gpus, --ep, --pp)"]
+
+
+def over_budget(plan, memory: list[dict], limit: Budget, moments: str, rows: int) -> str | None:
+    """One line when a stage of ``plan`` needs more than ``limit`` (``memory``: each
+    stage's ``estimate_memory`` on a global batch of ``rows``): what it holds, by group,
+    and what would shrink the largest; None when every stage fits."""
+    stage = max(range(len(memory)), key=lambda s: memory[s]["total"])
+    parts = memory[stage]
+    need = parts["total"] / GIB
+    if need <= limit.gib:
+        return None
+    sizes = {group: sum(parts[p] for p in members) / GIB for group, members in _GROUPS.items()}
+    largest = max(sizes, key=sizes.get)
+    held = ", ".join(f"{group} {gib:,.1f} GiB" for group, gib in sizes.items())
+    where = f" (stage {stage})" if len(memory) > 1 else ""
+    return (f"memory: needs {need:,.1f} GiB a GPU{where}, over {limit.source}: {held}; for the {largest} try "
+            f"{', '.join(_remedies(largest, plan, moments, rows))}, or --search to rank the plans that fit")
