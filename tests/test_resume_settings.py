@@ -86,6 +86,17 @@ def test_a_model_or_data_flag_against_the_run_is_refused_naming_it(run, flags, m
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
+
+def test_a_plan_the_run_had_that_does_not_fit_this_world_names_where_it_came_from(run):
+    settings = run / "settings.toml"
+    settings.write_text(settings.read_text().replace("\nep = 1\n", "\nep = 2\n"))
+    with pytest.raises(SystemExit, match=r"--ep=2 x --cp=1 x --tp=1 must equal the number of processes \(WORLD_SIZE=1\) "
+                                         r"\(ep=2 from the resumed run's .*settings\.toml: pass the flag to change it"):
+        train("--resume", "--out", run)
+    train("--resume", "--out", run, "--ep", 1)  # given, the flag wins: the run goes on
+    assert tomllib.loads(settings.read_text())["ep"] == 1
+
+
 def test_a_longer_run_continues_the_lr_without_a_jump_and_records_it(run, capsys):
     capsys.readouterr()
     train("--resume", "--out", run, "--steps", 12, "--stop-after", 8)

@@ -21,6 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ..params import glu_from_interleaved, glu_to_interleaved, named_leaves, param_table
+from .files import chmod_as_umask
 
 _EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)(_bias)?$")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.moe\.experts)\.(fc1|fc2)\.(weight|bias)(\d+)$")
@@ -111,6 +112,7 @@ def export_state_dict(path, full: dict, per_expert: bool = False, format: str = 
         torch.save(flat, path)
     elif format == "safetensors":
         safetensors_torch().save_file(flat, str(path))
+        chmod_as_umask(path)  # safetensors writes through a private (0600) temporary file
     else:
         raise ValueError(f"export_state_dict format={format!r} is invalid: allowed 'torch', 'safetensors'")
     return path

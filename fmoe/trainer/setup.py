@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -163,13 +164,19 @@ def _model_config(s: RunSettings, fields: dict, explicit: set, corpus: TokenCorp
     return base.replace(**{k: fields[k] for k in free if k in explicit})
 
 
+def _warn_once(line: str) -> None:
+    """A warning of the settings, which every rank checks alike: said by the main rank."""
+    if world_from_env().is_main:
+        tqdm.write(line, file=sys.stderr)
+
+
 def _corpus_and_model(s: RunSettings, fields: dict, explicit: set) -> tuple[RunSettings, TokenCorpus, ModelConfig]:
     """The corpus and the model; ``s`` with the sequence a packed corpus's rows fix,
     unless ``--seq`` is given."""
     base = hf.config(s.init_from_hf) if s.init_from_hf else None  # its folder named before its tokenizer
     corpus = _open_corpus(s)
     if base is not None:  # a corpus of another tokenizer (or bytes) is refused before any compute
-        check_model_tokenizer(corpus, s.init_from_hf, base.vocab)
+        check_model_tokenizer(corpus, s.init_from_hf, base.vocab, warn=_warn_once)
     if corpus.packed is not None and "seq" not in explicit:
         s = s.replace(seq=corpus.packed.row - 1)
     check_packed_seq(corpus, s.seq)
@@ -268,8 +275,12 @@ def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, a
     others = fields["pp"] * fields["ep"] * fields["cp"] * fields["tp"]
     dp = fields["dp"] if "dp" in explicit else max(1, world.size // others)
     if dp * others != world.size:
+        kept = [f"{k}={fields[k]}" for k in ("pp", "dp", "ep", "cp", "tp")
+                if k in run_file.had and k not in explicit and fields[k] != 1]
+        where = (f" ({', '.join(kept)} from the resumed run's {run_file.path}: pass the flag to change it; a "
+                 "checkpoint reshards to any plan)" if kept else "")
         raise ValueError(f"--pp={fields['pp']} x --dp={dp} x --ep={fields['ep']} x --cp={fields['cp']} x "
-                         f"--tp={fields['tp']} must equal the number of processes (WORLD_SIZE={world.size})")
+                         f"--tp={fields['tp']} must equal the number of processes (WORLD_SIZE={world.size}){where}")
     s, corpus, cfg = _corpus_and_model(s, fields, explicit)
     check_vocab(corpus, cfg.vocab)
     if corpus.packed is not None and fields["cp"] > 1:
