@@ -37,6 +37,8 @@ from .files import META_FILE, check_files, checkpoint_dir, checksums, staged_dir
 from .state_tree import decode, encode
 
 FORMAT_VERSION = 2
+
+
 class Checkpoint(NamedTuple):
     """What ``load`` returns: params and optimizer state laid out for the load plan (the
     full, unsharded pytrees on the CPU when ``load`` is given no plan), and the
