@@ -113,7 +113,12 @@ def test_the_folder_the_run_started_from_is_refused_as_out_even_with_overwrite(s
                 export_main(["export", str(checkpoint), "--out", str(out), "--overwrite"] + via)
     with pytest.raises(SystemExit, match=r"--out .*run is or holds the checkpoint, which the export reads"):
         export_main(["export", str(checkpoint), "--out", str(tmp_path / "run"), "--overwrite"])
-    assert files(source) == before
+    # --source naming a copy: the folder the run started from is still never replaced, nor the copy
+    copy = shutil.copytree(source, tmp_path / "copy")
+    for out, what in ((source, "the folder the run started from"), (copy, "--source")):
+        with pytest.raises(SystemExit, match=rf"^fmoe.hf export: --out {out} is or holds {what} "):
+            export_main(["export", str(checkpoint), "--out", str(out), "--overwrite", "--source", str(copy)])
+    assert files(source) == before == files(copy)
 
 
 def test_an_interrupted_or_failed_export_leaves_the_old_folder_and_nothing_else(byte_run, source, tmp_path,

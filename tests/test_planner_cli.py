@@ -231,6 +231,8 @@ def test_the_flags_are_only_those_that_differ_from_the_main_jobs_defaults():
         "--device", "cuda"]
     assert launcher(8, 8) == "torchrun --nproc-per-node 8" and launcher(1, 8) == "python"
     assert launcher(16, 8).startswith("torchrun --nnodes 2 --nproc-per-node 8 ")
+    assert launcher(12, 8).startswith("torchrun --nnodes 2 --nproc-per-node 6 ")  # the same count on each node
+    assert launcher(13, 8) == "(torchrun cannot split 13 processes evenly over 2 nodes of 8 GPUs)"
 
 
 def test_one_plan_prints_its_run_line_and_trace(capsys, tmp_path):

@@ -87,6 +87,15 @@ def test_a_model_or_data_flag_against_the_run_is_refused_naming_it(run, flags, m
 
 
 
+
+def test_a_run_resumes_with_its_own_model_settings_not_the_corpus_or_defaults(tmp_path):
+    # --vocab (else the corpus's) is read from the run's settings, not taken from the corpus again
+    out = tmp_path / "wide"
+    train(*RUN, "--vocab", 300, "--stop-after", 3, "--out", out)
+    train("--resume", "--out", out)
+    assert tomllib.loads((out / "settings.toml").read_text())["vocab"] == 300
+    assert [r["step"] for r in records(out)][-1] == 6
+
 def test_a_plan_the_run_had_that_does_not_fit_this_world_names_where_it_came_from(run):
     settings = run / "settings.toml"
     settings.write_text(settings.read_text().replace("\nep = 1\n", "\nep = 2\n"))

@@ -134,4 +134,11 @@ def test_under_fmoe_torchrun_a_worker_writes_its_line_to_the_error_file_and_prin
     assert json.loads(error_file.read_text())["message"].startswith(
         "python -m fmoe.train: error: unrecognized arguments: --stepz 2\n  --stepz: did you mean --steps")
     assert capsys.readouterr().err == ""
+    # an attempt torchrun will restart (--max-restarts left) says its line as well: the file is read only at the end
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    with pytest.raises(SystemExit):
+        fmoe.train.main(args)
+    assert capsys.readouterr().err == plain.value.code + "\n"
+    assert json.loads(error_file.read_text())["message"] == plain.value.code
     assert not (tmp_path / "run").exists()

@@ -83,8 +83,9 @@ def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16"
         raise ValueError(f"{where}: no config.json (a Hugging Face model directory has one)")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
-    target = check_out(out, overwrite, {f"the folder the run started from ({source})": source,
-                                        "the checkpoint": checkpoint})
+    started_from = run_source(checkpoint)  # protected even when --source names another folder
+    target = check_out(out, overwrite, {f"the folder the run started from ({started_from})": started_from,
+                                        f"--source ({source})": source, "the checkpoint": checkpoint})
     cfg = read_config(checkpoint)
     if source is not None:
         check_source(source, cfg, where)

@@ -64,7 +64,9 @@ def launcher(gpus: int, gpus_per_node: int) -> str:
     if gpus <= gpus_per_node:
         return f"torchrun --nproc-per-node {gpus}"
     nodes = -(-gpus // gpus_per_node)
-    return (f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-backend c10d "
+    if gpus % nodes:  # torchrun starts the same number of processes on every node
+        return f"(torchrun cannot split {gpus} processes evenly over {nodes} nodes of {gpus_per_node} GPUs)"
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {gpus // nodes} --rdzv-backend c10d "
             "--rdzv-endpoint HOST:29500")
 
 

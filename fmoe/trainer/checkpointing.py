@@ -156,5 +156,11 @@ def prepare_out(run: Run) -> None:
 def _write_atomically(path: Path, text: str) -> None:
     """``path`` holds ``text``, or what it held before: never a part of either."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no temporary file

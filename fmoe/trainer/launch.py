@@ -127,12 +127,17 @@ def exit_with(line: str, consequence: bool = False) -> SystemExit:
 
     Returns:
         ``SystemExit(line)`` (Python prints it, exit status 1); under fmoe.torchrun
-        ``SystemExit(1)`` with ``line`` written to the error file instead.
+        ``SystemExit(1)`` with ``line`` written to the error file instead, and printed
+        too when torchrun will restart the workers (``--max-restarts`` left): it reads
+        the error files only when it gives up, so an attempt it restarts would
+        otherwise end without its cause.
     """
     path = error_file()
     if path is None:
         return SystemExit(line)
     write_error_file(path, line, consequence)
+    if _env_int("TORCHELASTIC_RESTART_COUNT", 0) < _env_int("TORCHELASTIC_MAX_RESTARTS", 0):
+        print(line, file=sys.stderr)
     return SystemExit(1)
 
 

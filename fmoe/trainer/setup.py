@@ -242,7 +242,7 @@ def prepare(argv=None, adapters: Adapters | None = None, lock: bool = False) -> 
     s, fields = options.split(merged)
     check_paths(s, explicit)
     if s.print_config:  # what it prints would run: the model and plan fields are checked too
-        s, _, cfg = _corpus_and_model(s, fields, explicit)
+        s, _, cfg = _corpus_and_model(s, fields, explicit | set(run_file.had))
         preset = f"# preset{options.preset_summary(s.config)[1:]}\n" if s.config in options.presets() else ""
         return preset + settings_file(s, fields, explicit, options.plan_for(fields, cfg))
     world = world_from_env()
@@ -281,7 +281,9 @@ def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, a
                  "checkpoint reshards to any plan)" if kept else "")
         raise ValueError(f"--pp={fields['pp']} x --dp={dp} x --ep={fields['ep']} x --cp={fields['cp']} x "
                          f"--tp={fields['tp']} must equal the number of processes (WORLD_SIZE={world.size}){where}")
-    s, corpus, cfg = _corpus_and_model(s, fields, explicit)
+    # the resumed run's own model settings (its --vocab, a fine-tune's training fields) build its model as if
+    # given, though they are not "explicit" for the checks that compare flags with the run
+    s, corpus, cfg = _corpus_and_model(s, fields, explicit | set(run_file.had))
     check_vocab(corpus, cfg.vocab)
     if corpus.packed is not None and fields["cp"] > 1:
         invalid("cp", fields["cp"], f"context parallelism takes one sequence per row; {corpus.source} is packed "
