@@ -593,7 +593,7 @@ def test_help_gives_every_field_its_meaning_choices_and_default():
     flat = " ".join(text.split())  # argparse wraps help lines
     docs = {**fmoe.config.field_docs(fmoe.ModelConfig), **fmoe.config.field_docs(fmoe.Plan)}
     for name in [*options.MODEL_FIELDS, *options.PLAN_FIELDS]:
-        assert options._flag(name) in text, name
+        assert options.flag(name) in text, name
         assert " ".join(docs[name].split()[:6]) in flat, name  # the docstring's words, not a second copy
     assert "One of: no_shard, optim, optim_grads, optim_grads_params. (default: 'no_shard')" in flat
     dim_help = flat.split("--dim INT token vocabulary", 1)[1].split(" --", 1)[0]

@@ -35,6 +35,21 @@ def write_atomically(text: str, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def replace_file(path, text: str) -> None:
+    """``path`` holds ``text``, or what it held before, never a part of either: a
+    temporary sibling written, synced and renamed over it (removed if the write fails)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def chmod_as_umask(path: Path) -> None:
     """Give the file ``path`` the mode ``open`` gives a new file under the process's umask
     (0644 under the usual 022): writers that go through a private temporary file

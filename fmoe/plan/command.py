@@ -23,10 +23,9 @@ def _setting(name: str, value):
 
 
 def _flag(name: str, value, kind: type) -> list[str]:
-    flag = "--" + name.replace("_", "-")
     if kind is bool:
-        return [flag if value else "--no-" + flag[2:]]
-    return [flag, shlex.quote(repr(value) if isinstance(value, float) else str(value))]
+        return [options.flag(name) if value else "--no-" + options.flag(name)[2:]]
+    return [options.flag(name), shlex.quote(repr(value) if isinstance(value, float) else str(value))]
 
 
 def train_flags(plan: Plan, run: dict, vocab_from_data: bool = False, config: str = "") -> list[str]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from ..checkpoint.files import replace_file
 from .memory import PARTS, estimate_memory
 from .simulate import Simulation
 
@@ -73,7 +72,5 @@ def chrome_trace(sim: Simulation, path) -> Path:
                "dur": (span.end - span.start) * 1e6, "args": {"stage": run.stage, "mb": span.mb}}
               for run in sim.stages for span in run.spans]
     path = Path(path)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    os.replace(f.name, path)
+    replace_file(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return path

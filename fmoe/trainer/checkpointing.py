@@ -6,7 +6,6 @@ ready."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from .. import hf
 from ..checkpoint import Checkpoint, load, save
+from ..checkpoint.files import replace_file
 from ..data import tokenizer_record
 from ..initialize import init
 from . import lr_schedule
@@ -148,19 +148,6 @@ def prepare_out(run: Run) -> None:
         remove(stale)
         run.say(f"removed {len(stale)} staging folder(s) left in {run.out} by an interrupted save")
     run.out.mkdir(parents=True, exist_ok=True)
-    _write_atomically(run.out / "settings.toml", run.settings_toml)  # a resumed run reads it back
+    replace_file(run.out / "settings.toml", run.settings_toml)  # a resumed run reads it back
     if run.corpus.tokenizer is not None:
         shutil.copyfile(run.corpus.tokenizer, run.out / "tokenizer.json")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``path`` holds ``text``, or what it held before: never a part of either."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a write that failed (a full disk) leaves no temporary file

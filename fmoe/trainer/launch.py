@@ -25,6 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.files import replace_file
+
 
 class World(NamedTuple):
     """Where this process stands: ``rank`` of ``size`` processes, ``local_rank`` on its node."""
@@ -116,10 +118,7 @@ def write_error_file(path: str, message: str, consequence: bool = False) -> None
     another rank's failure (a collective that failed), so fmoe.torchrun prefers a
     rank's own error to it."""
     data = {"message": message, "timestamp": int(time.time()), "fmoe": {"consequence": consequence}}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    replace_file(path, json.dumps(data))
 
 
 def exit_with(line: str, consequence: bool = False) -> SystemExit:

@@ -6,13 +6,12 @@ in one transfer (``to_host``)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.files import write_atomically
+from ..checkpoint.files import replace_file
 
 # The project quotes MFU against the bf16 dense-GEMM throughput measured on its GPUs
 # (shared/device/ceilings.md: 789 TFLOP/s on H100 / H200), not the datasheet number.
@@ -62,9 +61,7 @@ class MetricsLog:
     def __init__(self, out_dir: Path, enabled: bool, resumed_at: int | None, tensorboard: bool):
         path = out_dir / "metrics.jsonl"
         if enabled and resumed_at is not None and path.exists():
-            tmp = path.with_name(path.name + ".tmp")
-            write_atomically("".join(_records_through(path, resumed_at)), tmp)
-            os.replace(tmp, path)
+            replace_file(path, "".join(_records_through(path, resumed_at)))
         self.file = open(path, "a" if resumed_at is not None else "w") if enabled else None
         self.writer = None
         if enabled and tensorboard:

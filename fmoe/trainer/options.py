@@ -55,7 +55,8 @@ def presets() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+    """The flag of the setting ``name``: ``shared_ffn`` -> ``--shared-ffn``."""
     return "--" + name.replace("_", "-")
 
 
@@ -117,11 +118,11 @@ def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
                 help_ += f" (default: {_shown(defaults[name])})"
             help_ = help_.replace("%", "%%")
             if kind is bool and title == "run" and name not in FOLDER_ACTIONS:
-                group.add_argument(_flag(name), action="store_true", help=help_)
+                group.add_argument(flag(name), action="store_true", help=help_)
             elif kind is bool:
-                group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, help=help_)
+                group.add_argument(flag(name), action=argparse.BooleanOptionalAction, help=help_)
             else:
-                group.add_argument(_flag(name), type=kind, help=help_, metavar=kind.__name__.upper())
+                group.add_argument(flag(name), type=kind, help=help_, metavar=kind.__name__.upper())
     return ap
 
 

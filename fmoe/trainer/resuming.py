@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..checkpoint import read_meta
-from .options import FOLDER_ACTIONS, MODEL_FIELDS, read_toml
+from .options import FOLDER_ACTIONS, MODEL_FIELDS, flag, read_toml
 
 # What the data a step sees depends on: a resumed run must agree on them. The corpus is
 # compared by content (``corpus_fingerprint``), so a moved corpus or another spelling of
@@ -73,10 +73,6 @@ class RunFile:
         return self.had
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _shown(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -117,16 +113,16 @@ def check(run_file: RunFile, settings: dict, explicit: set, extra: dict) -> Resu
             continue
         value = settings[key]
         if key in DATA_KEYS and key in extra and extra[key] != value:
-            refused.append(f"{_flag(key)}={value!r}, but the checkpoint was trained with {extra[key]!r}")
+            refused.append(f"{flag(key)}={value!r}, but the checkpoint was trained with {extra[key]!r}")
         elif key not in extra and key in had and had[key] != value:
-            refused.append(f"{_flag(key)}={value!r} contradicts the run's {key}={had[key]!r} ({run_file.path})")
+            refused.append(f"{flag(key)}={value!r} contradicts the run's {key}={had[key]!r} ({run_file.path})")
     if refused:
         raise ValueError("cannot resume: " + "; ".join(refused) + ": a resumed run keeps its model and data "
                          "settings (leave those flags out)")
     if run_file.path is None:  # nothing to compare the training settings with
         return Resumed({}, (f"warning: {settings['out']} holds no settings.toml (a run of an older fmoe?): the "
                             "resumed run has the flags given and the defaults, not necessarily its own settings",))
-    overrides = tuple(f"{_flag(key)} {_shown(settings[key])} (the run had {_shown(had[key])})"
+    overrides = tuple(f"{flag(key)} {_shown(settings[key])} (the run had {_shown(had[key])})"
                       for key in settings if key in explicit and key not in FIXED and key != "steps" and key in had
                       and had[key] != settings[key])
     return Resumed(dict(had), overrides)
