@@ -1,5 +1,6 @@
 #!/bin/bash
-# The whole GPU test suite (`pytest -m gpu`) in five parts, each one pytest process in the suite's own
+# The whole GPU test suite (`pytest -m "gpu and not presets"`: the presets' main jobs have their own
+# script, run_graphed_presets_device.sh) in five parts, each one pytest process in the suite's own
 # order on cold Triton and inductor caches (fresh folders, as on a fresh machine):
 #   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh 1      (then 2 to 5 in later calls)
 #   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh all    (4 GPUs: the parts side by side)
@@ -31,7 +32,7 @@ files_of_part() {  # the GPU test files of part $1
 run_part() {  # part $1 on the visible GPUs: pytest, then its summary
   local log="$OUT/gpu_suite_$1.log" start=$(date +%s) rc
   TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout $(( ${LIMIT_S:-540} - start + began )) \
-    python -m pytest -v -m gpu -p no:cacheprovider -W ignore --durations=15 $(files_of_part "$1") > "$log" 2>&1
+    python -m pytest -v -m "gpu and not presets" -p no:cacheprovider -W ignore --durations=15 $(files_of_part "$1") > "$log" 2>&1
   rc=$?
   echo "part $1 ($(files_of_part "$1" | xargs -n1 basename | tr '\n' ' ')): pytest exit $rc" \
        "($([ $rc = 124 ] && echo 'cut at the time limit' || echo 'finished')) in $(( $(date +%s) - start )) s"

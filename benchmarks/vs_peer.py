@@ -425,9 +425,15 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
              + (" graphed " + "+".join(scopes) if scopes else ""))
     system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
               + (" + step graph" if graph else ""))
-    return dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
-                tokens=args.batch * args.seq * blocks // bench.world,
-                first_s=first_s, peak=peak, loss=float(loss), compiled=compile, **bench.profiled(step))
+    row = dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
+               tokens=args.batch * args.seq * blocks // bench.world,
+               first_s=first_s, peak=peak, loss=float(loss), compiled=compile, **bench.profiled(step))
+    # graphs holding NCCL's collectives freed now: destroy_process_group would hang on them
+    if "graph" in held:
+        held["graph"].release()
+    held.pop("kernels", None)
+    gc.collect()
+    return row
 
 
 def freed(bench: Bench, row: dict) -> dict:

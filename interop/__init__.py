@@ -11,10 +11,10 @@ The core never imports from here.
 
 from fmoe.backends import declare_expert_backend
 
-from .cuda_graph import GraphedStep, GraphedTrainStep, capture_scopes, capture_step, check_capturable
+from .cuda_graph import CaptureError, GraphedStep, GraphedTrainStep, capture_scopes, capture_step, check_capturable
 from .module import FMoEModule, MoELayer
 
 declare_expert_backend("te", "interop.te")
 
-__all__ = ["FMoEModule", "GraphedStep", "GraphedTrainStep", "MoELayer", "capture_scopes", "capture_step",
-           "check_capturable"]
+__all__ = ["CaptureError", "FMoEModule", "GraphedStep", "GraphedTrainStep", "MoELayer", "capture_scopes",
+           "capture_step", "check_capturable"]

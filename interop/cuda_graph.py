@@ -44,7 +44,7 @@ from fmoe import Plan, StepOutput
 from fmoe.step import Prepared, check_batch, check_params, global_targets, prepare_step, run_step
 
 from .capturable import SCOPES, check_capturable
-from .graph_capture import graph_forward, graph_pair, warm_up
+from .graph_capture import CaptureError, capturing, graph_forward, graph_pair, warm_up
 from .graph_scopes import NotGraphed, capture_scopes
 
 
@@ -61,6 +61,16 @@ class GraphedStep:
         self.static_params, self.static_batch, self.divisor = static_params, prepared.batch, prepared.divisor
         self.setup = prepared.setup
 
+    def release(self) -> None:
+        """Free the graph now, with the memory and the collectives it holds; it cannot
+        replay after. Call it before ``torch.distributed.destroy_process_group``: NCCL
+        cannot destroy a communicator while a graph that captured its collectives
+        lives, and the process hangs at exit (pytorch/pytorch#115388)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()  # no replay still running
+            self.graph.reset()
+        self.graph = None
+
     def __call__(self, params: dict, batch: dict) -> StepOutput:
         """Copy ``params`` and ``batch`` into the graph's buffers and replay it.
 
@@ -69,6 +79,8 @@ class GraphedStep:
         captured shapes and keys. The loss's divisor, the global count of counted
         targets, is data too: the graph reads it from a device scalar.
         """
+        if self.graph is None:
+            raise ValueError("this GraphedStep was released (release()): capture the step again")
         check_params(params, self.plan, self.setup)
         checked = check_batch(batch, self.plan)
         static = self.static_batch
@@ -122,6 +134,7 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     Raises:
         ValueError: the plan reads device values on the host during a step (see
             ``check_capturable``) or the inputs are invalid for ``fmoe.step``.
+        CaptureError: a compiled kernel would compile inside the capture.
     """
     check_capturable(plan, ("step",))
     prepared = prepare_step(params, batch, plan)
@@ -130,18 +143,32 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
     prepared = _own_batch(prepared)
     warm_up(lambda: run_step(static_params, prepared, plan), warmup)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with capturing(graph):
         out = run_step(static_params, prepared, plan)
     return GraphedStep(plan, graph, static_params, prepared, out)
 
 
 def _own_batch(prepared: Prepared) -> Prepared:
-    """``prepared`` with the graph's own copies of the batch (targets cloned apart from
-    the tokens they may view), which each replay's batch is copied into."""
+    """``prepared`` with the graph's own copies of the batch (targets apart from the
+    tokens they may view), which each replay's batch is copied into. Each copy keeps
+    its tensor's strides: compiled kernels guard on them, and a batch cut from one
+    ``[B, S + 1]`` buffer (tokens and targets with row stride S + 1) that the eager steps
+    saw must look the same to the capture, or the head would compile inside it."""
     b = prepared.batch
-    static_batch = b._replace(tokens=b.tokens.clone(), targets=b.targets.clone(),
-                              segments=None if b.segments is None else b.segments.clone())
+    static_batch = b._replace(tokens=strided_copy(b.tokens), targets=strided_copy(b.targets),
+                              segments=None if b.segments is None else strided_copy(b.segments))
     return prepared._replace(batch=static_batch)
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its shape and strides (``clone`` makes a strided view
+    dense), or a dense one where its elements overlap (an expanded tensor)."""
+    reach = 0  # the farthest offset the dims of smaller stride reach
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda dim: dim[1]):
+        if size > 1 and stride <= reach:
+            return t.clone(memory_format=torch.contiguous_format)
+        reach += (size - 1) * stride
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
 class GraphedTrainStep:
@@ -169,7 +196,10 @@ class GraphedTrainStep:
     graph's own tensors, written in place by each replay (a donating optimizer writes
     them directly; other leaves are copied back inside the graph): pass them back in.
     Other tensors passed in are copied into them first. ``out`` lives in the graph's
-    memory, overwritten by the next call. The batch shape is fixed at the capture.
+    memory, overwritten by the next call. The batch's shape and layout are fixed at the
+    capture: a compiled kernel that would compile again inside it raises CaptureError.
+    ``release()`` frees the graph (before ``destroy_process_group``: see
+    ``GraphedStep.release``).
     """
 
     def __init__(self, plan: Plan, update, warmup: int = 2):
@@ -178,6 +208,12 @@ class GraphedTrainStep:
             raise ValueError(f"warmup={warmup!r} is invalid: an int >= 1 (eager steps before the capture)")
         self.plan, self.update, self.warmup = plan, update, warmup
         self.eager_steps, self.graphed, self.static_state = 0, None, None
+
+    def release(self) -> None:
+        """Free the captured graph (``GraphedStep.release``); the next call captures again."""
+        if self.graphed is not None:
+            self.graphed.release()
+        self.graphed, self.static_state = None, None
 
     def __call__(self, params: dict, opt_state, batch: dict):
         if self.graphed is None and self.eager_steps < self.warmup:
@@ -203,7 +239,7 @@ class GraphedTrainStep:
     def _capture(self, params, opt_state, batch):
         prepared = _own_batch(prepare_step(params, batch, self.plan))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with capturing(graph):
             out = run_step(params, prepared, self.plan)
             new_params, new_state = self.update(out, params, opt_state)
             for name, new, static in (("params", new_params, params), ("opt_state", new_state, opt_state)):
@@ -214,5 +250,5 @@ class GraphedTrainStep:
         return GraphedStep(self.plan, graph, params, prepared, out), opt_state
 
 
-__all__ = ["SCOPES", "GraphedStep", "GraphedTrainStep", "NotGraphed", "capture_scopes", "capture_step",
-           "check_capturable", "graph_forward", "graph_pair"]
+__all__ = ["SCOPES", "CaptureError", "GraphedStep", "GraphedTrainStep", "NotGraphed", "capture_scopes",
+           "capture_step", "check_capturable", "graph_forward", "graph_pair", "strided_copy"]

@@ -1,10 +1,12 @@
 """CUDA-graph capture of a function on static inputs, every capture thread-local:
 ``graph_pair`` (a forward and a backward graph, replayed by an autograd function) and
 ``graph_forward`` (one graph, no gradient); ``warm_up`` runs a function on a side stream
-first, so lazy initialisation is not captured."""
+first, so lazy initialisation is not captured; ``capturing`` is every capture's context,
+in which nothing compiles (``compiles_nothing``: ``CaptureError`` says what would have)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import optree
@@ -25,6 +27,55 @@ def warm_up(run, iters: int):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     return result
+
+
+class CaptureError(ValueError):
+    """A capture that would compile: a ``torch.compile``d function met inputs its eager
+    warm-up never showed it (another shape, dtype or memory layout), or was first called
+    inside the capture. Raised before that function launches anything."""
+
+
+# torch's message for a frame the stance stopped from compiling (torch 2.6 to 2.13)
+_STANCE_REFUSED = "torch.compile stance is 'fail_on_recompile'"
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
+    """``torch.cuda.graph(graph, capture_error_mode="thread_local", **kwargs)`` in which
+    nothing compiles (``compiles_nothing``): a capture replays what the warm-up compiled."""
+    with compiles_nothing(), torch.cuda.graph(graph, capture_error_mode="thread_local", **kwargs):
+        yield
+
+
+@contextlib.contextmanager
+def compiles_nothing():
+    """Inside, a ``torch.compile``d function that would compile (again, or for the first
+    time) raises CaptureError naming it and the guard that missed, before it runs.
+    Compiling inside a capture would fail in inductor with a CUDA error from its first
+    host copy, or invalidate the capture."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            yield
+    except RuntimeError as err:
+        if _STANCE_REFUSED not in str(err):
+            raise
+        raise CaptureError(_compile_refused(str(err))) from None
+
+
+def _compile_refused(message: str) -> str:
+    """CaptureError's one line from torch's refusal: the function, where it is, and
+    the guards that failed (torch's lines joined where they are not in that form)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    fields = dict(part.split(": ", 1) for part in lines[0].split(". ", 1)[-1].split(", ") if ": " in part)
+    if not {"function name", "filename", "line number"} <= fields.keys():
+        what = " ".join(lines)
+    else:
+        guards = [line[2:] for line in lines[1:] if line.startswith("- ") and not line.startswith("- User stack")]
+        what = (f"{fields['function name'].strip(chr(39))} ({fields['filename'].strip(chr(39))}:"
+                f"{fields['line number']})" + (f" (its guards: {'; '.join(guards[:3])})" if guards
+                                               else " (the warm-up never called it)"))
+    return (f"a CUDA graph's capture would compile {what}: everything a graph replays must compile in the "
+            "eager steps before it, on inputs of the captured shapes, dtypes and memory layouts")
 
 
 def _copy_in(statics, tensors) -> None:
@@ -104,10 +155,10 @@ def graph_pair(fn, inputs: tuple, warmup: int = 3):
     warm_up(forward_backward, warmup)
     pool = torch.cuda.graph_pool_handle()  # the backward graph reads the forward's saved tensors
     forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+    with capturing(forward_graph, pool=pool):
         outputs, treespec = optree.tree_flatten(fn(*inputs))
     output_grads = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
-    with torch.cuda.graph(backward_graph, pool=pool, capture_error_mode="thread_local"):
+    with capturing(backward_graph, pool=pool):
         input_grads = _input_grads(outputs, output_grads, inputs)
     pair = _GraphPair(forward_graph, backward_graph, inputs, tuple(outputs), tuple(output_grads), input_grads,
                       treespec)
@@ -124,7 +175,7 @@ def graph_forward(fn, inputs: tuple, warmup: int = 3):
     with torch.no_grad():
         warm_up(lambda: fn(*inputs), warmup)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with capturing(graph):
             output = fn(*inputs)
 
     def call(*tensors):
@@ -135,4 +186,4 @@ def graph_forward(fn, inputs: tuple, warmup: int = 3):
     return call
 
 
-__all__ = ["graph_forward", "graph_pair", "warm_up"]
+__all__ = ["CaptureError", "capturing", "compiles_nothing", "graph_forward", "graph_pair", "warm_up"]

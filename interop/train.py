@@ -16,7 +16,7 @@ import importlib
 from fmoe import train
 from fmoe.trainer.setup import Adapters
 
-from .cuda_graph import GraphedTrainStep, capture_scopes, check_capturable
+from .cuda_graph import CaptureError, GraphedTrainStep, capture_scopes, check_capturable
 
 
 def load_backend(module: str) -> None:
@@ -26,7 +26,7 @@ def load_backend(module: str) -> None:
     importlib.import_module(module)
 
 
-ADAPTERS = Adapters(check_capturable, GraphedTrainStep, capture_scopes, load_backend)
+ADAPTERS = Adapters(check_capturable, GraphedTrainStep, capture_scopes, load_backend, CaptureError)
 
 
 def main(argv=None) -> dict:

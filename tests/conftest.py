@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "presets: a GPU preset's main job, minutes each (benchmarks/"
+                            "run_graphed_presets_device.sh; left out of the GPU suite's parts)")
     # One process compiles the node kernels for dozens of model configs (a run has one),
     # each a graph of its own: past dynamo's default limit of 8 per function a
     # fullgraph region fails instead of compiling the next config.

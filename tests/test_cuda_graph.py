@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import fmoe
-from interop.cuda_graph import GraphedTrainStep, capture_scopes, capture_step, check_capturable
+from interop.cuda_graph import (CaptureError, GraphedTrainStep, capture_scopes, capture_step, check_capturable,
+                                strided_copy)
+from interop.graph_capture import compiles_nothing
 
 from .dist.harness import free_port
 from .dist.workloads import CFG, global_batch, graphed_losses
@@ -90,6 +92,44 @@ def test_capture_refuses_before_any_work():
         GraphedTrainStep(fmoe.Plan(model=MODEL, **BF16), lambda out, p, s: (p, s), warmup=0)
 
 
+def test_the_graphs_own_batch_keeps_the_strides_compiled_kernels_guard_on():
+    # fmoe.step's targets view the tokens (row stride S + 1); a dense copy would make a
+    # compiled head compile again inside the capture
+    buf = torch.arange(4 * 9).view(4, 9)
+    for t in (buf[:, 1:], buf[:, :-1], buf.t(), buf[:, ::2], buf):
+        copy = strided_copy(t)
+        assert torch.equal(copy, t) and copy.stride() == t.stride() and copy.data_ptr() != t.data_ptr()
+    expanded = torch.arange(5).expand(3, 5)  # overlapping elements: a dense copy
+    assert torch.equal(strided_copy(expanded), expanded) and strided_copy(expanded).stride() == (5, 1)
+
+
+def _doubled(x):
+    return x * 2
+
+
+def _tripled(x):
+    return x * 3
+
+
+def test_a_compile_inside_a_capture_is_refused_naming_the_function_and_its_guard():
+    # compiles_nothing is every capture's context; a compile there would fail in inductor
+    # with a CUDA error (its first host copy) instead of this line
+    doubled = torch.compile(_doubled, backend="eager", dynamic=False)
+    tripled = torch.compile(_tripled, backend="eager", dynamic=False)
+    buf = torch.randn(3, 7)
+    doubled(buf[:, :-1])
+    with compiles_nothing():  # the same guards: the compiled code runs
+        assert torch.equal(doubled(buf[:, 1:]), buf[:, 1:] * 2)
+    with pytest.raises(CaptureError, match=r"capture would compile _doubled \(.*test_cuda_graph.py:\d+\) \(its "
+                                           r"guards: .*tensor 'x' stride mismatch at index 0\. expected 7, actual 6"):
+        with compiles_nothing():
+            doubled(buf[:, :-1].contiguous())
+    with pytest.raises(CaptureError, match=r"would compile _tripled .*the warm-up never called it"):
+        with compiles_nothing():
+            tripled(buf)
+    assert torch.equal(doubled(buf[:, :-1].contiguous()), buf[:, :-1] * 2)  # outside, it compiles
+
+
 def _train_update(opt, rate):
     def update(out, params, state):
         params, state = opt.update(out.grads, state, params)
@@ -98,6 +138,22 @@ def _train_update(opt, rate):
                                              applied=state.applied)
         return params, state
     return update
+
+
+def _train_loop(plan, batches, update, params, state, graphed=None):
+    """A step and ``update`` per batch, eager or through ``graphed`` (a GraphedTrainStep):
+    the losses, the last params and state, and (graphed) where the params and state
+    lived after each step."""
+    losses, places = [], []
+    for batch in batches:
+        if graphed is None:
+            out = fmoe.step(params, batch, plan)
+            params, state = update(out, params, state)
+        else:
+            out, params, state = graphed(params, state, batch)
+            places.append([t.data_ptr() for t in optree.tree_leaves((params, state))])
+        losses.append(out.loss.clone())
+    return torch.stack(losses), params, state, places
 
 
 @pytest.mark.gpu
@@ -121,16 +177,8 @@ def test_graphed_train_steps_are_bitwise_the_eager_loop(optimizer):
                          moments="bfloat16" if optimizer == "fused-bf16-moments" else "float32")
         state, update = opt.init(params), _train_update(opt, rate)
         graphed = GraphedTrainStep(plan, update) if mode == "graph" else None
-        losses, places = [], []
-        for batch in batches:
-            if graphed is None:
-                out = fmoe.step(params, batch, plan)
-                params, state = update(out, params, state)
-            else:
-                out, params, state = graphed(params, state, batch)
-                places.append([t.data_ptr() for t in optree.tree_leaves((params, state))])
-            losses.append(out.loss.clone())
-        results[mode] = (torch.stack(losses), params, state)
+        losses, params, state, places = _train_loop(plan, batches, update, params, state, graphed)
+        results[mode] = (losses, params, state)
         if graphed is not None:  # from the capture (the third call) on, the graph's own tensors
             assert places[2] == places[3] == places[5]
     (want_losses, want_params, want_state), (got_losses, got_params, got_state) = results["eager"], results["graph"]
@@ -138,6 +186,46 @@ def test_graphed_train_steps_are_bitwise_the_eager_loop(optimizer):
     assert torch.equal(got_losses, want_losses), (got_losses, want_losses)
     assert_trees_equal(got_params, want_params)
     assert_trees_equal(got_state, want_state)
+
+
+@pytest.mark.gpu
+def test_graphed_train_step_of_a_compiled_plan_replays_what_its_eager_steps_compiled():
+    # The targets fmoe.step reads view the tokens (row stride S + 1), and compiled kernels
+    # guard on strides: the capture's own batch keeps them, so nothing compiles inside
+    # the capture (the presets' main jobs failed there with a dense copy) and every
+    # replay is the compiled eager loop's, bit for bit. release() frees the graph.
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), compile=True, **BF16)
+    batches = [{"tokens": global_batch(seed=s).cuda()} for s in range(5)]
+    losses = {}
+    for mode in ("eager", "graph"):
+        params = fmoe.init(plan, seed=0)
+        opt = fmoe.adamw(lr=1e-2, weight_decay=0.1, plan=plan, fused=True, donate=True)
+        state, update = opt.init(params), _train_update(opt, 0.0)
+        graphed = GraphedTrainStep(plan, update) if mode == "graph" else None
+        losses[mode] = _train_loop(plan, batches, update, params, state, graphed)[0]
+        if graphed is not None:
+            assert graphed.graphed is not None
+            graphed.release()
+            assert graphed.graphed is None
+    assert len(set(losses["eager"].tolist())) == len(batches)
+    assert torch.equal(losses["graph"], losses["eager"])
+
+
+@pytest.mark.gpu
+def test_a_capture_that_would_compile_raises_capture_error_and_leaves_the_device_working():
+    plan = fmoe.Plan(model=CFG.replace(dim=64, ffn=32, shared_ffn=16), compile=True, **BF16)
+    params = fmoe.init(plan, seed=0)
+    opt = fmoe.adamw(lr=1e-2, plan=plan)
+    state = opt.init(params)
+    graphed = GraphedTrainStep(plan, _train_update(opt, 0.0))
+    for seed in (0, 1):  # eager, on dense [16, 13] token rows
+        _, params, state = graphed(params, state, {"tokens": global_batch(seed=seed).cuda()})
+    wide = torch.cat([global_batch(seed=2), global_batch(seed=3)], 1).cuda()  # rows of stride 26
+    with pytest.raises(CaptureError, match=r"capture would compile head_loss_sum .*stride mismatch"):
+        graphed(params, state, {"tokens": wide[:, :13]})
+    assert graphed.graphed is None
+    out = fmoe.step(params, {"tokens": global_batch(seed=4).cuda()}, plan)  # no CUDA error left behind
+    assert torch.isfinite(out.loss)
 
 
 @pytest.mark.gpu

@@ -136,6 +136,19 @@ def test_released_models_have_their_published_sizes(name):
     assert mine / 1e9 == pytest.approx(active, rel=0.02)
 
 
+def test_the_qwen3_30b_preset_is_the_released_shape_in_the_plan_the_search_ranks_first(capsys):
+    # python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search: one
+    # machine of 4 x H200; its best plan is the preset's own, so its run line adds no flag
+    # (the released config.json turns the router's aux loss off, output_router_logits=false, as
+    # for inference; training from scratch uses its router_aux_loss_coef)
+    settings, _ = options.resolve(["--config", "qwen3-30b-a3b"])
+    assert options.model_config(settings) == model("qwen3-30b-a3b").replace(aux_loss_coef=1e-3)
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--search")
+    assert code == 0
+    assert "run it: torchrun --nproc-per-node 4 -m fmoe.train --config qwen3-30b-a3b\n" in out
+    assert re.search(r"^best: pp=1 dp=1 ep=4 .*schedule=1f1b_overlap microbatches=2 remat=none", out, re.M)
+
+
 def test_released_models_read_their_config_json_keys():
     v3 = model("deepseek-v3")
     assert (v3.kv_lora_rank, v3.q_lora_rank, v3.rope_head_dim, v3.v_head_dim, v3.head_dim) == (512, 1536, 64, 128, 192)

@@ -2,6 +2,7 @@
 Hugging Face initialisation, preemption, a dead rank, non-finite steps."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -152,7 +153,7 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     merged = tomllib.loads(proc.stdout)
     assert (merged["steps"], merged["kv_heads"], merged["norm_topk_prob"], merged["lr"]) == (3, 2, False, 3e-3)
     assert merged["sharding"] == "optim_grads_params" and merged["units"] == ""
-    assert len(options.presets()) == 11
+    assert len(options.presets()) == 12
     assert options.resolve([])[0]["log_every"] == 1  # the CPU default logs every step; GPU presets every 10
     assert {options.resolve(["--config", p])[0]["log_every"] for p in options.presets() if p != "cpu"} == {10}
     for preset in options.presets():  # every shipped preset builds a valid model and plan
@@ -569,10 +570,22 @@ def test_non_finite_from_the_first_step_blames_a_setting_and_says_no_checkpoint_
     assert "No checkpoint was saved before them" in text and "a setting is the likely cause" in text
 
 
+def test_a_heldout_split_shorter_than_a_batch_is_evaluated_in_the_rows_it_holds(tmp_path, capsys):
+    # the embedded corpus holds 12 held-out rows of 2048: a preset's global batch on
+    # several GPUs is more, and the job evaluates on what there is instead of refusing
+    args = SMALL + ["--batch", 12, "--seq", 512, "--microbatches", 2, "--heldout-fraction", 0.01]
+    summary = train_main(list(map(str, args + ["--out", tmp_path / "a"])))
+    out = capsys.readouterr().out
+    assert "the held-out split holds 9 rows of 512 positions, fewer than --batch 12: each evaluation takes 8 of them" \
+        in out and math.isfinite(summary["heldout_loss"])
+    train_main(list(map(str, args + ["--batch", 4, "--out", tmp_path / "b"])))  # 9 rows hold a batch of 4
+    assert "held-out split holds" not in capsys.readouterr().out
+
+
 def test_errors_found_after_setup_are_one_line_and_leave_no_run_behind(tmp_path):
-    # a held-out split shorter than one batch is found when the job builds its batches
+    # a held-out split shorter than one row is found when the job builds its batches
     with pytest.raises(SystemExit) as err:
-        train_main(list(map(str, SMALL + ["--batch", 64, "--seq", 512, "--heldout-fraction", 0.01,
+        train_main(list(map(str, SMALL + ["--batch", 64, "--seq", 512, "--heldout-fraction", 0.001,
                                           "--out", tmp_path / "a"])))
     assert str(err.value).startswith("fmoe.train: ValueError: the held-out split of") and "\n" not in str(err.value)
     assert not (tmp_path / "a").exists()

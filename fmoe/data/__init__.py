@@ -24,6 +24,7 @@ from .tokens import (
     TokenCorpus,
     check_packed_seq,
     corpus_unigram,
+    heldout_rows,
     heldout_set,
     train_batch,
     check_corpus,
@@ -39,8 +40,9 @@ from .tokens import (
 )
 from .tokenizer_match import check_model_tokenizer, same_tokenizer, tokenizer_digest
 
-__all__ = ["PackedRows", "TokenCorpus", "check_model_tokenizer", "check_packed_seq", "corpus_unigram", "heldout_set",
-           "train_batch", "check_corpus", "check_vocab", "corpus_bytes", "corpus_fingerprint", "embedded_corpus",
+__all__ = ["PackedRows", "TokenCorpus", "check_model_tokenizer", "check_packed_seq", "corpus_unigram", "heldout_rows",
+           "heldout_set", "train_batch", "check_corpus", "check_vocab", "corpus_bytes", "corpus_fingerprint",
+           "embedded_corpus",
            "heldout_batches", "open_corpus", "prepare", "random_windows", "recorded_tokenizer", "same_tokenizer",
            "sample_batch", "tiled_windows", "tokenizer_digest", "tokenizer_record", "train_heldout_split",
            "unigram_cross_entropy"]

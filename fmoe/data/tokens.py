@@ -379,6 +379,14 @@ def train_batch(corpus: TokenCorpus, batch: int, seq: int, seed: int, step: int,
     return _rows(corpus.train, p.train_mask, p.train_segments, p.row, which)
 
 
+def heldout_rows(corpus: TokenCorpus, seq: int) -> int:
+    """How many held-out rows ``heldout_set`` can cut: windows of ``seq`` positions (and
+    the target after) of a plain corpus, the packed rows of a packed one."""
+    if corpus.packed is None:
+        return (len(corpus.heldout) - 1) // seq
+    return len(corpus.heldout) // corpus.packed.row
+
+
 def heldout_set(corpus: TokenCorpus, batch: int, seq: int, max_batches: int, rank: int = 0,
                 world: int = 1) -> list[dict]:
     """The held-out batches: ``heldout_batches`` of a plain corpus; of a packed one its

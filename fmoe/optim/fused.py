@@ -111,7 +111,9 @@ def _leaf_steps(work: dict, rate, step: torch.Tensor, b1, b2, eps, weight_decay,
     """``adamw_leaf_`` over every leaf of ``work`` (``{(updated, decayed): (params,
     grads, mus, nus)}``): the rate and bias corrections made once on the device."""
     device = step.device
-    rate = torch.as_tensor(rate, dtype=torch.float32, device=device)
+    # a constant rate filled in on the device: a host-to-device copy could not be captured
+    rate = (rate.to(device, torch.float32) if isinstance(rate, torch.Tensor)
+            else torch.full((), rate, dtype=torch.float32, device=device))
     zero = torch.zeros((), dtype=torch.float32, device=device)
     c1, c2 = 1 - b1 ** step, 1 - b2 ** step
     for (updated, decay), (ps, gs, ms, vs) in work.items():

@@ -9,6 +9,7 @@ the summary)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import time
 from typing import Any, Callable, NamedTuple
@@ -17,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ..batch import context_chunks
-from ..data import corpus_unigram, heldout_set, train_batch
+from ..data import corpus_unigram, heldout_rows, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
 from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias
 from ..params import param_count, train_flops_per_token
@@ -47,6 +48,17 @@ class _Stepper:
         if self.call is None:
             self.call = self._build(params, batch)
         return self.call(params, opt_state, batch)
+
+    def close(self) -> None:
+        """Free its CUDA graphs, before the process group goes: NCCL cannot destroy a
+        communicator while a graph holding its collectives lives, and the run would
+        hang at exit (the step's graph is reset; the scopes' go with their last
+        reference)."""
+        release = getattr(self.call, "release", None)
+        if release is not None:
+            release()
+        self.call = None
+        gc.collect()
 
     def _build(self, params, batch):
         plan, scopes, adapters = self.run.plan, self.run.scopes, self.run.adapters
@@ -128,6 +140,16 @@ def train(run: Run) -> dict:
 
 def _train(run: Run, signals: StopSignals) -> dict:
     job, state = _setup(run)
+    try:
+        _loop(job, state, signals)
+        return _finish(job, state)
+    finally:
+        job.stepper.close()
+
+
+def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
+    """The steps, with a logged step's record, evaluation and checkpoint."""
+    run = job.run
     s, world = run.settings, run.world
     log = MetricsLog(run.out, world.is_main, job.first - 1 if s.resume else None, not s.no_tensorboard)
     bar = tqdm(range(job.first, job.last + 1), desc="train", disable=s.no_progress or not world.is_main,
@@ -155,7 +177,6 @@ def _train(run: Run, signals: StopSignals) -> dict:
     finally:
         bar.close()
         log.close()
-    return _finish(job, state)
 
 
 def _setup(run: Run) -> tuple[_Job, _State]:
@@ -177,14 +198,15 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     opt = adamw(schedule, weight_decay=s.weight_decay, max_grad_norm=s.clip or None, plan=plan,
                 fused=s.fused_optimizer, donate=s.fused_optimizer, moments=s.moments,
                 skip_nonfinite=s.steps + s.max_skips if s.max_skips else 0)
+    eval_rows, eval_note = _eval_rows(run)
     heldout = [context_chunks(b, plan, world.rank)
-               for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]
+               for b in heldout_set(corpus, eval_rows, s.seq, s.eval_batches, *row_block(plan, world.rank))]
     params, opt_state, first = checkpoints.start(opt, resumed)
     if world.is_main:  # every check has passed: now the folder changes
         prepare_out(run)
     baseline = corpus_unigram(corpus, plan.model.vocab)
     _introduce(run, baseline)
-    for note in run.notes:
+    for note in (*run.notes, *([eval_note] if eval_note else [])):
         run.say(note)
     tokens_per_step = s.batch * s.seq
     job = _Job(run, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
@@ -194,6 +216,21 @@ def _setup(run: Run) -> tuple[_Job, _State]:
                flops_per_step=train_flops_per_token(plan.model, s.seq) * tokens_per_step,
                peak=peak_tflops(plan.device, plan.dtype, s.peak_tflops))
     return job, _State(params, opt_state, done=first - 1)
+
+
+def _eval_rows(run: Run) -> tuple[int, str | None]:
+    """The rows of a held-out batch: ``--batch``; or, where the held-out split holds
+    fewer (the embedded corpus's 12 rows of 2048 against a global batch of 8 a GPU), the
+    most that split evenly over the ranks' row blocks and the microbatches, with the
+    line that says so. Too few for even that: ``--batch``, which ``heldout_set`` refuses."""
+    s, plan = run.settings, run.plan
+    have = heldout_rows(run.corpus, s.seq)
+    per = row_block(plan, run.world.rank)[1] * plan.microbatches
+    rows = have - have % per
+    if have >= s.batch or not rows:
+        return s.batch, None
+    return rows, (f"the held-out split holds {have} rows of {s.seq} positions, fewer than --batch {s.batch}: "
+                  f"each evaluation takes {rows} of them")
 
 
 def _introduce(run: Run, baseline: float) -> None:
@@ -240,7 +277,9 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
     try:
         out, state.params, state.opt_state = job.stepper(state.params, state.opt_state, batch)
     except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
-        raise ValueError(f"step {step_num}, a batch of {run.corpus.source}: {err}") from None
+        capture = run.adapters is not None and isinstance(err, run.adapters.capture_error)
+        about = f"--cuda-graph {s.cuda_graph}" if capture else f"a batch of {run.corpus.source}"
+        raise (type(err) if capture else ValueError)(f"step {step_num}, {about}: {err}") from None
     # On one process a signal is a Python flag; several agree on it with a host read,
     # so only on the steps that read anyway. A stop is logged.
     logged = _logged(step_num, s, job.last)

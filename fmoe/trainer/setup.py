@@ -39,12 +39,15 @@ class Adapters(NamedTuple):
             its ``GraphedTrainStep`` (the step and the update as one graph).
         load_backend: imports the ``interop`` module that registers an expert
             backend (``interop.te``); the backend's own check says what is missing.
+        capture_error: what a capture that cannot happen raises (``CaptureError``),
+            which the job says as ``--cuda-graph``'s.
     """
 
     check_capturable: Callable
     graph_train_step: Callable
     capture_scopes: Callable
     load_backend: Callable[[str], None]
+    capture_error: type[ValueError]
 
 
 class Run(NamedTuple):
