@@ -1,4 +1,5 @@
-"""The documents tell the truth: CI runs README's test command; the layout table is real."""
+"""The documents tell the truth: CI runs README's test command; the layout table is real;
+every page README links to exists."""
 
 import re
 from pathlib import Path
@@ -38,4 +39,14 @@ def test_readme_layout_table_names_every_leaf():
     latent = every_leaf.replace(qk_norm="none", qkv_bias=False, head_size=12, kv_lora_rank=8, rope_head_dim=4)
     layout = {re.sub(r"^layers\.\d+", "layers[i]", p) for cfg in (every_leaf, latent, latent.replace(q_lora_rank=8))
               for p in flat_shapes(cfg)}
-    assert layout_table_paths((ROOT / "README.md").read_text()) == layout
+    assert layout_table_paths((ROOT / "docs" / "semantics.md").read_text()) == layout
+
+
+def test_every_link_between_the_documents_leads_to_a_file():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) >= 5
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).is_file(), f"{page.name} links to {target}, which is not there"
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)", (ROOT / "README.md").read_text()))
+    assert linked == {p.name for p in pages[1:]}, "README links to every page of docs/"
