@@ -24,7 +24,7 @@ import torch.distributed as dist
 import fmoe
 from fmoe.resolve import resolve
 from fmoe.schedule import Gather, Reduce
-from fmoe.dist import count
+from fmoe.comm import count
 
 
 def lm_parser(microbatches: int = 2) -> argparse.ArgumentParser:

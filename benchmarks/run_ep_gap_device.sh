@@ -12,6 +12,6 @@ bench() {  # bench <library tree> <log>
     --fmoe-compile only --microbatches 1 --steps 12 --warmup 3 --profile --meshes dp dp1ep2 dp1ep2+tokens 2>&1) \
     | tee "$OUT/$2" | grep "^  done\|^| fmoe"
 }
-python -m pytest -q tests/dist/test_nccl.py -k "ep2" 2>&1 | tee "$OUT/nccl_ep2.log" | tail -2
+python -m pytest -q tests/ranks/test_nccl.py -k "ep2" 2>&1 | tee "$OUT/nccl_ep2.log" | tail -2
 [ -n "$BASE" ] && echo "== before ($BASE)" && bench "$ROOT/$BASE" before.log
 echo "== this tree" && bench "$ROOT" after.log

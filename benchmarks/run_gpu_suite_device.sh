@@ -5,9 +5,9 @@
 #   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh 1      (then 2 to 5 in later calls)
 #   source .device/setup.sh; bash benchmarks/run_gpu_suite_device.sh all    (4 GPUs: the parts side by side)
 # (FMOE_TE=1 source .device/setup.sh for the TransformerEngine tests.)
-# Parts 1-4 split the files that hold a GPU test, in pytest's order (tests/dist, then tests/test_*.py by
+# Parts 1-4 split the files that hold a GPU test, in pytest's order (tests/ranks, then tests/test_*.py by
 # name), after test_gpu_glm.py, test_gpu_parallel_dims.py and test_peer.py: a new file falls into its
-# place. Part 1 is the suite's prefix up to and past the CUDA-graph tests (tests/dist, compile,
+# place. Part 1 is the suite's prefix up to and past the CUDA-graph tests (tests/ranks, compile,
 # cuda_graph), nothing left out before them, so an order-dependent failure shows as in one whole run.
 # A CUDA error that poisons the process (an illegal memory access) fails every later test of its part only.
 # Each part sees one GPU, so the tests that need two skip there; part 5 runs those (the files that
@@ -22,8 +22,8 @@ began=$(date +%s)
 
 files_of_part() {  # the GPU test files of part $1
   local n=1 f
-  if [ "$1" = 5 ]; then ls tests/dist/test_*.py tests/test_*.py | xargs grep -l "device_count() < 2"; return; fi
-  for f in $(ls tests/dist/test_*.py tests/test_*.py | xargs grep -l "mark.gpu"); do
+  if [ "$1" = 5 ]; then ls tests/ranks/test_*.py tests/test_*.py | xargs grep -l "device_count() < 2"; return; fi
+  for f in $(ls tests/ranks/test_*.py tests/test_*.py | xargs grep -l "mark.gpu"); do
     [ "$n" = "$1" ] && echo "$f"
     case "$f" in tests/test_gpu_glm.py|tests/test_gpu_parallel_dims.py|tests/test_peer.py) n=$((n + 1)) ;; esac
   done

@@ -12,10 +12,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
   --shapes fine --peers --fmoe-compile only --fmoe-graph off --microbatches 1 --steps 12 --warmup 3 --profile \
   --meshes ${MESHES:-dp dp+graphs dp1ep2 dp1ep2+graphs dp1ep2+graphs+dispatch} > "$OUT/graph_scopes_bench.log" 2>&1) &
 bench=$!
-CUDA_VISIBLE_DEVICES=2,3 python -m pytest -q tests/dist/test_nccl.py -k "cuda_graphs and not etp2" \
+CUDA_VISIBLE_DEVICES=2,3 python -m pytest -q tests/ranks/test_nccl.py -k "cuda_graphs and not etp2" \
   > "$OUT/nccl_graphs_2gpu.log" 2>&1
 tail -3 "$OUT/nccl_graphs_2gpu.log"
 wait $bench
 grep "^  done\|^| fmoe" "$OUT/graph_scopes_bench.log"
-python -m pytest -q tests/dist/test_nccl.py -k "cuda_graphs and etp2" 2>&1 | tee "$OUT/nccl_graphs_4gpu.log" | tail -2
+python -m pytest -q tests/ranks/test_nccl.py -k "cuda_graphs and etp2" 2>&1 | tee "$OUT/nccl_graphs_4gpu.log" | tail -2
 python -m pytest -q tests/test_cuda_graph.py -k "graphed_compiled_scopes" 2>&1 | tee "$OUT/cuda_graph_scopes.log" | tail -2

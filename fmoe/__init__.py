@@ -22,7 +22,7 @@ from .optim import (
 from .initialize import init
 from .params import active_param_count, glu_from_interleaved, glu_to_interleaved, param_shapes, train_flops_per_token
 from .gather import gather_full
-from .dist.trace import export_chrome_trace
+from .comm.trace import export_chrome_trace
 from .step import StepOutput, eval_loss, step
 
 from . import hf  # noqa: E402  (builds on everything above)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import Plan
-from .dist.comm import Group
+from .comm.collectives import Group
 from .params import initial_leaves
 from .resolve import resolve
 from .runtime import check_runtime

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import Plan
-from .dist.comm import Group
-from .dist.mesh import Mesh, mesh_for
+from .comm.collectives import Group
+from .comm.mesh import Mesh, mesh_for
 from .layers.nodes import Kernels
 from .layers.context_parallel import ContextParallel
 from .layers.parallel import Parallel

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .config import Plan
 from .backends import BUILT_IN, declared_backends, registered_backend
-from .dist.mesh import separate_world_group_supported
+from .comm.mesh import separate_world_group_supported
 
 
 def world_size() -> int:

@@ -9,7 +9,7 @@ import torch
 
 from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
-from .dist.comm import Group
+from .comm.collectives import Group
 from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .layers.nodes import Kernels

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fmoe
 
-from .dist.harness import run_ranks
+from .ranks.harness import run_ranks
 from .reference import assert_trees_equal
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from interop.cuda_graph import (CaptureError, GraphedTrainStep, capture_scopes, 
                                 strided_copy)
 from interop.graph_capture import compiles_nothing
 
-from .dist.harness import free_port
-from .dist.workloads import CFG, global_batch, graphed_losses
+from .ranks.harness import free_port
+from .ranks.workloads import CFG, global_batch, graphed_losses
 from .reference import assert_trees_equal
 
 MODEL = fmoe.ModelConfig(vocab=64, dim=64, layers=2, heads=2, experts=4, topk=2, ffn=32)

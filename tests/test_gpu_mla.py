@@ -54,7 +54,7 @@ def test_an_fp8_mla_step_stays_near_the_bf16_one():
 def test_graphed_mla_scopes_are_bitwise_eager():
     # the attention scope (MLA's five projections and its norms) and the router and
     # experts scopes captured, five optimizer steps, ZeRO-3, 1F1B
-    from .dist.workloads import global_batch, graphed_losses
+    from .ranks.workloads import global_batch, graphed_losses
 
     plan = fmoe.Plan(model=MLA, sharding="optim_grads_params", schedule="1f1b_overlap", microbatches=2,
                      gather_buffers="persistent", device="cuda", dtype="bfloat16")

@@ -9,8 +9,8 @@ import torch
 
 import fmoe
 
-from .dist.harness import run_ranks
-from .dist.parallel_workloads import CFG, INTERLEAVED, global_batch
+from .ranks.harness import run_ranks
+from .ranks.parallel_workloads import CFG, INTERLEAVED, global_batch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

@@ -1,5 +1,5 @@
 """fmoe.local_batch: each rank's rows of a global batch (its multi-rank use, against one
-process, is tests/dist's fine-tuning feature)."""
+process, is tests/ranks's fine-tuning feature)."""
 
 import pytest
 import torch

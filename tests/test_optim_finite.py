@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fmoe
 from fmoe.optim import ApplyIfFiniteState, apply_if_finite, skipped_steps
 
-from .dist.harness import run_ranks
+from .ranks.harness import run_ranks
 
 NAN, INF = float("nan"), float("inf")
 FUSED = pytest.mark.parametrize("fused", [False, True], ids=["chain", "fused"])

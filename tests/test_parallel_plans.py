@@ -1,6 +1,6 @@
 """Plans with tensor, expert-tensor and context parallelism on one process: the rank
 layout, how leaves are cut, the local batch, and every plan that cannot run refused
-by name before anything runs (the multi-rank runs are in tests/dist/test_parallel_dims.py)."""
+by name before anything runs (the multi-rank runs are in tests/ranks/test_parallel_dims.py)."""
 
 import pytest
 import torch

@@ -220,7 +220,7 @@ def test_gpt_oss_routing_equals_transformers_router():
 def test_the_compiled_gpt_oss_step_matches_the_eager_one():
     # fc1's expert bias is added inside the compiled activation (fused with the clamped
     # GLU), its gradient through the same one-hot product as eager
-    from .dist.workloads import OSS_CFG
+    from .ranks.workloads import OSS_CFG
 
     params = ref.random_params(OSS_CFG, dtype=torch.float32)
     b = {"tokens": torch.randint(0, OSS_CFG.vocab, (4, 13))}

@@ -22,7 +22,7 @@ from fmoe.data import prepare
 from fmoe.generate import checkpoint_tokenizer
 from fmoe.trainer import options
 from fmoe.train import main as train_main
-from tests.dist.harness import free_port
+from tests.ranks.harness import free_port
 from tests.test_data import bpe_tokenizer
 
 from .reference import assert_trees_equal

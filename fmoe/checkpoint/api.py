@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import optim
 from ..config import ModelConfig, Plan
-from ..dist.comm import Group
+from ..comm.collectives import Group
 from ..params import flat_shapes, named_leaves
 from ..resolve import resolve
 from ..runtime import check_runtime

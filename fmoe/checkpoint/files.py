@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..dist.comm import Group, broadcast_text
+from ..comm.collectives import Group, broadcast_text
 
 META_FILE = "fmoe.json"
 

@@ -22,7 +22,7 @@ from ..config import ModelConfig, Plan
 from ..params import named_leaves
 from ..runtime import check_runtime
 from ..shard.layout import rows_cols
-from ..dist.comm import Group
+from ..comm.collectives import Group
 from ..gather import iter_full
 from ..resolve import resolve
 from ..step import check_params

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as fc
 from einops import rearrange
 from torch.nn.attention.bias import causal_lower_right
 
-from ..dist.trace import Event, now
+from ..comm.trace import Event, now
 
 _gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 

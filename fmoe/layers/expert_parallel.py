@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..dist.comm import Group, Pending
-from ..dist.trace import Event, now
+from ..comm.collectives import Group, Pending
+from ..comm.trace import Event, now
 from .dispatch import Dispatch, make_dispatch, without_missing
 from .router import expert_counts
 

@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as fc
 
 from ..batch import IGNORE
 from ..config import ModelConfig
-from ..dist.trace import Event, now
+from ..comm.trace import Event, now
 from .embedding import embed
 from .precision import upcast
 

@@ -11,7 +11,7 @@ by name. Settings are validated when a transform is built.
 
 ``global_norm`` (so clipping and the finite check too), given a ``plan`` of several
 ranks, reads which leaves are split from the shard spec (``fmoe/shard``) and the
-ranks that split them from the mesh (``fmoe/dist``), and all-reduces over those
+ranks that split them from the mesh (``fmoe/comm``), and all-reduces over those
 ranks; without a plan, or on one rank, it is a local sum and imports neither.
 """
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from ..batch import Batch
-from ..dist.trace import Event, now
+from ..comm.trace import Event, now
 from ..layers.block_masks import documents
 from ..layers.expert_parallel import ExpertParallel
 from ..layers.model import stack_stats

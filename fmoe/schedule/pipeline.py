@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dist import comm
-from ..dist.trace import Event, now
+from ..comm import collectives
+from ..comm.trace import Event, now
 from ..shard.lifecycle import LifecycleError
 from .actions import Boundary, Recv, Send
 from .flow import Stream, take
@@ -66,7 +66,7 @@ def send(run, a: Send) -> Event:
         value = stream.h
     t0 = now()
     value = value.detach().contiguous()
-    pipe.sent.append((comm.send(value, peer, pipe.gradients if a.boundary.gradient else None), value))
+    pipe.sent.append((collectives.send(value, peer, pipe.gradients if a.boundary.gradient else None), value))
     return Event("send", None, str(a.boundary), a.mb, t0, now(), value.numel() * value.element_size(), "pipeline")
 
 
@@ -78,10 +78,10 @@ def recv(run, a: Recv) -> Event:
     out = torch.empty(rows, positions // pipe.tp, run.cfg.dim, dtype=pipe.dtype, device=mbf.batch.tokens.device)
     t0 = now()
     if a.boundary.gradient:
-        comm.recv(out, pipe.next, pipe.gradients).wait()
+        collectives.recv(out, pipe.next, pipe.gradients).wait()
         mbf.grad_h = out
     else:
-        comm.recv(out, pipe.previous).wait()
+        collectives.recv(out, pipe.previous).wait()
         mbf.stream = Stream(a.boundary, out)
     return Event("recv", None, str(a.boundary), a.mb, t0, now(), out.numel() * out.element_size(), "pipeline")
 

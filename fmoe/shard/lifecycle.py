@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..dist.mesh import Mesh
-from ..dist.trace import Event, now
+from ..comm.mesh import Mesh
+from ..comm.trace import Event, now
 from .shards import Shards, gathered_views
 from .spec import GroupKey, ShardSpec, full_views
 

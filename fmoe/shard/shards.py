@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..dist.mesh import Mesh
+from ..comm.mesh import Mesh
 from ..layers.fp8 import E4M3, Fp8Weight, cast_weight, tensor_scale
 from .spec import Domain, GroupDtype, ShardSpec, UnitSpec, full_views, local_leaves, write_shard
 

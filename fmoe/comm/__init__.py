@@ -1,9 +1,10 @@
 """What every layer that talks to other ranks stands on: process groups and their
-async collectives (``comm``), the plan's ``dp x ep`` mesh (``mesh``) and the step's
-trace events (``trace``). Below both ``fmoe.layers`` (the expert exchange) and
+async collectives (``collectives``), the plan's mesh of groups (``mesh``) and the step's
+trace events (``trace``). (Not ``dist/``: Python's ignore templates drop folders of that
+name, the packaging output.) Below both ``fmoe.layers`` (the expert exchange) and
 ``fmoe.shard`` (gathers and reductions)."""
 
-from .comm import Group, Pending
+from .collectives import Group, Pending
 from .mesh import Mesh, mesh_for
 from .trace import Event, count, export_chrome_trace
 

@@ -184,7 +184,7 @@ def _compiled_ep2():
 def test_nccl_compiled_matches_eager_with_triton_kernels(case):
     # ZeRO-1, ZeRO-3 + 1F1B + delayed wgrad, and tokens sent once per rank, on dp1 x ep2,
     # each eager and compiled with fmoe's Triton kernels inside the compiled graphs (the
-    # CPU test, tests/dist/test_compiled.py, runs no Triton). fp32; two eager runs here are
+    # CPU test, tests/ranks/test_compiled.py, runs no Triton). fp32; two eager runs here are
     # bitwise (deterministic settings), so the tolerance is the compiled kernels' own: fused
     # reductions and cuBLAS sum in another order (rtol 1e-4 on the gradients and the
     # parameters after two AdamW steps, as tests/test_compile.py's GPU test; the same

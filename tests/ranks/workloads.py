@@ -16,7 +16,7 @@ import fmoe
 from fmoe.batch import Batch
 from fmoe.config import PROB_PLACEMENTS
 from fmoe.schedule import Node
-from fmoe.dist import count
+from fmoe.comm import count
 
 CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
                        expert_biases=True)
@@ -239,7 +239,7 @@ def round_trip(rank, world, route_to_first_rank: bool):
     output, the input gradient and the split sizes this rank saw."""
     from fmoe.layers.dispatch import make_dispatch, permute, unpermute
     from fmoe.layers.expert_parallel import ExpertParallel, combine, dispatch, plan_exchange
-    from fmoe.dist.mesh import mesh_for
+    from fmoe.comm.mesh import mesh_for
 
     E, K, T, D = 2 * world, 2, 5 + 3 * rank, 8  # uneven token counts per rank
     mesh = mesh_for(fmoe.Plan(model=CFG.replace(experts=E), dp=1, ep=world))
@@ -272,7 +272,7 @@ def token_round_trip(rank, world, route_to_first_rank: bool):
     the output, the gradients of the tokens and probabilities, and what this rank saw."""
     from fmoe.layers.dispatch import permute, unpermute
     from fmoe.layers.expert_parallel import ExpertParallel, combine, dispatch, plan_token_exchange
-    from fmoe.dist.mesh import mesh_for
+    from fmoe.comm.mesh import mesh_for
 
     E, K, T, D = 2 * world, 2, 5 + 3 * rank, 8  # two experts a rank, uneven token counts
     mesh = mesh_for(fmoe.Plan(model=CFG.replace(experts=E), dp=1, ep=world, ep_exchange="tokens"))
@@ -580,7 +580,7 @@ FP8_GATHER_CASES = {"ddp": dict(sharding="no_shard"), "zero1": dict(sharding="op
 
 def fp8_all_gather(rank, world):
     """Each rank's FP8 shard gathered by ``Group.all_gather``, and what it must give."""
-    from fmoe.dist import Group
+    from fmoe.comm import Group
 
     shards = [(torch.randn(40, generator=torch.Generator().manual_seed(r)) * 100).to(torch.float8_e4m3fn)
               for r in range(world)]

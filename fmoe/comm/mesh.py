@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..config import Plan
 from ..parallel_dims import ParallelDims
-from .comm import Group
+from .collectives import Group
 
 LOCAL = Group(1, 0, None)
 
