@@ -347,6 +347,12 @@ def assert_same_structure(a, b, context=""):
     assert sa == sb, f"{context}: tree structures differ: {sa} != {sb}" if context else f"{sa} != {sb}"
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``|got - want| / |want|`` (Frobenius norms, in float64): how far ``got`` is from
+    ``want`` relative to its size (``want`` of all zeros: the absolute distance * 1e30)."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
 def assert_trees_close(a, b, context="", atol_of_scale: float | None = None, **tol):
     """Same tree structure, and every leaf of ``a`` close to its leaf in ``b``
     (``torch.testing.assert_close`` with ``tol``); ``context`` heads a failure's message.

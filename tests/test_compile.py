@@ -21,7 +21,7 @@ import fmoe
 from fmoe.params import named_leaves
 
 from . import reference as ref
-from .reference import assert_trees_equal
+from .reference import assert_trees_equal, rel_err
 
 PLAIN = fmoe.ModelConfig(vocab=128, dim=32, layers=2, heads=4, experts=4, topk=2, ffn=32, pad_multiple=8)
 # Every optional piece the compiled regions trace: GQA, per-head q/k norm, a gated
@@ -36,14 +36,10 @@ def batch(seed, rows=4, seq=32, vocab=128):
     return {"tokens": torch.randint(0, vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(seed))}
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def leaf_errors(got, want) -> dict:
     """``{path: relative 2-norm error}`` of every gradient leaf that is not all zeros."""
     assert optree.tree_structure(got) == optree.tree_structure(want)
-    return {p: rel(g, w) for (p, w), g in zip(named_leaves(want).items(), optree.tree_leaves(got)) if w.any()}
+    return {p: rel_err(g, w) for (p, w), g in zip(named_leaves(want).items(), optree.tree_leaves(got)) if w.any()}
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +63,7 @@ def test_compiled_fp32_step_matches_eager_leaf_by_leaf(cfg):
     eager = fmoe.step(params, batch(1), plan)
     compiled = fmoe.step(params, batch(1), plan.replace(compile=True))
     assert torch.equal(compiled.metrics["expert_counts"], eager.metrics["expert_counts"])
-    assert rel(compiled.loss, eager.loss) < 1e-6
+    assert rel_err(compiled.loss, eager.loss) < 1e-6
     errors = leaf_errors(compiled.grads, eager.grads)
     assert len(errors) >= len(named_leaves(params)) - 2 * cfg.layers  # only expert_bias has no gradient
     assert max(errors.values()) < 1e-5, max(errors.items(), key=lambda kv: kv[1])

@@ -23,16 +23,12 @@ from fmoe.layers.fp8 import (E4M3, E4M3_MAX, E5M2, GEMMS, PLAIN, ROWWISE, TENSOR
                              tensorwise_linear)
 from fmoe.runtime import check_device_and_backend
 
-from .reference import assert_trees_equal
+from .reference import assert_trees_equal, rel_err
 
 FP8_REL = 0.06  # a product of two E4M3-rounded operands (see the module docstring)
 # a product with an E5M2-rounded gradient: 2 mantissa bits round by up to 2^-3 of a
 # value, and the product's error lands near 6.0e-2 (measured on the CPU)
 E5M2_REL = 0.1
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def dequantized(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +126,7 @@ def test_rowwise_linear_multiplies_the_operands_quantised_along_the_contraction(
     else:  # the tokens are the weight gradient's contraction: not a multiple of 16, bf16
         assert torch.equal(w.grad, x_.t() @ g_)
     exact = x_.double() @ w_.double()
-    assert rel(y, exact) < FP8_REL and rel(x.grad, g_.double() @ w_.double().t()) < FP8_REL
+    assert rel_err(y, exact) < FP8_REL and rel_err(x.grad, g_.double() @ w_.double().t()) < FP8_REL
 
 
 def test_rowwise_linear_without_fp8_grads_runs_its_backward_as_plain_bf16_products():
@@ -187,8 +183,8 @@ def test_tensorwise_linear_multiplies_e4m3_operands_and_an_e5m2_gradient_each_wi
         torch.testing.assert_close(w.grad.double(), (dx_.t() @ dg_).bfloat16().double(), **close)
     else:  # the tokens are the weight gradient's contraction: not a multiple of 16, bf16
         assert torch.equal(w.grad, x_.t() @ g)
-    assert rel(y, x_.double() @ w_.double()) < FP8_REL
-    assert rel(x.grad, g.double() @ w_.double().t()) < E5M2_REL
+    assert rel_err(y, x_.double() @ w_.double()) < FP8_REL
+    assert rel_err(x.grad, g.double() @ w_.double().t()) < E5M2_REL
     assert tensorwise_linear(x_.view(2, tokens // 2, 64), w_).shape == (2, tokens // 2, 32)
 
 
@@ -313,9 +309,9 @@ def test_cuda_fp8_linear_is_within_fp8_rounding_of_bf16(linear, grad_rel):
     y = linear(x, w)
     y.backward(g)
     xd, wd, gd = x.detach().double(), w.detach().double(), g.double()
-    assert rel(y, xd @ wd) < FP8_REL
-    assert rel(x.grad, gd @ wd.t()) < grad_rel  # the gradient's format: E4M3 rowwise, E5M2 tensorwise
-    assert rel(w.grad, xd.t() @ gd) < grad_rel
+    assert rel_err(y, xd @ wd) < FP8_REL
+    assert rel_err(x.grad, gd @ wd.t()) < grad_rel  # the gradient's format: E4M3 rowwise, E5M2 tensorwise
+    assert rel_err(w.grad, xd.t() @ gd) < grad_rel
     # (torch 2.11's CPU _scaled_mm, on the GPU machine, takes tensor scales only; 2.13's,
     # which the CPU tests run, takes row scales too)
     if linear is tensorwise_linear:
@@ -327,12 +323,12 @@ def test_cuda_fp8_linear_is_within_fp8_rounding_of_bf16(linear, grad_rel):
         y_cpu.backward(g[:256].cpu())
         y_gpu.backward(g[:256])
         for got, want in ((y_gpu, y_cpu), (x_gpu.grad, x_cpu.grad), (w_gpu.grad, w_cpu.grad)):
-            assert rel(got, want.cuda()) < 1e-2
+            assert rel_err(got, want.cuda()) < 1e-2
     # inside a compiled region the casts are traced and fused with the silu before them
     # (which then skips its bf16 rounding, so values may land on neighbouring E4M3 codes)
     compiled = torch.compile(lambda a, b: linear(torch.nn.functional.silu(a), b), fullgraph=True)
     exact = torch.nn.functional.silu(xd) @ wd
-    assert rel(compiled(x.detach(), w.detach()), exact) < FP8_REL
+    assert rel_err(compiled(x.detach(), w.detach()), exact) < FP8_REL
 
 
 @pytest.mark.gpu
@@ -347,12 +343,12 @@ def test_cuda_fp8_grouped_matmul_is_within_fp8_rounding_and_keeps_the_bf16_gradi
     deferred = (lambda: layers.DeferredWgrad()) if delay_wgrad else (lambda: None)
     y8, dx8, dw8 = _grouped(x, w, segs, ROWWISE, g, deferred())
     y, dx, dw = _grouped(x, w, segs, PLAIN, g, deferred())
-    assert rel(y8, y) < FP8_REL and 0 < rel(y8, y)
+    assert rel_err(y8, y) < FP8_REL and 0 < rel_err(y8, y)
     # the gradients are the same bf16 products of the same rows, weights and gradient
     assert torch.equal(dx8, dx) and torch.equal(dw8, dw)
     # and FP8 input gradients, which the recipe leaves out, would be within FP8 rounding
     fp8_grads = ROWWISE._replace(grouped_grad=scaled_grouped_mm)
-    assert rel(_grouped(x, w, segs, fp8_grads, g)[1], dx) < FP8_REL
+    assert rel_err(_grouped(x, w, segs, fp8_grads, g)[1], dx) < FP8_REL
 
 
 def _coarse_like(**changes):
@@ -377,8 +373,8 @@ def test_cuda_fp8_step_is_close_to_the_bf16_step(compile, recipe):
     # noise floor. Tensorwise's gradients are E5M2, one product's error 1.6x E4M3's
     # (E5M2_REL / FP8_REL), and its head's feeds every other gradient: measured 0.100
     # on an H200, so its bound is 1.5x rowwise's
-    assert rel(flat(fp8), flat(fp32)) < (0.1 if recipe == "rowwise" else 0.15)
-    assert rel(flat(fp8), flat(fp32)) > rel(flat(bf16), flat(fp32))
+    assert rel_err(flat(fp8), flat(fp32)) < (0.1 if recipe == "rowwise" else 0.15)
+    assert rel_err(flat(fp8), flat(fp32)) > rel_err(flat(bf16), flat(fp32))
 
 
 @pytest.mark.gpu
@@ -407,7 +403,7 @@ def test_cuda_compiled_fp8_step_is_as_close_to_fp32_as_the_eager_one_leaf_by_lea
         if not r.any():  # expert_bias: no gradient on any side
             assert not a.any() and not b.any(), path
             continue
-        ratios[".".join(map(str, path))] = rel(a, r) / rel(b, r)
+        ratios[".".join(map(str, path))] = rel_err(a, r) / rel_err(b, r)
     print("compiled / eager FP8 distance to fp32, per leaf:", {k: f"{v:.2f}" for k, v in ratios.items()})
     assert all(v < 1.25 for v in ratios.values()), {k: v for k, v in ratios.items() if v >= 1.25}
 

@@ -17,7 +17,7 @@ from fmoe.layers.dispatch import make_dispatch
 import fmoe.backends as backends
 from fmoe.layers import DeferredWgrad, ExpertBackend, expert_mlp
 
-from .reference import assert_same_structure, assert_trees_equal
+from .reference import assert_same_structure, assert_trees_equal, rel_err
 
 needs_te = pytest.mark.skipif(te.IMPORT_ERROR is not None, reason="needs TransformerEngine")
 
@@ -47,10 +47,6 @@ def test_te_backend_refuses_what_it_cannot_run(monkeypatch, model, device, match
     monkeypatch.setattr(te, "IMPORT_ERROR", None)  # as if TE were installed
     with pytest.raises(ValueError, match=match):
         te.check(fmoe.Plan(model=model, expert_backend="te", device=device))
-
-
-def _rel_err(a, ref):
-    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _run(cfg, leaves, grad_out, d, backend, dtype, with_probs, deferred=None):
@@ -100,7 +96,7 @@ def test_te_expert_mlp_matches_torch_backend_bf16(activation, interleave, biases
     assert set(got) == set(ref) == set(base)
     assert not got["dfc1"][3].any() and not got["dfc2"][3].any()
     for name in ref:
-        err, base_err = _rel_err(got[name], ref[name]), _rel_err(base[name], ref[name])
+        err, base_err = rel_err(got[name], ref[name]), rel_err(base[name], ref[name])
         print(f"{activation} il={interleave} bias={biases} probs={with_probs} {name}: te {err:.2e} torch {base_err:.2e}")
         assert err <= max(2 * base_err, 2 ** -8), (name, err, base_err)
 
@@ -158,7 +154,7 @@ def test_te_static_capacity_step_matches_torch_and_captures_bitwise():
         assert_same_structure(getattr(te_out, name), getattr(ref, name), name)
         for a, b, r in zip(optree.tree_leaves(getattr(te_out, name)), optree.tree_leaves(getattr(base, name)),
                            optree.tree_leaves(getattr(ref, name))):
-            err, base_err = _rel_err(a, r.double()), _rel_err(b, r.double())
+            err, base_err = rel_err(a, r.double()), rel_err(b, r.double())
             assert err <= max(2 * base_err, 2 ** -8), (name, err, base_err)
     graphed = capture_step(params, batch, plan)
     replay = graphed(params, batch)

@@ -13,7 +13,7 @@ import optree
 import pytest
 import torch
 
-from ..reference import assert_same_structure
+from ..reference import assert_same_structure, rel_err
 from .harness import run_ranks
 from .workloads import COMPILE_CASES, compiled_configs
 
@@ -21,10 +21,6 @@ from .workloads import COMPILE_CASES, compiled_configs
 @functools.lru_cache(maxsize=None)
 def runs(dp, ep):
     return run_ranks(dp * ep, compiled_configs, dp, ep)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("mesh", [(2, 1), (1, 2)], ids=["dp2", "dp1xep2"])
@@ -37,4 +33,4 @@ def test_compiled_matches_eager_on_ranks(case, mesh):
         for key in ("grads", "params"):
             assert_same_structure(compiled[key], eager[key], key)
             for a, b in zip(optree.tree_leaves(compiled[key]), optree.tree_leaves(eager[key])):
-                assert rel(a, b) < 1e-5, key
+                assert rel_err(a, b) < 1e-5, key

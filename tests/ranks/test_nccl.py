@@ -10,7 +10,7 @@ import torch
 
 import fmoe
 
-from ..reference import assert_same_structure, assert_trees_close, assert_trees_equal
+from ..reference import assert_same_structure, assert_trees_close, assert_trees_equal, rel_err
 from .harness import run_ranks
 from .workloads import (
     CFG,
@@ -139,10 +139,6 @@ def test_nccl_meshes_match_single_gpu(dp, ep):
         assert_trees_close(res["grads"], ref["grads"], rtol=1e-4, atol=1e-6)
 
 
-def _rel_err(a, ref):
-    return ((a - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.skipif(not importlib.util.find_spec("transformer_engine"), reason="needs TransformerEngine")
 def test_nccl_te_experts_with_zero3_delayed_wgrad_ep2():
     # bf16 rounds at different points in TE's kernels and torch's ops, so both bf16
@@ -151,11 +147,11 @@ def test_nccl_te_experts_with_zero3_delayed_wgrad_ep2():
     for res in nccl(te_seed_scenario):
         te, base, ref = res["te"], res["torch"], res["fp32"]
         assert torch.isfinite(te["losses"]).all()
-        loss_err, base_loss_err = _rel_err(te["losses"], ref["losses"]), _rel_err(base["losses"], ref["losses"])
+        loss_err, base_loss_err = rel_err(te["losses"], ref["losses"]), rel_err(base["losses"], ref["losses"])
         assert loss_err <= max(2 * base_loss_err, 2 ** -8), (loss_err, base_loss_err)
         paths, te_grads, _ = optree.tree_flatten_with_path(te["grads"])
         for path, a, b, r in zip(paths, te_grads, optree.tree_leaves(base["grads"]), optree.tree_leaves(ref["grads"])):
-            err, base_err = _rel_err(a, r), _rel_err(b, r)
+            err, base_err = rel_err(a, r), rel_err(b, r)
             print(f"te seed {path}: te {err:.2e} torch {base_err:.2e}")
             assert err <= max(2 * base_err, 2 ** -8), (path, err, base_err)
 
@@ -199,7 +195,7 @@ def test_nccl_compiled_matches_eager_with_triton_kernels(case):
         for key in ("grads", "params"):
             assert_same_structure(compiled[key], eager[key], key)
             paths, leaves, _ = optree.tree_flatten_with_path(compiled[key])
-            errors = {path: _rel_err(a.double(), b.double()) for path, a, b in
+            errors = {path: rel_err(a.double(), b.double()) for path, a, b in
                       zip(paths, leaves, optree.tree_leaves(eager[key]))}
             worst = max(errors.items(), key=lambda kv: kv[1])
             print(f"compiled vs eager, {case} {key}: worst leaf {worst}")
