@@ -71,9 +71,9 @@ def _compile_refused(message: str) -> str:
         what = " ".join(lines)
     else:
         guards = [line[2:] for line in lines[1:] if line.startswith("- ") and not line.startswith("- User stack")]
-        what = (f"{fields['function name'].strip(chr(39))} ({fields['filename'].strip(chr(39))}:"
-                f"{fields['line number']})" + (f" (its guards: {'; '.join(guards[:3])})" if guards
-                                               else " (the warm-up never called it)"))
+        name, path = (fields[key].strip("'") for key in ("function name", "filename"))
+        why = f"its guards: {'; '.join(guards[:3])}" if guards else "the warm-up never called it"
+        what = f"{name} ({path}:{fields['line number']}) ({why})"
     return (f"a CUDA graph's capture would compile {what}: everything a graph replays must compile in the "
             "eager steps before it, on inputs of the captured shapes, dtypes and memory layouts")
 

@@ -8,6 +8,7 @@ the summary)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -142,9 +143,13 @@ def _train(run: Run, signals: StopSignals) -> dict:
     job, state = _setup(run)
     try:
         _loop(job, state, signals)
-        return _finish(job, state)
-    finally:
-        job.stepper.close()
+        summary = _finish(job, state)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error in flight says more than a failed release
+            job.stepper.close()
+        raise
+    job.stepper.close()
+    return summary
 
 
 def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
