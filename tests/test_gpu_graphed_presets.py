@@ -34,13 +34,11 @@ def run_job(command: list, out, what: str) -> str:
     exited on its own soon after that line, with status 0, and trained."""
     proc = subprocess.Popen(command + COMMON + ["--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    lines, done_at = [], []
+    stamped = []  # (when it was read, the line)
 
     def read():  # stderr too: one pipe, read to its end, cannot fill
         for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if not done_at and line.startswith("done in"):
-                done_at.append(time.monotonic())
+            stamped.append((time.monotonic(), line.rstrip("\n")))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -48,18 +46,18 @@ def run_job(command: list, out, what: str) -> str:
         code = proc.wait(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"{what} did not exit within {TIMEOUT_S} s; its output ended: {lines[-20:]}")
+        pytest.fail(f"{what} did not exit within {TIMEOUT_S} s; its output ended: {[line for _, line in stamped[-20:]]}")
     reader.join()
-    done_at = done_at[0] if done_at else None
-    exit_s = time.monotonic() - done_at if done_at is not None else None
-    text = "\n".join(lines[-60:])
-    assert code == 0 and done_at is not None, f"{what}: exit {code}\n{text}"
+    ended = time.monotonic()
+    done_at, done = next(((t, line) for t, line in stamped if line.startswith("done in")), (None, None))
+    text = "\n".join(line for _, line in stamped[-60:])
+    assert code == 0 and done is not None, f"{what}: exit {code}\n{text}"
+    exit_s = ended - done_at
     assert exit_s < EXIT_S, f"{what} took {exit_s:.0f} s to exit after its summary line"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == [10, 20, 30], records
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
-    done = next(line for line in lines if line.startswith("done in"))
     print(f"\n{what}: {done} [exited {exit_s:.1f} s after this line]")
     return done
 
