@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from .config import Plan
 from .comm.collectives import Group
-from .params import initial_leaves
+from .params import initial_value
 from .resolve import resolve
 from .runtime import check_runtime
 
@@ -27,7 +30,23 @@ def init(plan: Plan, seed: int = 0) -> dict:
     check_runtime(plan)
     rank, spec = Group.world().rank, resolve(plan).spec
     shapes = spec.local_shapes(rank)
-    local = {path: spec.shard_leaf(full, path, rank).reshape(shapes[path])
-             .to(device=plan.device, dtype=torch.float32).contiguous()
-             for path, full in initial_leaves(spec.table, plan.model, seed)}
+
+    def laid_out(leaf) -> torch.Tensor:
+        full = initial_value(leaf, plan.model, seed)
+        return spec.shard_leaf(full, leaf.path, rank).reshape(shapes[leaf.path]) \
+            .to(device=plan.device, dtype=torch.float32).contiguous()
+
+    # Every rank draws every leaf whole (its rows are a view of the one full model), one
+    # CPU core a leaf: a 30B model is ~30G draws, minutes on one core, so the leaves
+    # are drawn on this process's share of the cores, as many at once (and whole in
+    # memory) as it has threads.
+    with ThreadPoolExecutor(draw_threads()) as pool:
+        local = dict(zip((leaf.path for leaf in spec.table.leaves), pool.map(laid_out, spec.table.leaves)))
     return spec.table.unflatten(local[leaf.path] for leaf in spec.table.leaves)
+
+
+def draw_threads() -> int:
+    """Threads that draw initial values: this process's CPU cores over the processes of
+    the machine (torchrun's ``LOCAL_WORLD_SIZE``), at most 16."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

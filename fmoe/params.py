@@ -308,16 +308,21 @@ def _leaf_seed(seed: int, path: str) -> int:
 def initial_leaves(table: ParamTable, cfg: ModelConfig, seed: int):
     """``(path, fp32 CPU tensor)`` of every leaf of ``table`` (``cfg``'s), its initial
     value, drawn one at a time (``fmoe.init`` lays them out for a plan)."""
-    out_std = cfg.init_std / math.sqrt(2 * cfg.layers)
     for leaf in table.leaves:
-        if leaf.init == "ones":
-            yield leaf.path, torch.ones(leaf.shape)
-        elif leaf.init == "zeros":
-            yield leaf.path, torch.zeros(leaf.shape)
-        else:
-            g = torch.Generator().manual_seed(_leaf_seed(seed, leaf.path))
-            std = out_std if leaf.init == "normal_out" else cfg.init_std
-            yield leaf.path, torch.randn(leaf.shape, generator=g) * std
+        yield leaf.path, initial_value(leaf, cfg, seed)
+
+
+def initial_value(leaf: Leaf, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """One leaf's initial value, a fp32 CPU tensor: ones, zeros, or normal draws from a
+    generator of its own (seeded by ``seed`` and its path), so leaves can be drawn in any
+    order, or at once on several threads, and come out the same."""
+    if leaf.init == "ones":
+        return torch.ones(leaf.shape)
+    if leaf.init == "zeros":
+        return torch.zeros(leaf.shape)
+    g = torch.Generator().manual_seed(_leaf_seed(seed, leaf.path))
+    std = cfg.init_std / math.sqrt(2 * cfg.layers) if leaf.init == "normal_out" else cfg.init_std
+    return torch.randn(leaf.shape, generator=g).mul_(std)
 
 
 def glu_to_interleaved(w: torch.Tensor, block: int) -> torch.Tensor:

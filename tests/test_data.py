@@ -285,8 +285,19 @@ def test_heldout_batches_tile_in_order_and_split_by_rank():
     halves = [heldout_batches(heldout, 4, 16, 3, rank=r, world=2) for r in range(2)]
     assert all(torch.equal(torch.cat([h0["tokens"], h1["tokens"]]), w["tokens"])
                for h0, h1, w in zip(*halves, whole))
-    with pytest.raises(ValueError, match="shorter than one batch of 4 x 16"):
-        heldout_batches(heldout[:40], 4, 16, 3)
+    with pytest.raises(ValueError, match="shorter than one row of 16 positions"):
+        heldout_batches(heldout[:16], 4, 16, 3)
+
+
+def test_a_heldout_split_shorter_than_a_batch_is_one_batch_filled_with_rows_that_count_nothing():
+    heldout = embedded_corpus().heldout[:40]  # two windows of 16 and their targets
+    windows = tiled_windows(torch.from_numpy(heldout.astype(np.int64)), 2, 16, 1)[0]["tokens"]
+    (whole,) = heldout_batches(heldout, 4, 16, 3)
+    assert torch.equal(whole["tokens"][:2], windows) and whole["tokens"].shape == (4, 17)
+    assert whole["loss_mask"].shape == (4, 16) and whole["loss_mask"][:2].all() and not whole["loss_mask"][2:].any()
+    halves = [heldout_batches(heldout, 4, 16, 3, rank=r, world=2)[0] for r in range(2)]
+    assert halves[0]["loss_mask"].all() and not halves[1]["loss_mask"].any()
+    assert torch.equal(torch.cat([h["tokens"] for h in halves]), whole["tokens"])
 
 
 def test_the_embedded_corpus_and_its_unigram_baseline_are_unchanged():

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import fmoe
+from fmoe.data import heldout_batches
 from fmoe.layers import lm_loss_sum, stack_stats
+from fmoe.params import initial_leaves, named_leaves, param_table
 
 from . import reference as ref
 from .reference import assert_trees_close
@@ -124,6 +126,20 @@ def test_eval_loss_equals_step_loss():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_a_padded_heldout_batch_evaluates_to_the_loss_of_its_windows():
+    # a held-out split of 3 windows against a batch of 4: the 4th row counts nothing, so
+    # the loss is the 3 windows' own, on 2 microbatches (one of them half padding) too;
+    # fp32, and the padded batch sums its rows in another order: 1e-6
+    ids = torch.randint(0, CFG.vocab, (3 * 16 + 1,), generator=torch.Generator().manual_seed(0)).numpy()
+    (padded,) = heldout_batches(ids, 4, 16, max_batches=1)
+    plan = fmoe.Plan(model=CFG)
+    params = fmoe.init(plan, seed=1)
+    windows = fmoe.eval_loss(params, {"tokens": padded["tokens"][:3]}, plan)
+    for microbatches in (1, 2):
+        got = fmoe.eval_loss(params, padded, plan.replace(microbatches=microbatches))
+        assert ref.rel_err(got, windows) < 1e-6, microbatches
+
+
 def test_init_is_deterministic_and_plan_independent():
     plan = fmoe.Plan(model=CFG)
     a, b = fmoe.init(plan, seed=3), fmoe.init(plan, seed=3)
@@ -133,6 +149,17 @@ def test_init_is_deterministic_and_plan_independent():
     d = fmoe.init(plan, seed=4)
     assert not torch.equal(a["layers"][0]["moe"]["experts"]["fc1"], d["layers"][0]["moe"]["experts"]["fc1"])
     assert all(t.dtype == torch.float32 for t in optree.tree_leaves(a))
+
+
+def test_init_draws_the_same_leaves_on_any_number_of_threads(monkeypatch):
+    # each leaf has a generator of its own: drawn on one thread or several at once, in
+    # whatever order they finish, the values are the serial draw's, bit for bit
+    plan = fmoe.Plan(model=CFG)
+    serial = {path: value for path, value in initial_leaves(param_table(CFG), CFG, seed=5)}
+    for threads in (1, 4):
+        monkeypatch.setattr("fmoe.initialize.draw_threads", lambda: threads)
+        drawn = named_leaves(fmoe.init(plan, seed=5))
+        assert drawn.keys() == serial.keys() and all(torch.equal(drawn[k], serial[k]) for k in serial), threads
 
 
 def test_init_layout_is_the_canonical_one():

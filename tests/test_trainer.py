@@ -570,14 +570,14 @@ def test_non_finite_from_the_first_step_blames_a_setting_and_says_no_checkpoint_
     assert "No checkpoint was saved before them" in text and "a setting is the likely cause" in text
 
 
-def test_a_heldout_split_shorter_than_a_batch_is_evaluated_in_the_rows_it_holds(tmp_path, capsys):
+def test_a_heldout_split_shorter_than_a_batch_is_evaluated_on_every_row_it_holds(tmp_path, capsys):
     # the embedded corpus holds 12 held-out rows of 2048: a preset's global batch on
-    # several GPUs is more, and the job evaluates on what there is instead of refusing
+    # several GPUs is more, and the job evaluates every row there is instead of refusing
     args = SMALL + ["--batch", 12, "--seq", 512, "--microbatches", 2, "--heldout-fraction", 0.01]
     summary = train_main(list(map(str, args + ["--out", tmp_path / "a"])))
     out = capsys.readouterr().out
-    assert "the held-out split holds 9 rows of 512 positions, fewer than --batch 12: each evaluation takes 8 of them" \
-        in out and math.isfinite(summary["heldout_loss"])
+    assert ("the held-out split holds 9 rows of 512 positions, fewer than --batch 12: each evaluation counts those "
+            "9, in a batch filled to 12 with rows that count nothing") in out and math.isfinite(summary["heldout_loss"])
     train_main(list(map(str, args + ["--batch", 4, "--out", tmp_path / "b"])))  # 9 rows hold a batch of 4
     assert "held-out split holds" not in capsys.readouterr().out
 

@@ -413,16 +413,30 @@ def heldout_set(corpus: TokenCorpus, batch: int, seq: int, max_batches: int, ran
 
 def heldout_batches(ids, batch: int, seq: int, max_batches: int, rank: int = 0, world: int = 1) -> list[dict]:
     """Non-overlapping windows covering ``ids`` in order (as ``tiled_windows``), at most
-    ``max_batches`` global batches.
+    ``max_batches`` global batches. Fewer windows than one batch (the embedded corpus's 12
+    rows of 2048 against a batch of 8 a GPU over several): one batch, the windows there are
+    followed by rows whose targets count nothing (``loss_mask`` False), so the batch keeps
+    its shape and every window counts.
 
     Returns:
-        ``[{"tokens": LongTensor[batch // world, seq + 1]}, ...]``: this rank's rows of each.
+        ``[{"tokens": LongTensor[batch // world, seq + 1]}, ...]``: this rank's rows of each
+        (with ``"loss_mask": BoolTensor[batch // world, seq]`` in the padded batch).
+
+    Raises:
+        ValueError: ``ids`` hold no window of ``seq + 1`` tokens.
     """
-    n = min((len(ids) - 1) // seq, batch * max_batches)
-    n -= n % batch
-    if n == 0:
-        raise ValueError(f"the held-out split of {len(ids)} tokens is shorter than one batch of {batch} x {seq}")
+    windows = (len(ids) - 1) // seq
+    if windows <= 0:
+        raise ValueError(f"the held-out split of {len(ids)} tokens is shorter than one row of {seq} positions "
+                         f"(and its target): lower --seq or raise --heldout-fraction")
     first, last = _rank_rows(batch, rank, world)
+    if windows < batch:
+        rows = range(first, last)
+        tokens = _windows(ids, [min(r, windows - 1) * seq for r in rows], seq)
+        counts = torch.tensor([r < windows for r in rows])[:, None].expand(-1, seq).contiguous()
+        return [{"tokens": tokens, "loss_mask": counts}]
+    n = min(windows, batch * max_batches)
+    n -= n % batch
     return [{"tokens": _windows(ids, [(b * batch + r) * seq for r in range(first, last)], seq)}
             for b in range(n // batch)]
 

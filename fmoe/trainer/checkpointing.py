@@ -7,6 +7,7 @@ ready."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from .. import hf
 from ..checkpoint import Checkpoint, load, save
 from ..checkpoint.files import replace_file
 from ..data import tokenizer_record
-from ..initialize import init
+from ..initialize import draw_threads, init
 from . import lr_schedule
 from .resilience import CheckpointDir, is_staging, remove, run_contents
 from .resuming import DATA_KEYS
@@ -42,6 +43,7 @@ class Checkpoints:
         self.data["corpus"] = run.fingerprint
         self.tokenizer = tokenizer_record(run.corpus)  # the run folder's tokenizer.json, by content
         self.lr_schedule = lr_schedule.fresh(run.settings)
+        self.drawn: str | None = None
 
     def resumed(self) -> Checkpoint | None:
         """The run's checkpoint, loaded and checked, when the run resumes (else None);
@@ -67,7 +69,8 @@ class Checkpoints:
 
     def start(self, opt, ck) -> tuple:
         """``(params, opt_state, first step)``: resumed from ``ck`` (``resumed``'s), or
-        fresh, or from a Hugging Face checkpoint."""
+        fresh (``drawn``: the line saying how long the draw took), or from a Hugging Face
+        checkpoint."""
         run = self.run
         s = run.settings
         if ck is not None:
@@ -76,7 +79,10 @@ class Checkpoints:
             params = hf.load(s.init_from_hf, run.plan)
             run.say(f"initialised from the Hugging Face checkpoint {s.init_from_hf}")
         else:
+            started = time.perf_counter()
             params = init(run.plan, seed=s.seed)
+            self.drawn = (f"initial parameters drawn in {time.perf_counter() - started:.1f}s (seed {s.seed}, "
+                          f"{draw_threads()} CPU thread(s) a rank)")
         return params, opt.init(params), 1
 
     def _check_resumable(self, ck) -> None:

@@ -203,15 +203,15 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     opt = adamw(schedule, weight_decay=s.weight_decay, max_grad_norm=s.clip or None, plan=plan,
                 fused=s.fused_optimizer, donate=s.fused_optimizer, moments=s.moments,
                 skip_nonfinite=s.steps + s.max_skips if s.max_skips else 0)
-    eval_rows, eval_note = _eval_rows(run)
+    eval_note = _eval_note(run)
     heldout = [context_chunks(b, plan, world.rank)
-               for b in heldout_set(corpus, eval_rows, s.seq, s.eval_batches, *row_block(plan, world.rank))]
+               for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]
     params, opt_state, first = checkpoints.start(opt, resumed)
     if world.is_main:  # every check has passed: now the folder changes
         prepare_out(run)
     baseline = corpus_unigram(corpus, plan.model.vocab)
     _introduce(run, baseline)
-    for note in (*run.notes, *([eval_note] if eval_note else [])):
+    for note in (*run.notes, *(line for line in (checkpoints.drawn, eval_note) if line)):
         run.say(note)
     tokens_per_step = s.batch * s.seq
     job = _Job(run, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
@@ -223,19 +223,17 @@ def _setup(run: Run) -> tuple[_Job, _State]:
     return job, _State(params, opt_state, done=first - 1)
 
 
-def _eval_rows(run: Run) -> tuple[int, str | None]:
-    """The rows of a held-out batch: ``--batch``; or, where the held-out split holds
-    fewer (the embedded corpus's 12 rows of 2048 against a global batch of 8 a GPU), the
-    most that split evenly over the ranks' row blocks and the microbatches, with the
-    line that says so. Too few for even that: ``--batch``, which ``heldout_set`` refuses."""
-    s, plan = run.settings, run.plan
+def _eval_note(run: Run) -> str | None:
+    """The line for a held-out split of fewer rows than ``--batch`` (the embedded corpus's
+    12 rows of 2048 against a global batch of 8 a GPU): each evaluation counts every row
+    it holds, in a batch of ``--batch`` rows that ``heldout_set`` fills with rows that count
+    nothing."""
+    s = run.settings
     have = heldout_rows(run.corpus, s.seq)
-    per = row_block(plan, run.world.rank)[1] * plan.microbatches
-    rows = have - have % per
-    if have >= s.batch or not rows:
-        return s.batch, None
-    return rows, (f"the held-out split holds {have} rows of {s.seq} positions, fewer than --batch {s.batch}: "
-                  f"each evaluation takes {rows} of them")
+    if run.corpus.packed is not None or not 0 < have < s.batch:
+        return None
+    return (f"the held-out split holds {have} rows of {s.seq} positions, fewer than --batch {s.batch}: each "
+            f"evaluation counts those {have}, in a batch filled to {s.batch} with rows that count nothing")
 
 
 def _introduce(run: Run, baseline: float) -> None:

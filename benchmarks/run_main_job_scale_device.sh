@@ -1,0 +1,63 @@
+#!/bin/bash
+# The main job across the GPUs of one machine (issue 63's table), as a user runs it:
+#   source .device/setup.sh; bash benchmarks/run_main_job_scale_device.sh PART...
+# Parts:
+#   zero3, dp1ep: qwen3-moe-medium under torchrun over every GPU (up to 4), 30 steps of 8 x 2048
+#     tokens a GPU on the embedded corpus: ZeRO-3 eager; dp1 x epN (tokens cross once, 1f1b_overlap
+#     over 2 microbatches, attention/router/dispatch graphed). The graphed jobs, on one GPU and
+#     under torchrun: benchmarks/run_graphed_presets_device.sh.
+#   30b: the qwen3-30b-a3b preset as it ships (48 layers, vocab 151936, seq 4096, learned routing,
+#     ep 4), 20 steps over 4 GPUs; its checkpoint under /dev/shm when that holds it.
+#   30b-layers: the same layers at half depth (24), ZeRO-3 against the preset's dp1 x ep4, 20 steps.
+#   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
+# Each job is a fresh process with its own cold Triton and inductor caches; logs in $OUT; a table
+# of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+gpus=$(nvidia-smi -L | wc -l)
+ranks=$((gpus > 4 ? 4 : gpus))
+common=(--steps 30 --eval-every 30 --eval-batches 1 --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard)
+job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log, keep its summary line
+  local name=$1 limit=$2 start=$(date +%s); shift 2
+  local runs=${RUNS:-/dev/shm}
+  rm -rf "$runs/$name"
+  TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" --out "$runs/$name" \
+    > "$OUT/$name.log" 2>&1
+  local code=$?
+  local done_line; done_line=$(grep -h "^done in" "$OUT/$name.log" | tail -1)
+  echo "| $name | exit $code, $(( $(date +%s) - start )) s | ${done_line:-no summary: $(tail -2 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-300)} |" \
+    | tee -a "$OUT/table.md"
+  [ -f "$runs/$name/metrics.jsonl" ] && cp "$runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  rm -rf "$runs/$name"
+}
+tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
+qwen=(--config qwen3-moe-medium "${common[@]}")
+for part in "$@"; do
+  case $part in
+    zero3) job qwen3-${ranks}gpu-zero3 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ;;
+    dp1ep)
+      job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) --dp 1 --ep "$ranks" \
+        --ep-exchange tokens --schedule 1f1b_overlap --microbatches 2 --cuda-graph attn,router,dispatch ;;
+    30b)  # its last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
+      free_gb=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
+      [ "$free_gb" -lt 260 ] && export RUNS=/tmp
+      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b 330 "${tr[@]}" --config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
+        --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard
+      unset RUNS ;;
+    30b-layers)
+      q30=(--config qwen3-30b-a3b --layers 24 --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0
+           --sample-tokens 0 --no-progress --no-tensorboard)
+      job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}"
+      job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --dp "$ranks" --ep 1 ;;
+    nvshmem)
+      python - <<'EOF' 2>&1 | tee "$OUT/nvshmem.log"
+import torch, torch.distributed._symmetric_memory as symm
+print("torch", torch.__version__, "nvshmem available:", symm.is_nvshmem_available(),
+      "all_to_all_vdev_2d:", hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
+EOF
+      ;;
+    *) echo "unknown part $part (zero3 dp1ep 30b 30b-layers nvshmem)"; exit 2 ;;
+  esac
+done
+df -h /dev/shm | tail -1
+echo "| job | exit, time | summary |"
+cat "$OUT/table.md"
