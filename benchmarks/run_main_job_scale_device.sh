@@ -4,11 +4,13 @@
 # Parts:
 #   zero3, dp1ep: qwen3-moe-medium under torchrun over every GPU (up to 4), 30 steps of 8 x 2048
 #     tokens a GPU on the embedded corpus: ZeRO-3 eager; dp1 x epN (tokens cross once, 1f1b_overlap
-#     over 2 microbatches, attention/router/dispatch graphed). The graphed jobs, on one GPU and
+#     over 2 microbatches, attention/router/dispatch graphed); STEPS=N for N steps. The graphed jobs, on one GPU and
 #     under torchrun: benchmarks/run_graphed_presets_device.sh.
 #   30b: the qwen3-30b-a3b preset as it ships (48 layers, vocab 151936, seq 4096, learned routing,
 #     ep 4), 20 steps over 4 GPUs; its checkpoint under /dev/shm when that holds it.
 #   30b-layers: the same layers at half depth (24), ZeRO-3 against the preset's dp1 x ep4, 20 steps.
+#   peer30b: the same 24 layers (vocab 151936, 2 x 4096 tokens a GPU, aux loss 1e-3) as a bare step
+#     beside the compiled FSDP2 peer (benchmarks/vs_peer.py): fmoe compiled, ZeRO-3 and dp1 x ep4.
 #   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
 # Each job is a fresh process with its own cold Triton and inductor caches; logs in $OUT; a table
 # of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
@@ -26,16 +28,23 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   local done_line; done_line=$(grep -h "^done in" "$OUT/$name.log" | tail -1)
   echo "| $name | exit $code, $(( $(date +%s) - start )) s | ${done_line:-no summary: $(tail -2 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-300)} |" \
     | tee -a "$OUT/table.md"
-  [ -f "$runs/$name/metrics.jsonl" ] && cp "$runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+  if [ -s "$runs/$name/metrics.jsonl" ]; then  # and its last window: learned routing settles over the steps
+    cp "$runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl"
+    python3 -c 'import json, sys
+r = [json.loads(line) for line in open(sys.argv[1])][-1]
+step, rate, load = r["step"], r["tokens_per_s"], max(r.get("expert_load") or [0])
+print(f"|   last window | step {step} | {rate:.0f} tokens/s, max expert_load {load:.2f} |")' \
+      "$runs/$name/metrics.jsonl" | tee -a "$OUT/table.md"
+  fi
   rm -rf "$runs/$name"
 }
 tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
 qwen=(--config qwen3-moe-medium "${common[@]}")
 for part in "$@"; do
   case $part in
-    zero3) job qwen3-${ranks}gpu-zero3 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ;;
+    zero3) job qwen3-${ranks}gpu-zero3 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} ;;
     dp1ep)
-      job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) --dp 1 --ep "$ranks" \
+      job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} --dp 1 --ep "$ranks" \
         --ep-exchange tokens --schedule 1f1b_overlap --microbatches 2 --cuda-graph attn,router,dispatch ;;
     30b)  # its last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
       free_gb=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
@@ -48,6 +57,11 @@ for part in "$@"; do
            --sample-tokens 0 --no-progress --no-tensorboard)
       job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}"
       job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --dp "$ranks" --ep 1 ;;
+    peer30b)
+      (cd benchmarks && TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 540 torchrun \
+        --standalone --nproc-per-node "$ranks" vs_peer.py --shape qwen3-30b-a3b --layers 24 --vocab 151936 \
+        --seq 4096 --batch 2 --aux-loss 1e-3 --peers compiled --fmoe-compile only --fmoe-graph off \
+        --meshes dp "dp1ep$ranks+tokens" 2>&1 | tee "$OUT/peer30b.log" | grep -v "^W1\|Warning\|warn(" | tail -12) ;;
     nvshmem)
       python - <<'EOF' 2>&1 | tee "$OUT/nvshmem.log"
 import torch, torch.distributed._symmetric_memory as symm
@@ -55,7 +69,7 @@ print("torch", torch.__version__, "nvshmem available:", symm.is_nvshmem_availabl
       "all_to_all_vdev_2d:", hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
 EOF
       ;;
-    *) echo "unknown part $part (zero3 dp1ep 30b 30b-layers nvshmem)"; exit 2 ;;
+    *) echo "unknown part $part (zero3 dp1ep 30b 30b-layers peer30b nvshmem)"; exit 2 ;;
   esac
 done
 df -h /dev/shm | tail -1

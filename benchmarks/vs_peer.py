@@ -33,6 +33,8 @@ override the shape's value; aux-loss coefficient 0 on both sides unless --aux-lo
     attention, a dense first layer, group-limited sigmoid routing, routed scaling, a
     shared expert). The peer runs their attention as its users do on a GPU (see
     ``peer.py``: FlexAttention for sinks and windows, SDPA for MLA).
+  qwen3-30b-a3b: the preset's model (Qwen3-30B-A3B's shape; vocab 32000 unless --vocab),
+    named only on purpose: no GPU holds it whole, so give --layers (24: half depth).
 8 x 2048 tokens per GPU per step in 1 microbatch; bf16 compute, fp32 params and AdamW
 state. ``--device cpu`` shrinks each shape to a toy that runs in seconds (fp32, gloo),
 keeping what tells it apart (top-k, GQA, head size, qk norm, and each preset's
@@ -121,12 +123,16 @@ COARSE = dict(vocab=32000, dim=2048, layers=8, heads=16, experts=16, topk=4, ffn
 PRESET_SHAPES = ("qwen3-moe-medium", "glm4.5-medium", "gpt-oss-medium", "deepseek-v3-medium")
 SHAPES = {"coarse": lambda: COARSE, "fine": lambda: {**COARSE, "experts": 64, "topk": 8, "ffn": 704},
           **{name: functools.partial(preset_model, name) for name in PRESET_SHAPES}}
+# Shapes no single GPU holds, run only when named (other scripts default to every one of SHAPES):
+# qwen3-30b-a3b is the preset's model (give --layers 24 for half depth, --vocab 151936, --seq 4096).
+LARGE_SHAPES = {"qwen3-30b-a3b": functools.partial(preset_model, "qwen3-30b-a3b")}
 # The CPU toys: small widths, the shape's routing and attention kept (GLM: a dense first
 # layer, a shared expert, partial RoPE; GPT-OSS: one windowed and one full layer, a window
 # shorter than the toy's rows; DeepSeek-V3: MLA with both low-rank projections, groups).
 TOY = dict(vocab=512, dim=64, layers=2, heads=4, ffn=64)
 CPU_SHAPES = {"coarse": dict(experts=8, topk=4), "fine": dict(experts=16, topk=8, ffn=32),
               "qwen3-moe-medium": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32),
+              "qwen3-30b-a3b": dict(experts=16, topk=8, ffn=32, kv_heads=2, head_size=32),
               "glm4.5-medium": dict(layers=3, experts=16, topk=4, ffn=32, shared_ffn=32, dense_ffn=128,
                                     kv_heads=2, head_size=32),
               "gpt-oss-medium": dict(experts=8, topk=4, ffn=32, kv_heads=2, head_size=16, sliding_window=16, glu_limit=0.3,
@@ -142,8 +148,8 @@ def parse(more=None):
     """The flags; ``more(ap)`` adds a calling script's own."""
     ap = lm_parser(microbatches=1)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a tiny smoke run on gloo")
-    ap.add_argument("--shape", choices=tuple(SHAPES), help="one model shape (default coarse)")
-    ap.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), help="several shapes, one table each")
+    ap.add_argument("--shape", choices=(*SHAPES, *LARGE_SHAPES), help="one model shape (default coarse)")
+    ap.add_argument("--shapes", nargs="+", choices=(*SHAPES, *LARGE_SHAPES), help="several shapes, one table each")
     ap.add_argument("--meshes", nargs="+", default=["dp"],
                     help="fmoe meshes: dp or dpX[epY][tpZ][cpW] (e.g. dp1ep2, dp1tp2), each optionally +1f1b (1f1b_overlap) "
                          "and +dw (delay_wgrad), e.g. dp1ep2+1f1b+dw")
@@ -180,7 +186,8 @@ def parse(more=None):
 def shape_config(name: str, args, toy: bool, aux_loss: float = 0.0) -> fmoe.ModelConfig:
     """The shape's ModelConfig (its toy on the CPU), with any model flag given overriding;
     ``aux_loss``: the router's balancing-loss coefficient (``--aux-loss``)."""
-    fields = {**SHAPES[name](), **TOY, **CPU_SHAPES[name]} if toy else dict(SHAPES[name]())
+    shape = {**SHAPES, **LARGE_SHAPES}[name]
+    fields = {**shape(), **TOY, **CPU_SHAPES[name]} if toy else dict(shape())
     fields.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     return fmoe.ModelConfig(**{**fields, "aux_loss_coef": aux_loss})
 
