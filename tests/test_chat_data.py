@@ -11,7 +11,7 @@ import pytest
 
 import fmoe.data.chat as chat_module
 import fmoe.data.prepare as prepare_module
-from fmoe.data import open_corpus
+from fmoe.data import heldout_rows, heldout_set, open_corpus
 from fmoe.data.chat import prepare_chat
 from fmoe.data.chat_template import Template, assistant_spans, message_starts, plain_render, plain_spans
 from fmoe.data.packing import Packer, split_points
@@ -462,3 +462,20 @@ def test_cli_prints_the_summary_and_fails_with_one_line(tmp_path, chatml_tok):
                                  "--quiet"])
         assert str(err.value).startswith("fmoe.data: ") and needle in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_packed_heldout_split_shorter_than_a_batch_is_one_batch_filled_with_rows_that_count_nothing(tmp_path):
+    chats = varied_chats()
+    write_chats(tmp_path / "chats.jsonl", chats)
+    prepare_chat([tmp_path / "chats.jsonl"], tmp_path / "out", seq=127, quiet=True)
+    corpus = open_corpus(tmp_path / "out", heldout_fraction=0.2)
+    rows = heldout_rows(corpus, 127)
+    assert rows >= 2
+    batch = rows + 2 + rows % 2  # more than the split holds, even: it splits over 2 ranks
+    whole = [heldout_set(corpus, rows, 127, 1)[0], *heldout_set(corpus, batch, 127, 1)]
+    assert len(whole) == 2 and whole[1]["tokens"].shape == (batch, 128)
+    for key in ("tokens", "loss_mask", "segments"):  # the rows there are, unchanged
+        assert np.array_equal(whole[1][key][:rows], whole[0][key]), key
+    assert whole[0]["loss_mask"].any() and not whole[1]["loss_mask"][rows:].any()
+    halves = [heldout_set(corpus, batch, 127, 1, rank=r, world=2)[0] for r in range(2)]
+    assert all(np.array_equal(np.concatenate([h[key] for h in halves]), whole[1][key]) for key in whole[1])

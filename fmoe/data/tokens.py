@@ -391,15 +391,21 @@ def heldout_set(corpus: TokenCorpus, batch: int, seq: int, max_batches: int, ran
                 world: int = 1) -> list[dict]:
     """The held-out batches: ``heldout_batches`` of a plain corpus; of a packed one its
     rows in order (a batch's rows that train on nothing left out: every evaluation
-    batch has targets to count)."""
+    batch has targets to count; fewer rows than one batch: one batch, filled with rows
+    that count nothing)."""
     if corpus.packed is None:
         return heldout_batches(corpus.heldout, batch, seq, max_batches, rank, world)
     p = corpus.packed
     rows = len(corpus.heldout) // p.row
-    if rows < batch:
-        raise ValueError(f"--data {corpus.source}: its {rows} held-out row(s) are fewer than one batch of {batch} "
-                         "(raise --heldout-fraction or lower --batch)")
+    if rows == 0 or not np.asarray(p.heldout_mask[:rows * p.row]).any():
+        raise ValueError(f"--data {corpus.source}: its held-out split holds no row that trains on a token "
+                         "(raise --heldout-fraction)")
     first, last = _rank_rows(batch, rank, world)
+    if rows < batch:  # one batch: the rows there are, then rows that count nothing (as heldout_batches)
+        padded = _rows(corpus.heldout, p.heldout_mask, p.heldout_segments, p.row,
+                       [min(r, rows - 1) for r in range(first, last)])
+        padded["loss_mask"] &= torch.tensor([r < rows for r in range(first, last)])[:, None]
+        return [padded]
     out = []
     for b in range(min(rows // batch, max_batches)):
         if not np.asarray(p.heldout_mask[b * batch * p.row:(b + 1) * batch * p.row]).any():

@@ -230,7 +230,7 @@ def _eval_note(run: Run) -> str | None:
     nothing."""
     s = run.settings
     have = heldout_rows(run.corpus, s.seq)
-    if run.corpus.packed is not None or not 0 < have < s.batch:
+    if not 0 < have < s.batch:
         return None
     return (f"the held-out split holds {have} rows of {s.seq} positions, fewer than --batch {s.batch}: each "
             f"evaluation counts those {have}, in a batch filled to {s.batch} with rows that count nothing")
