@@ -31,17 +31,19 @@ def init(plan: Plan, seed: int = 0) -> dict:
     rank, spec = Group.world().rank, resolve(plan).spec
     shapes = spec.local_shapes(rank)
 
-    def laid_out(leaf) -> torch.Tensor:
-        full = initial_value(leaf, plan.model, seed)
-        return spec.shard_leaf(full, leaf.path, rank).reshape(shapes[leaf.path]) \
-            .to(device=plan.device, dtype=torch.float32).contiguous()
+    def drawn(leaf) -> torch.Tensor:  # on a worker thread: CPU work only
+        piece = spec.shard_leaf(initial_value(leaf, plan.model, seed), leaf.path, rank).reshape(shapes[leaf.path])
+        # a row block is a view that would keep the whole leaf alive until it is moved
+        return piece.clone() if piece.untyped_storage().nbytes() > piece.nbytes else piece
 
     # Every rank draws every leaf whole (its rows are a view of the one full model), one
     # CPU core a leaf: a 30B model is ~30G draws, minutes on one core, so the leaves
-    # are drawn on this process's share of the cores, as many at once (and whole in
-    # memory) as it has threads.
+    # are drawn on this process's share of the cores, as many at once as it has threads.
+    # They move to the device here, on this thread: a CUDA device chosen with
+    # torch.cuda.set_device is this thread's, not the workers'.
     with ThreadPoolExecutor(draw_threads()) as pool:
-        local = dict(zip((leaf.path for leaf in spec.table.leaves), pool.map(laid_out, spec.table.leaves)))
+        local = {leaf.path: piece.to(device=plan.device, dtype=torch.float32).contiguous()
+                 for leaf, piece in zip(spec.table.leaves, pool.map(drawn, spec.table.leaves))}
     return spec.table.unflatten(local[leaf.path] for leaf in spec.table.leaves)
 
 
