@@ -27,6 +27,7 @@ from .workloads import (
     fsdp_configs,
     global_batch,
     graph_configs,
+    init_devices,
     scale_config,
     scale_plan,
     schedule_configs,
@@ -200,3 +201,10 @@ def test_nccl_compiled_matches_eager_with_triton_kernels(case):
             worst = max(errors.items(), key=lambda kv: kv[1])
             print(f"compiled vs eager, {case} {key}: worst leaf {worst}")
             assert worst[1] < 1e-4, (case, key, worst)
+
+
+def test_init_puts_each_ranks_leaves_on_its_own_gpu():
+    # fmoe.init draws on worker threads, whose CUDA device is not the one
+    # torch.cuda.set_device chose for the rank: the leaves must land on the rank's
+    for rank, (devices, here) in enumerate(nccl(init_devices, 1, 2)):
+        assert devices == [here] == [f"cuda:{rank}"], (rank, devices, here)

@@ -199,6 +199,14 @@ def scale_config(rank, world, dp, ep, device="cpu"):
     return train(scale_plan(dp, ep, device), rank_rows(global_batch(), rank, world), steps=2)
 
 
+def init_devices(rank, world, dp, ep, device="cpu"):
+    """The devices ``fmoe.init`` put this rank's leaves on (``scale_plan`` at dp x ep), as
+    strings, and this process's current device."""
+    params = fmoe.init(scale_plan(dp, ep, device), seed=0)
+    here = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+    return sorted({str(leaf.device) for leaf in optree.tree_leaves(params)}), here
+
+
 def eval_and_step_losses(rank, world, dp, ep):
     """``(eval_loss, step loss)`` under 1F1B + delayed wgrad at dp x ep (forward-only program vs training)."""
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding="optim_grads_params", schedule="1f1b_overlap",
