@@ -155,6 +155,9 @@ def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
     assert merged["sharding"] == "optim_grads_params" and merged["units"] == ""
     assert len(options.presets()) == 12
     assert options.resolve([])[0]["log_every"] == 1  # the CPU default logs every step; GPU presets every 10
+    # a switch a preset sets is undone on the command line (the 30B preset's fused AdamW on a CPU)
+    assert options.resolve(["--config", "qwen3-30b-a3b"])[0]["fused_optimizer"] is True
+    assert options.resolve(["--config", "qwen3-30b-a3b", "--no-fused-optimizer"])[0]["fused_optimizer"] is False
     assert {options.resolve(["--config", p])[0]["log_every"] for p in options.presets() if p != "cpu"} == {10}
     for preset in options.presets():  # every shipped preset builds a valid model and plan
         settings, _ = options.resolve(["--config", preset])

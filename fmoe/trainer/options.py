@@ -28,8 +28,8 @@ from .run_settings import RUN_DEFAULTS, RUN_FIELDS, RUN_HELP, TYPES, RunSettings
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 # What a run is asked to do with its folder, not how it trains: never written to a
-# settings file (reusing one for a new --out must not resume or remove anything), and
-# each has a --no- form to undo a --config that sets it.
+# settings file (reusing one for a new --out must not resume or remove anything). These,
+# like every switch a --config can set (--fused-optimizer), have a --no- form to undo it.
 FOLDER_ACTIONS = ("resume", "auto_resume", "overwrite")
 UNSET_PATHS = ("data", "init_from_hf")  # "" by default, meaning the embedded corpus / random weights
 LAYER_LISTS = ("dense_layers", "window_layers")  # ModelConfig's tuples of layer indices, "0,1" as settings
@@ -117,7 +117,8 @@ def parser(prog: str = "python -m fmoe.train") -> argparse.ArgumentParser:
             if name not in ("config", "print_config"):
                 help_ += f" (default: {_shown(defaults[name])})"
             help_ = help_.replace("%", "%%")
-            if kind is bool and title == "run" and name not in FOLDER_ACTIONS:
+            if kind is bool and title == "run" and (name.startswith("no_") or name == "print_config"):
+                # already a "no" or a one-off action: nothing for a --no- form to undo
                 group.add_argument(flag(name), action="store_true", help=help_)
             elif kind is bool:
                 group.add_argument(flag(name), action=argparse.BooleanOptionalAction, help=help_)
