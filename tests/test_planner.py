@@ -161,6 +161,23 @@ def test_tokens_crossing_once_per_rank_move_fewer_bytes():
     assert tokens.step_seconds < rows.step_seconds
 
 
+def test_routing_skew_weighs_the_busiest_expert_ranks_rows():
+    from fmoe.plan.simulate import busiest_share
+
+    ep4 = fmoe.Plan(model=CFG, ep=4, microbatches=2)  # 2 experts a rank, top-2: a rank can take every row
+    assert [busiest_share(ep4, s) for s in (1, 3, 9)] == [1, 3, 4]
+    assert busiest_share(ep4.replace(model=CFG.replace(topk=4)), 9) == 2  # 2 of a token's 4 choices at most
+    assert busiest_share(ep4.replace(ep=1), 9) == 1  # each rank computes its own tokens' experts
+    balanced, skewed = (estimate_memory(ep4, rows=8, seq=64, skew=s) for s in (1, 2))
+    assert estimate_memory(ep4, rows=8, seq=64) == balanced
+    assert skewed["activations"] > balanced["activations"] and skewed["params"] == balanced["params"]
+    zero3 = ep4.replace(ep=1, dp=4, sharding="optim_grads_params")
+    assert estimate_memory(zero3, rows=8, seq=64, skew=4) == estimate_memory(zero3, rows=8, seq=64)
+    steps = [simulate(ep4, rows=8, seq=64, skew=s).step_seconds for s in (1, 2, 4)]
+    assert steps[0] < steps[1] < steps[2]
+    assert simulate(zero3, rows=8, seq=64, skew=4).step_seconds == simulate(zero3, rows=8, seq=64).step_seconds
+
+
 def test_the_command_line_prints_the_plan_and_ranks_plans():
     run = lambda *args: subprocess.run([sys.executable, "-m", "fmoe.plan", *map(str, args)],  # noqa: E731
                                        capture_output=True, text=True, timeout=300)

@@ -46,6 +46,8 @@ def run(capsys, *argv):
     (["--top", "0"], "--top=0 is invalid: must be an int >= 1"),
     (["--gpus-per-node", "0"], "--gpus-per-node=0 is invalid: must be an int >= 1"),
     (["--network-gbps", "0"], "--network-gbps=0.0 is invalid: must be a finite number > 0"),
+    (["--routing-skew", "0.5"], "--routing-skew=0.5 is invalid: must be a finite number >= 1 (1: balanced routing)"),
+    (["--routing-skew", "inf"], "--routing-skew=inf is invalid: must be a finite number >= 1 (1: balanced routing)"),
     (["--search"], "--search needs --gpus"),
 ])
 def test_a_bad_planner_flag_is_one_line_naming_it(capsys, flags, message):
@@ -107,7 +109,7 @@ def test_help_lists_every_flag_the_planner_takes(capsys):
     assert code == 0
     listed = set(re.findall(r"^\s{2}(--[a-z0-9-]+)", out, re.M))
     own = {"--model", "--gpus", "--search", "--memory", "--top", "--trace", "--calibration", "--gpus-per-node",
-           "--nvlink-gbps", "--network-gbps"}
+           "--nvlink-gbps", "--network-gbps", "--routing-skew"}
     forwarded = {"--" + name.replace("_", "-") for name in options.KNOWN}
     assert own | forwarded <= listed, sorted((own | forwarded) - listed)
     for name in MODELS:
@@ -147,6 +149,13 @@ def test_the_qwen3_30b_preset_is_the_released_shape_in_the_plan_the_search_ranks
     assert code == 0
     assert "run it: torchrun --nproc-per-node 4 -m fmoe.train --config qwen3-30b-a3b\n" in out
     assert re.search(r"^best: pp=1 dp=1 ep=4 .*schedule=1f1b_overlap microbatches=2 remat=none", out, re.M)
+    # learned routing starts collapsed (every token's 8 choices on the same few experts):
+    # with one rank taking all the rows, the plan no longer fits, and the search drops ep
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--routing-skew", 4)
+    assert code == 0 and "memory: needs 185.7 GiB a GPU, over --memory 141 GiB" in out
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--search",
+                       "--routing-skew", 4)
+    assert code == 0 and re.search(r"^best: pp=4 virtual_stages=2 dp=1 ep=1 ", out, re.M)
 
 
 def test_released_models_read_their_config_json_keys():

@@ -9,7 +9,8 @@ The model and plan come from the main job's flags (``--config`` and any model or
 field; ``dp`` from ``--gpus`` when left out, ``dtype`` bfloat16, ``device`` cuda), or
 ``--model``, a released model (``fmoe.plan.models``), whose fields the flags given
 override; ``--batch`` and ``--seq`` are the global batch, ``--moments`` the AdamW moments'
-dtype its memory counts (the planner reads no other run flag). Prints the plan, what was
+dtype its memory counts (the planner reads no other run flag); ``--routing-skew`` the
+busiest expert rank's routed rows over an even share (1, balanced, unless given). Prints the plan, what was
 checked, the estimated step time, tokens/s and MFU, each stage's bubble and memory,
 whether it fits the memory budget, and a timeline of one rank per stage; ``--trace``
 writes it as a Chrome trace. ``--search`` ranks the plans for ``--gpus`` whose every rank
@@ -23,10 +24,11 @@ defaults: H100 / H200 nodes of 8 on NVLink, 400G InfiniBand).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
-from ..checks import check_finite, check_int
+from ..checks import check, check_finite, check_int, is_number
 from ..config import Plan
 from ..trainer import options
 from .budget import budget, over_budget
@@ -67,6 +69,11 @@ def _planner_flags(group) -> None:
                        help=f"GB/s a GPU moves in NCCL collectives inside a node (default: {Links.nvlink_gbps:g})")
     group.add_argument("--network-gbps", type=float, default=Links.network_gbps, metavar="GBPS",
                        help=f"GB/s a GPU moves between nodes (default: {Links.network_gbps:g})")
+    group.add_argument("--routing-skew", type=float, default=1.0, metavar="F",
+                       help="the routed rows of the busiest expert rank over an even share, >= 1: its experts' "
+                            "memory, compute and exchanges scale by it (capped at what every rank's tokens can "
+                            "bring it: ep when a rank holds topk experts or more). Learned routing starts "
+                            "far from balance (default: 1, balanced)")
 
 
 def _own_parser() -> argparse.ArgumentParser:
@@ -95,6 +102,9 @@ def _check_flags(own) -> None:
     check_int("--gpus-per-node", own.gpus_per_node, 1)
     check_finite("--nvlink-gbps", own.nvlink_gbps, True)
     check_finite("--network-gbps", own.network_gbps, True)
+    check(
+        "--routing-skew", own.routing_skew, is_number(own.routing_skew) and math.isfinite(own.routing_skew)
+        and own.routing_skew >= 1, "must be a finite number >= 1 (1: balanced routing)")
     if own.search and not own.gpus:
         raise ValueError("--search needs --gpus")
     if own.trace:
@@ -142,7 +152,7 @@ def _run_keys(run) -> dict:
 
 def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
     t0 = time.perf_counter()
-    ranked = search(cfg, fields, own.gpus, run.batch, run.seq, limit.gib, costs, run.moments)
+    ranked = search(cfg, fields, own.gpus, run.batch, run.seq, limit.gib, costs, run.moments, own.routing_skew)
     print(f"{len(ranked)} plan(s) for {own.gpus} GPUs fit {limit.source} (batch {run.batch} x {run.seq}; "
           f"{time.perf_counter() - t0:.1f} s); ranked by estimated tokens/s, higher first (ties: less memory first)")
     if not ranked:
@@ -150,13 +160,13 @@ def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
         return 1
     print("  tokens/s (key)   step ms   bubble   exposed comm   GiB a GPU   plan")
     for row in ranked[:own.top]:
-        w = why(row.plan, run.batch, run.seq, costs)
+        w = why(row.plan, run.batch, run.seq, costs, skew=own.routing_skew)
         print(f"  {row.tokens_per_second:>14,.0f}  {w.step_ms:>8,.1f}   {w.bubble:>6.3f}   {w.exposed_comm:>12.1%}"
               f"   {row.peak_gib:>9.1f}   {describe(row.plan)}")
     print("  (bubble: the most idle share of a stage's compute with communication free; exposed comm: the share "
           "of the step the links add)")
     best = ranked[0]
-    note = _expert_parallel_note(cfg, own.gpus, ranked, run, costs)
+    note = _expert_parallel_note(cfg, own.gpus, ranked, run, costs, own.routing_skew)
     if note:
         print(note)
     print(f"best: {describe(best.plan)}")
@@ -164,7 +174,7 @@ def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
     return 0
 
 
-def _expert_parallel_note(cfg, gpus: int, ranked: list, run, costs) -> str | None:
+def _expert_parallel_note(cfg, gpus: int, ranked: list, run, costs, skew: float) -> str | None:
     """Why the best plan has no expert parallelism, in one line (None when it has)."""
     if ranked[0].plan.ep > 1 or cfg.experts == 1:
         return None
@@ -179,7 +189,7 @@ def _expert_parallel_note(cfg, gpus: int, ranked: list, run, costs) -> str | Non
         return f"ep: no plan with ep in {degrees} fits the memory budget"
     best, top = with_ep[0], ranked[0]
     gap = 1 - best.tokens_per_second / top.tokens_per_second
-    w_ep, w_top = (why(r.plan, run.batch, run.seq, costs) for r in (best, top))
+    w_ep, w_top = (why(r.plan, run.batch, run.seq, costs, skew=skew) for r in (best, top))
     return (f"ep: the best plan with ep > 1 ({describe(best.plan)}) estimates {best.tokens_per_second:,.0f} tokens/s, "
             f"{gap:.1%} fewer: its exposed communication is {w_ep.exposed_comm:.1%} of its step against "
             f"{w_top.exposed_comm:.1%}, its bubble {w_ep.bubble:.3f} against {w_top.bubble:.3f}")
@@ -188,11 +198,11 @@ def _expert_parallel_note(cfg, gpus: int, ranked: list, run, costs) -> str | Non
 def _print_plan(own, cfg, fields, explicit, run, costs, limit, vocab_from_data) -> int:
     t0 = time.perf_counter()
     plan = _plan(fields, cfg, explicit, own.gpus)
-    sim = simulate(plan, run.batch, run.seq, costs)
-    memory = [estimate_memory(plan, run.batch, run.seq, s, run.moments) for s in range(plan.pp)]
+    sim = simulate(plan, run.batch, run.seq, costs, skew=own.routing_skew)
+    memory = [estimate_memory(plan, run.batch, run.seq, s, run.moments, own.routing_skew) for s in range(plan.pp)]
     for line in summary(sim, memory):
         print(line)
-    w = why(plan, run.batch, run.seq, costs, sim)
+    w = why(plan, run.batch, run.seq, costs, sim, own.routing_skew)
     print(f"where the step goes: bubble {w.bubble:.3f} (the most idle share of a stage's compute with communication "
           f"free), exposed communication {w.exposed_comm:.1%} of the step (what the links add)")
     over = over_budget(plan, memory, limit, run.moments, run.batch)

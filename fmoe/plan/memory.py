@@ -19,17 +19,19 @@ from ..layers.nodes import Kind
 from ..optim.transforms import check_moments
 from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
-from .simulate import _rank_elements, _sizes
+from .simulate import _rank_elements, _sizes, busiest_share
 
 PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
 
 
-def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat: str, ep: int) -> float:
+def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat: str, ep: int,
+                       share: float = 1.0) -> float:
     """Elements one microbatch keeps for layer ``layer``'s backward (``held``: the
-    positions of the rank's stream, ``seen``: those its attention computes on)."""
+    positions of the rank's stream, ``seen``: those its attention computes on; ``share``:
+    the rank's routed rows over an even share, ``busiest_share``)."""
     D, K = cfg.dim, cfg.topk
     if remat == "full":  # its input, and under expert parallelism the rows that crossed, both ways
-        return held * D + (2 * held * K * D if ep > 1 and not cfg.is_dense(layer) else 0)
+        return held * D + (2 * held * K * D * share if ep > 1 and not cfg.is_dense(layer) else 0)
     attention = seen * (2 * cfg.q_width + 2 * cfg.kv_width) / tp + seen * D  # q, k, v, output; the input
     if remat == "none":
         attention += 3 * held * D  # the norms' inputs and outputs, the residual
@@ -37,7 +39,7 @@ def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat
         hidden = cfg.fc1_width(cfg.dense_ffn) + (cfg.dense_ffn if remat == "none" else 0)
         return attention + seen * hidden / tp + seen * D
     F = cfg.ffn
-    experts = held * K * (2 * D + cfg.fc1_width(F) + (F if remat == "none" else 0))
+    experts = held * K * share * (2 * D + cfg.fc1_width(F) + (F if remat == "none" else 0))
     shared = seen * (cfg.fc1_width(cfg.shared_ffn) + cfg.shared_ffn) / tp if cfg.shared_ffn else 0
     router = held * cfg.experts * 2  # fp32 logits: two compute-dtype elements' worth each
     return attention + experts + shared + router
@@ -86,10 +88,12 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
     return gathered, grads, activations
 
 
-def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: str = "float32") -> dict:
+def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: str = "float32",
+                    skew: float = 1.0) -> dict:
     """``{part: bytes}`` (``PARTS`` and ``total``) one rank of pipeline stage ``stage``
     holds at its peak, for a global batch of ``rows`` sequences of ``seq``; AdamW's
-    moments in ``moments`` (``float32`` or ``bfloat16``, ``adamw(moments=...)``)."""
+    moments in ``moments`` (``float32`` or ``bfloat16``, ``adamw(moments=...)``); the
+    busiest expert rank's, its routed rows ``skew`` times an even share (``busiest_share``)."""
     cfg, spec = plan.model, resolve_stage(plan, stage).spec
     rank = plan.dims.rank_of(0, 0, 0, 0, stage)
     elements = _rank_elements(spec, rank)
@@ -101,7 +105,7 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: st
             return (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
         if node.layer is not None:
             return _layer_activations(cfg, node.layer, sizes["held"], sizes["seen"], plan.tp, plan.remat,
-                                      plan.ep) * itemsize
+                                      plan.ep, busiest_share(plan, skew)) * itemsize
         return 0.0
 
     gathered, grads, activations = _walk(plan, spec, stage, units, kept)

@@ -55,12 +55,12 @@ class Why:
     exposed_comm: float
 
 
-def why(plan: Plan, rows: int, seq: int, costs: CostModel, sim: Simulation | None = None) -> Why:
+def why(plan: Plan, rows: int, seq: int, costs: CostModel, sim: Simulation | None = None, skew: float = 1.0) -> Why:
     """The bubble and exposed communication of ``plan``'s step on ``rows`` x ``seq``
-    tokens (``sim``: that step simulated already, else simulated here), from one more
-    simulation with communication free."""
-    sim = sim if sim is not None else simulate(plan, rows, seq, costs)
-    free = simulate(plan, rows, seq, dataclasses.replace(costs, links=_FREE_LINKS))
+    tokens (``sim``: that step simulated already, else simulated here; ``skew``: as
+    ``simulate``'s), from one more simulation with communication free."""
+    sim = sim if sim is not None else simulate(plan, rows, seq, costs, skew=skew)
+    free = simulate(plan, rows, seq, dataclasses.replace(costs, links=_FREE_LINKS), skew=skew)
     exposed = max(0.0, sim.step_seconds - free.step_seconds) / sim.step_seconds
     return Why(sim.step_seconds * 1e3, max(free.bubble), exposed)
 
@@ -82,12 +82,12 @@ def meshes(cfg, gpus: int, rows: int, seq: int, gpus_per_node: int) -> list[tupl
     return found
 
 
-def _fits(plan: Plan, rows: int, seq: int, memory_gib: float, moments: str) -> float | None:
+def _fits(plan: Plan, rows: int, seq: int, memory_gib: float, moments: str, skew: float) -> float | None:
     """The plan's peak GiB over its stages, or None once a stage does not fit (the first
     stage, which holds the most microbatches, is tried first)."""
     peak = 0.0
     for stage in range(plan.pp):
-        peak = max(peak, estimate_memory(plan, rows, seq, stage, moments)["total"] / GIB)
+        peak = max(peak, estimate_memory(plan, rows, seq, stage, moments, skew)["total"] / GIB)
         if peak > memory_gib:
             return None
     return peak
@@ -104,7 +104,7 @@ def microbatch_counts(rows_per_block: int, pp: int) -> list[int]:
     return counts
 
 
-def _first_fit(make, counts: list[int], rows: int, seq: int, memory_gib: float, moments: str):
+def _first_fit(make, counts: list[int], rows: int, seq: int, memory_gib: float, moments: str, skew: float):
     """``(plan, peak GiB)`` of the first plan that fits: no recomputation at the fewest
     microbatches that fit, else full recomputation at the fewest; None if none fits.
     Memory falls as the microbatches grow (fewer rows each) and with recomputation, so the
@@ -113,7 +113,7 @@ def _first_fit(make, counts: list[int], rows: int, seq: int, memory_gib: float, 
 
     def peak(remat: str, i: int):
         if (remat, i) not in peaks:
-            peaks[(remat, i)] = _fits(make(remat, counts[i]), rows, seq, memory_gib, moments)
+            peaks[(remat, i)] = _fits(make(remat, counts[i]), rows, seq, memory_gib, moments, skew)
         return peaks[(remat, i)]
 
     last = len(counts) - 1
@@ -131,7 +131,7 @@ def _first_fit(make, counts: list[int], rows: int, seq: int, memory_gib: float, 
 
 
 def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float, costs: CostModel,
-           moments: str = "float32") -> list[Ranked]:
+           moments: str = "float32", skew: float = 1.0) -> list[Ranked]:
     """The plans for ``gpus`` GPUs whose every rank fits ``memory_gib``, best first (by
     ``Ranked.key``): on each of the ``meshes``, ZeRO-1 or ZeRO-3, both schedules (the
     overlap one under expert parallelism, where it has all-to-alls to hide), one or two
@@ -142,7 +142,8 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
         cfg: the ModelConfig; ``fields``: the other settings (``compile`` is kept).
         gpus, rows, seq: the GPUs and the global batch.
         memory_gib: what a rank may hold.
-        costs: the CostModel; ``moments``: AdamW's moments' dtype.
+        costs: the CostModel; ``moments``: AdamW's moments' dtype; ``skew``: the busiest
+            expert rank's routed rows over an even share (``simulate``'s).
 
     Returns:
         A list of Ranked.
@@ -163,9 +164,9 @@ def search(cfg, fields: dict, gpus: int, rows: int, seq: int, memory_gib: float,
                             sharding=sharding, schedule=schedule, remat=remat, microbatches=microbatches,
                             dtype="bfloat16", device="cuda", compile=fields.get("compile", False))
             try:
-                fit = _first_fit(make, counts, rows, seq, memory_gib, moments)
+                fit = _first_fit(make, counts, rows, seq, memory_gib, moments, skew)
                 if fit is not None:
-                    found.append(Ranked(simulate(fit[0], rows, seq, costs).tokens_per_second, *fit))
+                    found.append(Ranked(simulate(fit[0], rows, seq, costs, skew=skew).tokens_per_second, *fit))
             except (ValueError, PlanError):
                 continue
     return sorted(found, key=lambda r: r.key)

@@ -130,17 +130,32 @@ def crossing_bytes_per_token(plan: Plan) -> float:
     return plan.ep * (1.0 - missed) * (row + cfg.topk * (4 + 4))
 
 
-class _Charge:
-    """What each action costs a stage's representative rank."""
+def busiest_share(plan: Plan, skew: float) -> float:
+    """The routed rows the busiest expert rank computes over an even share: ``skew``
+    (1: balanced routing), at most what every rank's tokens can bring it (each token's
+    ``min(topk, E / ep)`` choices on it: ``ep`` when a rank holds ``topk`` experts or more);
+    1 without expert parallelism, where each rank computes its own tokens' experts."""
+    if plan.ep == 1:
+        return 1.0
+    cfg = plan.model
+    return min(skew, plan.ep * min(cfg.topk, cfg.experts // plan.ep) / cfg.topk)
 
-    def __init__(self, plan: Plan, spec: ShardSpec, rows: int, seq: int, costs: CostModel, rank: int):
+
+class _Charge:
+    """What each action costs a stage's representative rank: the busiest expert rank's
+    share of the routed rows under ``skew`` (``busiest_share``)."""
+
+    def __init__(self, plan: Plan, spec: ShardSpec, rows: int, seq: int, costs: CostModel, rank: int,
+                 skew: float = 1.0):
         self.plan, self.seq, self.costs, self.rank = plan, seq, costs, rank
+        self.share = busiest_share(plan, skew)
         self.cfg, self.dims, self.spec = plan.model, plan.dims, spec
         self.size = _sizes(plan, rows, seq)
         self.act = self.size["held"] * self.cfg.dim * plan.compute_dtype.itemsize  # the stream, one microbatch
         # a microbatch's routed rows (tokens x topk), what dispatch, combine and its Land move
         self.rows = self.size["held"] * self.cfg.topk * self.cfg.dim * plan.compute_dtype.itemsize
-        self.crossing = self.size["held"] * crossing_bytes_per_token(plan)  # what an expert all-to-all moves
+        # what an expert all-to-all brings the busiest rank
+        self.crossing = self.size["held"] * crossing_bytes_per_token(plan) * self.share
         self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
                        for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
 
@@ -165,6 +180,8 @@ class _Charge:
             return self.costs.move_seconds(self.rows, kind.value), 0.0
         tokens = size["held"] * tp if kind != Kind.EXPERTS else size["held"]
         flops = node_flops(cfg, kind.value, layer, tokens, self.seq) / (tp if kind != Kind.EXPERTS else 1)
+        if kind == Kind.EXPERTS:
+            flops *= self.share
         scale = {"forward": 1.0, "recompute": 1.0, "wgrad": 1.0,
                  "backward": 1.0 if kind == Kind.EXPERTS and self.plan.delay_wgrad else 2.0}[phase]
         comm = 0.0
@@ -218,7 +235,7 @@ def _label(a) -> str:
 
 
 def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, programs: dict | None = None,
-             train: bool = True) -> Simulation:
+             train: bool = True, skew: float = 1.0) -> Simulation:
     """Check and time ``plan``'s step on a global batch of ``rows`` sequences of ``seq``.
 
     Arguments:
@@ -227,6 +244,9 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
         costs: the CostModel (default: the default calibration and links).
         programs: ``{stage: actions}`` to run instead of the plan's (a test's mis-ordered one).
         train: a training step (else forward only).
+        skew: the routed rows of the busiest expert rank over an even share (1: balanced
+            routing; ``busiest_share``): its experts' compute and what its exchanges
+            bring it scale by it, and a step waits for that rank.
 
     Returns:
         A Simulation.
@@ -250,7 +270,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
             check_lifecycle(plan, spec, stage_program(plan, s, train).with_actions(programs[s]), s)
         except LifecycleViolation as err:
             raise PlanError(f"rank {reps[s]} (stage {s}) breaks the FSDP lifecycle: {err}") from None
-    charges = [_Charge(plan, spec, rows, seq, costs, r) for r in reps]
+    charges = [_Charge(plan, spec, rows, seq, costs, r, skew) for r in reps]
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
     _run(plan, programs, charges, runs, costs)
     step = max(r.end for r in runs)
