@@ -57,8 +57,10 @@ shown apart: for compiled systems it is the compile time (plus one step). MFU co
 active parameters' FLOPs plus attention (``fmoe.train_flops_per_token``, the same model
 on both sides) against 789 TFLOP/s per GPU. Prints a markdown table per shape, with each
 system's loss after its last step (both start from a std-0.02 init and see the same
-batches, so they should be close), then a summary over the shapes (fmoe on the first
-mesh).
+batches, so they should be close), and on expert-parallel meshes the last step's busiest
+expert rank: its routed rows over an even share (mean and most over the layers; learned
+routing starts far from balance, and an expert-parallel step waits for that rank), then a
+summary over the shapes (fmoe on the first mesh).
 
 ``--profile``: one more step of each system under ``torch.profiler`` (rank 0's GPU):
 the NCCL kernels' time, the part of it with no compute kernel on any stream
@@ -419,6 +421,7 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
         out = held["graph"](held["params"], batch) if graph else fmoe.step(held["params"], batch, plan,
                                                                             held.get("kernels"))
         held["params"], held["state"] = opt.update(out.grads, held["state"], held["params"])
+        held["counts"] = out.metrics["expert_counts"]  # read once, after the timing
         return out.loss
 
     bench.fresh_memory()
@@ -433,7 +436,7 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     system = ("fmoe" + (", compile=True" if compile else "") + "".join(f", {k}={v}" for k, v in plan_fields.items())
               + (" + step graph" if graph else ""))
     row = dict(system=system, mesh=shown, mesh_name=mesh_name, step_s=step_s,
-               tokens=args.batch * args.seq * blocks // bench.world,
+               tokens=args.batch * args.seq * blocks // bench.world, busiest=busiest_rank(held["counts"], plan, bench),
                first_s=first_s, peak=peak, loss=float(loss), compiled=compile, **bench.profiled(step))
     # graphs holding NCCL's collectives freed now: destroy_process_group would hang on them
     if "graph" in held:
@@ -441,6 +444,21 @@ def run_fmoe(bench: Bench, cfg: fmoe.ModelConfig, mesh_name: str, compile: bool,
     held.pop("kernels", None)
     gc.collect()
     return row
+
+
+def busiest_rank(counts: torch.Tensor, plan: fmoe.Plan, bench: Bench) -> tuple[float, float] | None:
+    """Under expert parallelism, the last step's routed rows of the busiest expert rank
+    over an even share (``python -m fmoe.plan --routing-skew``), over every rank's tokens:
+    its mean and its most over the MoE layers. Learned routing starts far from balance, and
+    a step waits for that rank. None without expert parallelism."""
+    if plan.ep == 1:
+        return None
+    counts = counts.float()
+    if bench.distributed:
+        dist.all_reduce(counts)
+    by_rank = counts[counts.sum(-1) > 0].view(-1, plan.ep, counts.shape[-1] // plan.ep).sum(-1)
+    share = by_rank.max(-1).values / by_rank.mean(-1)
+    return float(share.mean()), float(share.max())
 
 
 def freed(bench: Bench, row: dict) -> dict:
@@ -484,8 +502,8 @@ def run_shape(bench: Bench, name: str) -> dict:
               f"median of {args.steps} steps after {args.warmup} warmup (step + AdamW), lr {args.lr}\n")
     profiled = " NCCL ms | exposed NCCL ms | GPU idle ms |" if args.profile and on_gpu else ""
     bench.say("| system | mesh | step ms (median) | tokens/s/GPU | MFU | peak GiB | vs compiled peer "
-              f"| first step s | loss after last step |{profiled}")
-    bench.say("| --- " * (9 + profiled.count("|")) + "|")
+              f"| first step s | loss after last step | busiest expert rank (mean / most) |{profiled}")
+    bench.say("| --- " * (10 + profiled.count("|")) + "|")
     compiled_peer = next((r for r in peers if r["compiled"]), None)
     for r in rows:  # MFU and peak memory mean nothing on the CPU
         share = r.get("tokens", tokens) / tokens  # a tensor- or context-parallel mesh's tokens per GPU
@@ -493,8 +511,9 @@ def run_shape(bench: Bench, name: str) -> dict:
         mfu_s, peak_s = (f"{r['mfu']:.1%}", f"{r['peak']:.2f}") if on_gpu else ("-", "-")
         vs = f"{compiled_peer['step_s'] / r['step_s']:.2f}x" if compiled_peer else "-"
         times = "".join(f" {r[k]:.1f} |" for k in ("comm_ms", "exposed_ms", "idle_ms")) if profiled else ""
+        busiest = f"{r['busiest'][0]:.2f}x / {r['busiest'][1]:.2f}x" if r.get("busiest") else "-"
         bench.say(f"| {r['system']} | {r['mesh']} | {r['step_s'] * 1e3:.1f} | {r['tokens_s_gpu']:,.0f} | "
-                  f"{mfu_s} | {peak_s} | {vs} | {r['first_s']:.1f} | {r['loss']:.4f} |{times}")
+                  f"{mfu_s} | {peak_s} | {vs} | {r['first_s']:.1f} | {r['loss']:.4f} | {busiest} |{times}")
     if args.out and bench.rank == 0:
         with open(args.out, "a") as f:
             for r in rows:

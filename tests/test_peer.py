@@ -103,3 +103,16 @@ def test_mla_values_padded_to_the_qk_head_size_give_the_same_model():
         native, _ = peer.build(cfg, "cpu", seed=3)(tokens)
         padded, _ = peer.build(cfg, "cpu", seed=3, mla_pad_values=True)(tokens)
     torch.testing.assert_close(padded, native)
+
+
+def test_the_busiest_expert_ranks_share_is_what_the_planners_skew_means():
+    # two MoE layers (and a dense one, no rows) over 2 expert ranks of 2 experts: the first
+    # routes every row to rank 0 (2x an even share), the second evenly (1x)
+    import types
+
+    import fmoe
+
+    plan = fmoe.Plan(model=fmoe.ModelConfig(experts=4, topk=2), ep=2)
+    counts = torch.tensor([[6, 4, 0, 0], [0, 0, 0, 0], [5, 5, 5, 5]])
+    assert vs_peer.busiest_rank(counts, plan, types.SimpleNamespace(distributed=False)) == (1.5, 2.0)
+    assert vs_peer.busiest_rank(counts, plan.replace(ep=1), None) is None
