@@ -8,6 +8,8 @@
 #     under torchrun: benchmarks/run_graphed_presets_device.sh.
 #   30b: the qwen3-30b-a3b preset as it ships (48 layers, vocab 151936, seq 4096, learned routing,
 #     ep 4), 20 steps over 4 GPUs; its checkpoint under /dev/shm when that holds it.
+#   30b-pp: the same model in the plan the planner ranks first when routing is far from balance
+#     (--routing-skew 4: pp=4, two interleaved stages, no ep), 20 steps.
 #   30b-layers: the same layers at half depth (24), ZeRO-3 against the preset's dp1 x ep4, 20 steps.
 #   peer30b: the same 24 layers (vocab 151936, 2 x 4096 tokens a GPU, aux loss 1e-3) as a bare step
 #     beside the compiled FSDP2 peer (benchmarks/vs_peer.py): fmoe compiled, ZeRO-3 and dp1 x ep4.
@@ -49,9 +51,14 @@ for part in "$@"; do
     30b)  # its last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
       free_gb=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
       [ "$free_gb" -lt 260 ] && export RUNS=/tmp
-      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b 330 "${tr[@]}" --config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
+      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b 420 "${tr[@]}" --config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
         --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard
       unset RUNS ;;
+    30b-pp)  # the plan python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search --routing-skew 4
+      # ranks first: no expert parallelism, so routing far from balance (as it starts) costs no rank more memory
+      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b-pp4 420 "${tr[@]}" --config qwen3-30b-a3b --ep 1 --schedule standard \
+        --microbatches 8 --pp 4 --virtual-stages 2 --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
+        --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard ;;
     30b-layers)
       q30=(--config qwen3-30b-a3b --layers 24 --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0
            --sample-tokens 0 --no-progress --no-tensorboard)
@@ -69,7 +76,7 @@ print("torch", torch.__version__, "nvshmem available:", symm.is_nvshmem_availabl
       "all_to_all_vdev_2d:", hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
 EOF
       ;;
-    *) echo "unknown part $part (zero3 dp1ep 30b 30b-layers peer30b nvshmem)"; exit 2 ;;
+    *) echo "unknown part $part (zero3 dp1ep 30b 30b-pp 30b-layers peer30b nvshmem)"; exit 2 ;;
   esac
 done
 df -h /dev/shm | tail -1
