@@ -10,10 +10,10 @@ field; ``dp`` from ``--gpus`` when left out, ``dtype`` bfloat16, ``device`` cuda
 ``--model``, a released model (``fmoe.plan.models``), whose fields the flags given
 override; ``--batch`` and ``--seq`` are the global batch, ``--moments`` the AdamW moments'
 dtype its memory counts (the planner reads no other run flag); ``--routing-skew`` the
-busiest expert rank's routed rows over an even share (1, balanced, unless given). Prints the plan, what was
-checked, the estimated step time, tokens/s and MFU, each stage's bubble and memory,
-whether it fits the memory budget, and a timeline of one rank per stage; ``--trace``
-writes it as a Chrome trace. ``--search`` ranks the plans for ``--gpus`` whose every rank
+busiest expert rank's routed rows over an even share (1, balanced, unless given). Prints
+the plan, what was checked, the estimated step time, tokens/s and MFU, each stage's
+bubble and memory, whether it fits the memory budget, and a timeline of one rank per
+stage; ``--trace`` writes it as a Chrome trace. ``--search`` ranks the plans for ``--gpus`` whose every rank
 fits the budget by estimated tokens/s. The budget: ``--memory`` GiB, else the memory of
 the calibration's GPU, else this machine's GPU's, else an H100's 80 GiB. Costs:
 ``--calibration`` (a file of ``benchmarks/plan_calibration.py``; default: assumed
