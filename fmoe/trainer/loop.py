@@ -277,6 +277,8 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
     run, s, plan = job.run, job.run.settings, job.run.plan
     batch = context_chunks(train_batch(run.corpus, s.batch, s.seq, s.seed, step_num, *row_block(plan, run.world.rank)),
                        plan, run.world.rank)
+    if step_num == job.first and plan.compile:  # minutes on a cold cache at a large shape: say why nothing moves
+        run.say(f"step {step_num}: compiling the node kernels (Plan.compile) ...")
     try:
         out, state.params, state.opt_state = job.stepper(state.params, state.opt_state, batch)
     except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
