@@ -1,92 +1,40 @@
-"""A stage's program against the FSDP lifecycle, without tensors: the rules
-``fmoe.shard.lifecycle`` enforces while a step runs, checked on the actions alone so
-the planner finds a broken program before any GPU does.
-
-A unit goes sharded -> (``Gather``) gathering -> (``Wait``) gathered -> (``Release``)
-sharded; no more than the program's live-unit bound are gathering or gathered at once;
-a node computes only with its unit gathered; a ``Reduce`` of a microbatch comes after
-that microbatch's gradients (its delayed wgrad included) and once, every microbatch
-under ZeRO-2/3, the last under DDP and ZeRO-1; the step ends with every unit released
-and reduced.
-"""
-
-from __future__ import annotations
+"""A stage's program against the FSDP lifecycle, without tensors: the step's own ledger (``fmoe.shard.ledger``)
+folded over the actions, so the planner finds a broken program before any GPU does."""
 
 from ..config import Plan
 from ..layers.nodes import Kind
 from ..resolve import Program
-from ..schedule.actions import Backward, Forward, Gather, Recompute, Reduce, Release, Wait, Wgrad
+from ..schedule.actions import Backward, Forward, Gather, Recompute, Reduce, Release, Wait, Wgrad, label
+from ..shard import ledger as ledgers
 from ..shard.spec import ShardSpec
 
 
-class LifecycleViolation(ValueError):
-    """A program that breaks the lifecycle (``simulate`` raises it as a PlanError)."""
+def _apply(ledger, i: int, a, delayed: bool):
+    what = f"action {i} ({label(a)})"
+    match a:
+        case Gather(unit):
+            return ledgers.gather(ledger, unit, what)
+        case Wait(unit):
+            return ledgers.wait(ledger, unit, what)
+        case Release(unit):
+            return ledgers.release(ledger, unit, what)
+        case Forward(_, _, unit) | Recompute(_, _, unit) if unit is not None:
+            ledgers.require_gathered(ledger, unit, what)  # and the ledger as it was
+        case Wgrad(_, mb, unit) if unit is not None:
+            return ledgers.wgrad_done(ledgers.gradients(ledger, unit, mb, what), unit, mb, what)
+        case Backward(node, mb, unit) if unit is not None:  # the experts' weight gradients delayed to their Wgrad
+            ledger = ledgers.gradients(ledger, unit, mb, what)
+            return ledgers.defer_wgrad(ledger, unit, mb) if delayed and node.kind == Kind.EXPERTS else ledger
+        case Reduce(unit, mb, last):
+            return ledgers.reduce(ledger, unit, mb, last, what)
+    return ledger
 
 
 def check_lifecycle(plan: Plan, spec: ShardSpec, program: Program, stage: int) -> None:
-    """Raise LifecycleViolation naming the first action of ``program`` (pipeline stage
-    ``stage``'s, under ``spec``: the plan's ShardSpec) that breaks the lifecycle, or the
-    units left wrong at its end."""
-    phase = {u.name: "sharded" for u in spec.stage_units(stage)}
-    reduced = {u: set() for u in phase}
-    accumulated, pending_wgrad = set(), set()
-    delayed = plan.delay_wgrad
-
-    def fail(i, a, why):
-        raise LifecycleViolation(f"action {i} ({a.op} {getattr(a, 'node', None) or a.unit}"
-                                 f"{f' mb{a.mb}' if getattr(a, 'mb', -1) >= 0 else ''}): {why}")
-
+    """Raise ``LifecycleError`` naming the first action of ``program`` (stage ``stage``'s, under the plan's
+    ShardSpec ``spec``) that breaks the lifecycle, or the units left wrong at its end."""
+    units = [u.name for u in spec.stage_units(stage)]
+    ledger = ledgers.start(units, program.max_live, spec.sharding, plan.microbatches)
     for i, a in enumerate(program.actions):
-        match a:
-            case Gather(unit):
-                if phase.get(unit) != "sharded":
-                    fail(i, a, f"unit {unit} is {phase.get(unit, 'not on this stage')}, not sharded")
-                phase[unit] = "gathering"
-                live = [u for u, p in phase.items() if p != "sharded"]
-                if len(live) > program.max_live:
-                    fail(i, a, f"{len(live)} live units exceed the plan's {program.max_live} ({', '.join(live)})")
-            case Wait(unit):
-                if phase.get(unit) != "gathering":
-                    fail(i, a, f"unit {unit} is {phase.get(unit)}; only a gathering unit can be waited on")
-                phase[unit] = "gathered"
-            case Release(unit):
-                if phase.get(unit) != "gathered":
-                    fail(i, a, f"unit {unit} is {phase.get(unit)}, not gathered")
-                phase[unit] = "sharded"
-            case Forward(_, _, unit) | Recompute(_, _, unit) if unit is not None:
-                if phase.get(unit) != "gathered":
-                    fail(i, a, f"needs unit {unit}, which is {phase.get(unit)}, not gathered")
-            case Backward(node, mb, unit) | Wgrad(node, mb, unit) if unit is not None:
-                if phase.get(unit) != "gathered":
-                    fail(i, a, f"needs unit {unit}, which is {phase.get(unit)}, not gathered")
-                if mb in reduced[unit]:
-                    fail(i, a, f"microbatch {mb}'s gradients of unit {unit} were already reduced")
-                accumulated.add(unit)
-                if isinstance(a, Wgrad):
-                    if (unit, mb) not in pending_wgrad:
-                        fail(i, a, f"microbatch {mb} has no delayed weight gradients")
-                    pending_wgrad.discard((unit, mb))
-                elif delayed and node.kind == Kind.EXPERTS:
-                    pending_wgrad.add((unit, mb))
-            case Reduce(unit, mb, last):
-                if mb in reduced[unit]:
-                    fail(i, a, f"microbatch {mb}'s gradients were already reduced")
-                if not last and not spec.sharding.reduces_every_microbatch:
-                    fail(i, a, f"sharding={spec.sharding.value!r} reduces once, on the last microbatch")
-                if any(u == unit for u, _ in pending_wgrad):
-                    fail(i, a, "a delayed wgrad has not run; it must come before the reduction")
-                if unit not in accumulated:
-                    fail(i, a, "no gradients were accumulated since the last reduction")
-                accumulated.discard(unit)
-                reduced[unit].add(mb)
-    M = plan.microbatches
-    expected = (set(range(M)) if spec.sharding.reduces_every_microbatch else {M - 1}) if program.trains else set()
-    for unit, p in phase.items():
-        if p != "sharded":
-            raise LifecycleViolation(f"the program ends with unit {unit} {p}; every unit must be released")
-        if reduced[unit] != expected:
-            raise LifecycleViolation(f"unit {unit}: gradients reduced for microbatches {sorted(reduced[unit])}, "
-                                     f"expected {sorted(expected)} under sharding={spec.sharding.value!r}")
-    if pending_wgrad or accumulated:
-        left = sorted({u for u, _ in pending_wgrad} | accumulated)
-        raise LifecycleViolation(f"units {left}: gradients computed after the last reduction were never reduced")
+        ledger = _apply(ledger, i, a, plan.delay_wgrad)
+    ledgers.finish(ledger, program.trains)

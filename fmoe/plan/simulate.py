@@ -34,10 +34,11 @@ from ..layers.nodes import Kind, layer_kinds
 from ..params import Domain
 from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
-                                Wgrad)
+                                Wgrad, label)
 from ..shard.spec import ShardSpec
 from .costs import CostModel, node_flops
-from .lifecycle_check import LifecycleViolation, check_lifecycle
+from ..shard.ledger import LifecycleError
+from .lifecycle_check import check_lifecycle
 
 
 class PlanError(ValueError):
@@ -59,7 +60,7 @@ class Span:
 
     @property
     def label(self) -> str:
-        return _label(self.action)
+        return label(self.action)
 
 
 @dataclass
@@ -229,11 +230,6 @@ class _Charge:
         return seconds
 
 
-def _label(a) -> str:
-    node = getattr(a, "node", None)
-    return f"{a.op} {node or a.unit}" + (f" mb{a.mb}" if getattr(a, "mb", -1) >= 0 else "")
-
-
 def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, programs: dict | None = None,
              train: bool = True, skew: float = 1.0) -> Simulation:
     """Check and time ``plan``'s step on a global batch of ``rows`` sequences of ``seq``.
@@ -268,7 +264,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     for s in range(plan.pp):
         try:
             check_lifecycle(plan, spec, stage_program(plan, s, train).with_actions(programs[s]), s)
-        except LifecycleViolation as err:
+        except LifecycleError as err:
             raise PlanError(f"rank {reps[s]} (stage {s}) breaks the FSDP lifecycle: {err}") from None
     charges = [_Charge(plan, spec, rows, seq, costs, r, skew) for r in reps]
     runs = [StageRun(s, r) for s, r in enumerate(reps)]
@@ -334,14 +330,14 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
             case Send(mb, boundary):
                 peer = peer_of(s, -1 if boundary.gradient else 1)
                 if not 0 <= peer < P:
-                    raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to go to")
+                    raise PlanError(f"rank {run.rank} (stage {s}): {label(a)} has no stage to go to")
                 link = costs.links.seconds("send", charge.act, (run.rank, runs[peer].rank))
                 channels[(s, peer, boundary.gradient)].append((mb, boundary, (max(clock.t, clock.host), link),
                                                                pcs[s]))
             case Recv(mb, boundary):
                 peer = peer_of(s, 1 if boundary.gradient else -1)
                 if not 0 <= peer < P:
-                    raise PlanError(f"rank {run.rank} (stage {s}): {_label(a)} has no stage to come from")
+                    raise PlanError(f"rank {run.rank} (stage {s}): {label(a)} has no stage to come from")
                 queue = channels[(peer, s, boundary.gradient)]
                 if not queue:
                     return False  # blocked until the peer sends
@@ -349,7 +345,7 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
                 if (got_mb, got) != (mb, boundary):
                     raise PlanError(f"rank {run.rank} (stage {s}) receives {boundary} of microbatch {mb} from rank "
                                     f"{runs[peer].rank} (stage {peer}), which sent {got} of microbatch {got_mb} "
-                                    f"first (its action {at}: {_label(programs[peer][at])}): point-to-point "
+                                    f"first (its action {at}: {label(programs[peer][at])}): point-to-point "
                                     "messages arrive in the order sent")
                 queue.popleft()
                 # a transfer starts once sent, received (NCCL's send waits for its receive) and the channel's
@@ -394,14 +390,14 @@ def _run(plan: Plan, programs: dict, charges: list, runs: list, costs: CostModel
             while pcs[s] < len(programs[s]) and step_one(s):
                 moved = True
         if not moved:
-            blocked = [f"rank {runs[s].rank} (stage {s}) at action {pcs[s]}: {_label(programs[s][pcs[s]])}"
+            blocked = [f"rank {runs[s].rank} (stage {s}) at action {pcs[s]}: {label(programs[s][pcs[s]])}"
                        for s in range(P) if pcs[s] < len(programs[s])]
             raise PlanError("deadlock: every stage waits for another; " + "; ".join(blocked))
     for (src, dst, _), queue in channels.items():
         if queue:
             mb, boundary, _, at = queue[0]
             raise PlanError(f"rank {runs[src].rank} (stage {src}) sends {boundary} of microbatch {mb} (its action "
-                            f"{at}: {_label(programs[src][at])}) that rank {runs[dst].rank} (stage {dst}) never "
+                            f"{at}: {label(programs[src][at])}) that rank {runs[dst].rank} (stage {dst}) never "
                             "receives")
     for s in range(P):
         clock = clocks[s]

@@ -187,3 +187,9 @@ Transition = Gather | Wait | Release | Reduce
 NodeRun = Forward | Land | Backward | Wgrad | Recompute
 Crossing = Send | Recv
 Action = Transition | NodeRun | Crossing
+
+
+def label(a: Action) -> str:
+    """An action as errors name it: ``backward layers.0.experts mb1``, ``gather embed``."""
+    node = getattr(a, "node", None)
+    return f"{a.op} {node or a.unit}" + (f" mb{a.mb}" if getattr(a, "mb", -1) >= 0 else "")

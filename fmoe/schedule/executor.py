@@ -85,7 +85,7 @@ def _run_node(state, a: Action, run: Run):
             land(run, mb, node)
         case Backward(node, mb, unit):
             if unit is not None:
-                lc.require_gathered(state, unit, what)
+                state = lc.gradients(state, unit, mb, what)
             state = RULES[node.kind].backward(run, state, node, mb, unit)
         case Wgrad(node, mb, unit):
             state = wgrad(run, state, node, mb, unit)

@@ -258,7 +258,7 @@ def _experts_backward(run: Run, state, node: Node, mb: int, unit: str):
 def wgrad(run: Run, state, node: Node, mb: int, unit: str):
     """The delayed weight-gradient GEMMs of an ``experts`` node."""
     what = f"wgrad {node} (microbatch {mb})"
-    lc.require_gathered(state, unit, what)
+    state = lc.gradients(state, unit, mb, what)
     deferred, paths = take_tape(run.mbs[mb].layers[node.layer].tapes, Kind.EXPERTS, what).wgrad
     state = lc.wgrad_done(state, unit, mb)
     return lc.accumulate_grads(state, unit, {paths[id(w)]: g for w, g in deferred.run()})

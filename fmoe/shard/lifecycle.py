@@ -6,16 +6,16 @@ gradients are added into their buffers.
     SHARDED --gather (async)--> GATHERING --wait--> GATHERED --release--> SHARDED
     grads: accumulate per microbatch --reduce_grads (async)--> folded into the grad shard
 
-The checks are part of the transitions, so a schedule that computes with a unit
-that is not gathered, keeps too many units live, overwrites a busy buffer, or
-reduces a unit's gradients twice or never fails loudly at that point, before the
+The rules are the ledger's (``ledger.py``, which the planner checks programs with), and
+each transition applies its rule first, so a schedule that computes with a unit that
+is not gathered, keeps too many units live, reduces a unit's gradients twice or never,
+or (here alone) overwrites a busy double buffer fails loudly at that point, before the
 compute that would read released memory. Every transition lands in ``trace``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,26 +23,19 @@ import torch
 
 from ..comm.mesh import Mesh
 from ..comm.trace import Event, now
+from . import ledger as ledgers
+from .ledger import Ledger, LifecycleError, Phase
 from .shards import Shards, gathered_views
 from .spec import GroupKey, ShardSpec, full_views
 
-
-class Phase(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-class LifecycleError(RuntimeError):
-    """A schedule broke an invariant of the lifecycle."""
+__all__ = ["Lifecycle", "LifecycleError", "Phase", "UnitState"]
 
 
 @dataclass(frozen=True)
 class UnitState:
-    """One unit's part of the lifecycle.
+    """One unit's buffers (its phase and reductions are the ledger's).
 
     Attributes:
-        phase: SHARDED, GATHERING or GATHERED.
         buffers: ``{GroupKey: flat full buffer}`` once the unit was first gathered.
         in_flight: the pending gathers and when they were issued.
         views: ``{path: full-shape view}`` of the gathered buffers while GATHERED.
@@ -50,11 +43,8 @@ class UnitState:
         grad_views: ``{path: full-shape view}`` of ``grad_full``.
         grad_written: paths whose grad views hold a value since ``grad_full`` was made.
         grad_shard: ``{group: fp32 reduced grads}`` (this rank's shard, or all of it unsharded).
-        reduced: microbatches whose gradients were reduced.
-        wgrad_pending: microbatches whose delayed weight gradients have not run yet.
     """
 
-    phase: Phase = Phase.SHARDED
     buffers: dict | None = None
     in_flight: tuple = ()
     views: dict | None = None
@@ -62,8 +52,6 @@ class UnitState:
     grad_views: dict | None = None
     grad_written: frozenset = frozenset()
     grad_shard: dict | None = None
-    reduced: tuple = ()
-    wgrad_pending: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -75,10 +63,9 @@ class Lifecycle:
         mesh: this rank's process groups (who shares which buffers, who sums grads).
         device: where the buffers live.
         dynamic: ``Plan.gather_buffers='dynamic'``: a release frees a unit's buffers.
-        microbatches: the step's microbatch count.
         shards: ``{unit: {GroupKey: flat shard in that dtype}}`` built from the params.
         units: ``{unit: UnitState}``.
-        max_live: most units allowed gathered or gathering at once.
+        ledger: every unit's phase and reductions, and the rules (``ledger.Ledger``).
         slots: ``{unit: slot}`` under double buffering, else None.
         slot_buffers: ``{(slot, group): tensor}`` under double buffering.
         pending: Reductions in flight, oldest first.
@@ -90,10 +77,9 @@ class Lifecycle:
     mesh: Mesh
     device: torch.device
     dynamic: bool
-    microbatches: int
     shards: dict
     units: dict
-    max_live: int
+    ledger: Ledger
     slots: dict | None = None
     slot_buffers: dict | None = None
     pending: tuple = ()
@@ -101,7 +87,7 @@ class Lifecycle:
     scales: dict = dataclasses.field(default_factory=dict)
 
     def live(self) -> list[str]:
-        return [name for name, u in self.units.items() if u.phase != Phase.SHARDED]
+        return self.ledger.live()
 
 
 MAX_PENDING_REDUCTIONS = 2
@@ -111,8 +97,9 @@ def start(spec: ShardSpec, mesh: Mesh, shards: Shards, max_live: int, slots: dic
           dynamic: bool, microbatches: int) -> Lifecycle:
     """Every unit of ``shards`` SHARDED: the flat shards of the params this rank holds
     (``fmoe.shard.shards.build_shards``); ``max_live`` and ``slots``: the program's."""
-    return Lifecycle(spec, mesh, torch.device(device), dynamic, microbatches, shards.flat,
-                     {name: UnitState() for name in shards.flat}, max_live, slots,
+    return Lifecycle(spec, mesh, torch.device(device), dynamic, shards.flat,
+                     {name: UnitState() for name in shards.flat},
+                     ledgers.start(shards.flat, max_live, spec.sharding, microbatches), slots,
                      {} if slots is not None else None, scales=shards.scales)
 
 
@@ -125,11 +112,12 @@ def _shard_group(state: Lifecycle, key: GroupKey):
     return state.mesh.shard_group(key.domain, state.spec.sizes[key.domain])
 
 
-def _with(state: Lifecycle, unit: str, event: Event | None = None, **changes) -> Lifecycle:
+def _with(state: Lifecycle, unit: str, event: Event | None = None, ledger: Ledger | None = None,
+          **changes) -> Lifecycle:
     units = dict(state.units)
     units[unit] = dataclasses.replace(state.units[unit], **changes)
     trace = state.trace + ((event,) if event else ())
-    return dataclasses.replace(state, units=units, trace=trace)
+    return dataclasses.replace(state, units=units, trace=trace, ledger=ledger or state.ledger)
 
 
 def _gather_buffers(state: Lifecycle, unit: str) -> dict:
@@ -168,13 +156,7 @@ def _gather_buffers(state: Lifecycle, unit: str) -> dict:
 
 def gather(state: Lifecycle, unit: str) -> Lifecycle:
     """Issue the all-gather of ``unit``'s flat shards (async). SHARDED -> GATHERING."""
-    ustate = state.units[unit]
-    if ustate.phase != Phase.SHARDED:
-        raise LifecycleError(f"gather {unit}: it is {ustate.phase.value}, not sharded")
-    live = state.live()
-    if len(live) + 1 > state.max_live:
-        raise LifecycleError(f"gather {unit}: {len(live) + 1} live units would exceed the plan's "
-                             f"{state.max_live} ({', '.join(live)} already live)")
+    ledger = ledgers.gather(state.ledger, unit, f"gather {unit}")
     bufs = _gather_buffers(state, unit)
     issued = now()
     # Autograd may hold views of these buffers from an earlier forward of this unit;
@@ -183,14 +165,13 @@ def gather(state: Lifecycle, unit: str) -> Lifecycle:
     versions = torch.autograd._unsafe_preserve_version_counter(tuple(bufs.values()))
     pendings = [_shard_group(state, key).all_gather(buf, state.shards[unit][key])
                 for key, buf in bufs.items() if _shared(state, key)]
-    return _with(state, unit, phase=Phase.GATHERING, buffers=bufs, in_flight=(tuple(pendings), issued, versions))
+    return _with(state, unit, ledger=ledger, buffers=bufs, in_flight=(tuple(pendings), issued, versions))
 
 
 def wait(state: Lifecycle, unit: str) -> Lifecycle:
     """Block until ``unit``'s gather landed. GATHERING -> GATHERED."""
+    ledger = ledgers.wait(state.ledger, unit, f"wait {unit}")
     ustate = state.units[unit]
-    if ustate.phase != Phase.GATHERING:
-        raise LifecycleError(f"wait {unit}: it is {ustate.phase.value}; only a gathering unit can be waited on")
     pendings, issued, versions = ustate.in_flight
     for p in pendings:
         p.wait()
@@ -200,28 +181,31 @@ def wait(state: Lifecycle, unit: str) -> Lifecycle:
         nbytes = sum(b.numel() * b.element_size() for k, b in ustate.buffers.items() if _shared(state, k))
         event = Event("all_gather", unit, None, -1, issued, now(), nbytes, "params")
     views = gathered_views(ustate.buffers, state.spec.unit(unit), state.scales, state.spec.compute_dtype)
-    return _with(state, unit, event, phase=Phase.GATHERED, in_flight=(), views=views)
+    return _with(state, unit, event, ledger, in_flight=(), views=views)
 
 
 def release(state: Lifecycle, unit: str) -> Lifecycle:
     """Drop ``unit``'s gathered weights. GATHERED -> SHARDED (dynamic buffers are freed)."""
+    ledger = ledgers.release(state.ledger, unit, f"release {unit}")
     ustate = state.units[unit]
-    if ustate.phase != Phase.GATHERED:
-        raise LifecycleError(f"release {unit}: it is {ustate.phase.value}, not gathered")
     t = now()
     if state.dynamic:
         for key, buf in ustate.buffers.items():
             if _shared(state, key):
                 buf.untyped_storage().resize_(0)
-    return _with(state, unit, Event("release", unit, None, -1, t, now()), phase=Phase.SHARDED, views=None)
+    return _with(state, unit, Event("release", unit, None, -1, t, now()), ledger, views=None)
 
 
 def require_gathered(state: Lifecycle, unit: str, what: str) -> dict:
     """The full-shape weight views of ``unit`` for compute ``what``; raises unless GATHERED."""
-    ustate = state.units[unit]
-    if ustate.phase != Phase.GATHERED:
-        raise LifecycleError(f"{what} needs unit {unit}, which is {ustate.phase.value}, not gathered")
-    return ustate.views
+    ledgers.require_gathered(state.ledger, unit, what)
+    return state.units[unit].views
+
+
+def gradients(state: Lifecycle, unit: str, mb: int, what: str) -> Lifecycle:
+    """``what`` (a backward or delayed wgrad of microbatch ``mb``) is about to add
+    ``unit``'s gradients: the ledger's rule (gathered, ``mb`` not reduced)."""
+    return dataclasses.replace(state, ledger=ledgers.gradients(state.ledger, unit, mb, what))
 
 
 def accumulate_grads(state: Lifecycle, unit: str, grads: dict) -> Lifecycle:
@@ -258,15 +242,11 @@ def _zero_unwritten(full: dict, layouts: dict, views: dict, written: frozenset) 
 def defer_wgrad(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
     """Note that microbatch ``mb`` of ``unit`` has weight gradients still to compute;
     its reduction is refused until ``wgrad_done``."""
-    ustate = state.units[unit]
-    return _with(state, unit, wgrad_pending=ustate.wgrad_pending + (mb,))
+    return dataclasses.replace(state, ledger=ledgers.defer_wgrad(state.ledger, unit, mb))
 
 
 def wgrad_done(state: Lifecycle, unit: str, mb: int) -> Lifecycle:
-    ustate = state.units[unit]
-    if mb not in ustate.wgrad_pending:
-        raise LifecycleError(f"wgrad {unit}: microbatch {mb} has no delayed weight gradients")
-    return _with(state, unit, wgrad_pending=tuple(m for m in ustate.wgrad_pending if m != mb))
+    return dataclasses.replace(state, ledger=ledgers.wgrad_done(state.ledger, unit, mb, f"wgrad {unit}"))
 
 
 class Reduction(NamedTuple):
@@ -296,17 +276,10 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
     Sharded: reduce-scatter into this rank's shard; unsharded: all-reduce. ZeRO-2/3
     reduce every microbatch; DDP and ZeRO-1 only on the last (``last=True``).
     """
+    ledger = ledgers.reduce(state.ledger, unit, mb, last, f"reduce {unit}")
     ustate = state.units[unit]
-    if mb in ustate.reduced:
-        raise LifecycleError(f"reduce {unit}: microbatch {mb}'s gradients were already reduced")
-    if not last and not state.spec.sharding.reduces_every_microbatch:
-        raise LifecycleError(f"reduce {unit}: sharding={state.spec.sharding.value!r} reduces once, "
-                             "on the last microbatch")
-    if ustate.wgrad_pending:
-        raise LifecycleError(f"reduce {unit}: the delayed wgrad of microbatch {ustate.wgrad_pending[0]} "
-                             "has not run; it must come before the reduction")
-    if ustate.grad_full is None:
-        raise LifecycleError(f"reduce {unit}: no gradients were accumulated since the last reduction")
+    if ustate.grad_full is None:  # the ledger saw a backward, which left no weight gradient here
+        raise LifecycleError(f"reduce {unit}: its backward left no weight gradients in its buffers")
     while len(state.pending) >= MAX_PENDING_REDUCTIONS:
         state = dataclasses.replace(_fold(state, state.pending[0]), pending=state.pending[1:])
     issued = now()
@@ -326,8 +299,7 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
             kinds.add("all_reduce" if group.size > 1 else "")
     kind = "reduce_scatter" if "reduce_scatter" in kinds else ("all_reduce" if "all_reduce" in kinds else "")
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    state = _with(state, unit, grad_full=None, grad_views=None, grad_written=frozenset(),
-                  reduced=ustate.reduced + (mb,))
+    state = _with(state, unit, ledger=ledger, grad_full=None, grad_views=None, grad_written=frozenset())
     reduction = Reduction(unit, results, tuple(works), issued, kind, nbytes)
     return dataclasses.replace(state, pending=state.pending + (reduction,))
 
@@ -338,23 +310,9 @@ def record(state: Lifecycle, *events: Event) -> Lifecycle:
 
 
 def finish(state: Lifecycle, trained: bool = True) -> Lifecycle:
-    """Wait for every reduction and check the step left no unit gathered or unreduced.
-
-    ``trained=False`` (a forward-only program) expects no reduction at all.
-    """
+    """Wait for every reduction and check the step left no unit gathered or unreduced
+    (``ledger.finish``; ``trained=False``, a forward-only program, expects no reduction)."""
     for oldest in state.pending:
         state = _fold(state, oldest)
-    state = dataclasses.replace(state, pending=())
-    M, sharding = state.microbatches, state.spec.sharding
-    expected = (tuple(range(M)) if sharding.reduces_every_microbatch else (M - 1,)) if trained else ()
-    for name, u in state.units.items():
-        if u.phase != Phase.SHARDED:
-            raise LifecycleError(f"step ended with unit {name} {u.phase.value}; every unit must be released")
-        if tuple(sorted(u.reduced)) != expected:
-            raise LifecycleError(f"unit {name}: gradients reduced for microbatches {sorted(u.reduced)}, "
-                                 f"expected {list(expected)} under sharding={sharding.value!r}")
-        if u.wgrad_pending:
-            raise LifecycleError(f"unit {name}: delayed wgrad of microbatches {list(u.wgrad_pending)} never ran")
-        if u.grad_full is not None:
-            raise LifecycleError(f"unit {name}: gradients accumulated after its last reduction were never reduced")
-    return state
+    ledgers.finish(state.ledger, trained)
+    return dataclasses.replace(state, pending=())
