@@ -159,3 +159,29 @@ def test_zero3_holds_the_tied_embed_head_unit_beside_the_layers(schedule):
     got = fmoe.step(params, {"tokens": TOKENS}, plan)
     want = fmoe.step(params, {"tokens": TOKENS}, plan.replace(sharding="no_shard"))
     assert torch.equal(got.loss, want.loss)
+
+
+def test_the_ledger_alone_holds_the_rules_the_step_and_the_planner_share():
+    from fmoe.shard import ledger as L
+    from fmoe.shard.spec import Sharding
+
+    zero3 = L.start(["embed", "layers.0"], max_live=1, sharding=Sharding("optim_grads_params"), microbatches=2)
+    with pytest.raises(LifecycleError, match="b0 needs unit embed, which is sharded, not gathered"):
+        L.gradients(zero3, "embed", 0, "b0")
+    up = L.wait(L.gather(zero3, "embed", "g"), "embed", "w")
+    with pytest.raises(LifecycleError, match="g1: 2 live units would exceed the plan's 1"):
+        L.gather(up, "layers.0", "g1")
+    with pytest.raises(LifecycleError, match="r: no gradients were accumulated"):
+        L.reduce(up, "embed", 0, False, "r")
+    done = L.reduce(L.gradients(up, "embed", 0, "b0"), "embed", 0, False, "r0")
+    with pytest.raises(LifecycleError, match="b0 again: microbatch 0's gradients of unit embed were already reduced"):
+        L.gradients(done, "embed", 0, "b0 again")  # what a backward after its own reduction would add
+    delayed = L.defer_wgrad(L.gradients(done, "embed", 1, "b1"), "embed", 1)
+    with pytest.raises(LifecycleError, match="the delayed wgrad of microbatch 1 has not run"):
+        L.reduce(delayed, "embed", 1, True, "r1")
+    with pytest.raises(LifecycleError, match="the step ends with unit embed gathered"):
+        L.finish(delayed, trained=True)
+    end = L.release(L.reduce(L.wgrad_done(delayed, "embed", 1, "wg"), "embed", 1, True, "r1"), "embed", "rel")
+    with pytest.raises(LifecycleError, match=r"unit layers.0: gradients reduced for microbatches \[\], expected \[0, 1\]"):
+        L.finish(end, trained=True)
+    L.finish(L.start(["embed"], 1, Sharding("optim"), 2), trained=False)  # forward only: nothing to reduce
