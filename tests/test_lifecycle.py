@@ -182,6 +182,7 @@ def test_the_ledger_alone_holds_the_rules_the_step_and_the_planner_share():
     with pytest.raises(LifecycleError, match="the step ends with unit embed gathered"):
         L.finish(delayed, trained=True)
     end = L.release(L.reduce(L.wgrad_done(delayed, "embed", 1, "wg"), "embed", 1, True, "r1"), "embed", "rel")
-    with pytest.raises(LifecycleError, match=r"unit layers.0: gradients reduced for microbatches \[\], expected \[0, 1\]"):
+    with pytest.raises(LifecycleError, match=r"unit layers.0: gradients reduced for microbatches \[\], "
+                                             r"expected \[0, 1\]"):
         L.finish(end, trained=True)
     L.finish(L.start(["embed"], 1, Sharding("optim"), 2), trained=False)  # forward only: nothing to reduce
