@@ -16,6 +16,8 @@
 #   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
 # Each job is a fresh process with its own cold Triton and inductor caches; logs in $OUT; a table
 # of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
+# PROFILE=N: each job also traces its step N (--profile-step) and benchmarks/trace_gaps.py's
+# reading of rank 0's trace goes to its log (that step is slower: leave it off a timed window).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpus=$(nvidia-smi -L | wc -l)
 ranks=$((gpus > 4 ? 4 : gpus))
@@ -24,9 +26,13 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   local name=$1 limit=$2 start=$(date +%s); shift 2
   local runs=${RUNS:-/dev/shm}
   rm -rf "$runs/$name"
-  TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" --out "$runs/$name" \
-    > "$OUT/$name.log" 2>&1
+  TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" \
+    ${PROFILE:+--profile-step $PROFILE} --out "$runs/$name" > "$OUT/$name.log" 2>&1
   local code=$?
+  local trace="$runs/$name/trace-step${PROFILE}-rank0.json.gz"
+  if [ -n "$PROFILE" ] && [ -f "$trace" ]; then  # where rank 0's GPU waited in that step, into the job's log
+    python benchmarks/trace_gaps.py "$trace" --top 12 2>&1 | tee -a "$OUT/$name.log" | head -30
+  fi
   local done_line; done_line=$(grep -h "^done in" "$OUT/$name.log" | tail -1)
   echo "| $name | exit $code, $(( $(date +%s) - start )) s | ${done_line:-no summary: $(tail -2 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-300)} |" \
     | tee -a "$OUT/table.md"

@@ -491,6 +491,19 @@ def test_compile_flag_compiles_the_kernels_and_reports_the_first_step(tmp_path, 
 
 
 
+def test_profile_step_writes_that_steps_trace_with_the_programs_actions(tmp_path, capsys):
+    import gzip
+
+    train_main(list(map(str, SMALL + ["--profile-step", 2, "--out", tmp_path])))
+    path = tmp_path / "trace-step2-rank0.json.gz"
+    assert f"step 2's trace: {path}" in capsys.readouterr().out
+    names = {e.get("name", "") for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+    assert {"fmoe forward layers.0.attn mb0", "fmoe backward layers.0.experts mb0"} <= names
+    assert sorted(p.name for p in tmp_path.glob("trace-*")) == [path.name]  # that step's alone
+    with pytest.raises(SystemExit, match="--profile-step=-1 is invalid"):
+        train_main(list(map(str, SMALL + ["--profile-step", -1, "--out", tmp_path / "b"])))
+
+
 SMALL = ["--steps", 3, "--batch", 2, "--seq", 16, "--dim", 32, "--layers", 1, "--experts", 4, "--ffn", 32,
          "--eval-every", 3, "--eval-batches", 1, "--sample-tokens", 0, "--no-progress", "--threads", 1]
 

@@ -266,6 +266,25 @@ def row_block(plan, rank: int) -> tuple[int, int]:
     return plan.dims.row_block(rank), plan.dp * plan.ep
 
 
+@contextlib.contextmanager
+def _profiled(run: Run, step_num: int):
+    """Step ``--profile-step`` under ``torch.profiler`` (CPU ops, CUDA kernels, the
+    executor's named actions), its trace written to the run folder, one file a rank."""
+    if step_num != run.settings.profile_step:
+        yield
+        return
+    cuda = torch.device(run.plan.device).type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        if cuda:  # the step's kernels, not only their launches
+            torch.cuda.synchronize()
+    path = run.out / f"trace-step{step_num}-rank{run.world.rank}.json.gz"
+    prof.export_chrome_trace(str(path))
+    run.say(f"step {step_num}'s trace: {path} (a file a rank; python benchmarks/trace_gaps.py {path} says where "
+            "the GPU waited)")
+
+
 def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window: Window) -> tuple[dict | None, bool]:
     """Take step ``step_num``: its batch, ``fmoe.step`` and the update, queued on the
     device (and the expert biases' update).
@@ -280,7 +299,8 @@ def _step(job: _Job, state: _State, step_num: int, signals: StopSignals, window:
     if step_num == job.first and plan.compile:  # minutes on a cold cache at a large shape: say why nothing moves
         run.say(f"step {step_num}: compiling the node kernels (Plan.compile) ...")
     try:
-        out, state.params, state.opt_state = job.stepper(state.params, state.opt_state, batch)
+        with _profiled(run, step_num):
+            out, state.params, state.opt_state = job.stepper(state.params, state.opt_state, batch)
     except ValueError as err:  # e.g. ids beyond the vocabulary in a corpus whose meta.json said otherwise
         capture = run.adapters is not None and isinstance(err, run.adapters.capture_error)
         about = f"--cuda-graph {s.cuda_graph}" if capture else f"a batch of {run.corpus.source}"

@@ -33,7 +33,7 @@ FIXED = (*MODEL_FIELDS, *(key for key in DATA_KEYS if key != "corpus"), "init_fr
 
 # Settings of one command, never taken from the run: what it does with the folder, the
 # folder itself (found by --out, and maybe moved since), and where this command stops.
-NOT_READ_BACK = ("config", "print_config", "out", "stop_after", *FOLDER_ACTIONS)
+NOT_READ_BACK = ("config", "print_config", "out", "stop_after", "profile_step", *FOLDER_ACTIONS)
 
 
 def resumes(settings: dict) -> bool:

@@ -16,7 +16,7 @@ TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _MAX_INT = 2**63 - 1
 _MAX_TIMEOUT_S = 365 * 86400
 _POSITIVE = ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches", "keep")
-_NON_NEGATIVE = ("warmup", "save_every", "stop_after", "seed", "threads", "sample_tokens", "max_skips")
+_NON_NEGATIVE = ("warmup", "save_every", "stop_after", "profile_step", "seed", "threads", "sample_tokens", "max_skips")
 
 
 def _option(default, help_: str):
@@ -79,6 +79,9 @@ class RunSettings:
                                        "start (for torchrun --max-restarts)")
     stop_after: int = _option(0, "end this run after that step, with a checkpoint (0: run to --steps; never kept "
                                  "for a resumed run)")
+    profile_step: int = _option(0, "write that step's trace (torch.profiler: CPU ops, CUDA kernels, fmoe's actions) "
+                                   "to --out as trace-step<N>-rank<R>.json.gz, which Chrome / Perfetto and "
+                                   "benchmarks/trace_gaps.py read (0: none; never kept for a resumed run)")
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
     cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
