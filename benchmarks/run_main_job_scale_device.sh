@@ -48,28 +48,24 @@ print(f"|   last window | step {step} | {rate:.0f} tokens/s, max expert_load {lo
 }
 tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
 qwen=(--config qwen3-moe-medium "${common[@]}")
+q30=(--config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0 --sample-tokens 0
+     --no-progress --no-tensorboard)
+# a full-depth 30B run's last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
+big_runs=$([ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 260 ] && echo /dev/shm || echo /tmp)
 for part in "$@"; do
   case $part in
     zero3) job qwen3-${ranks}gpu-zero3 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} ;;
     dp1ep)
       job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} --dp 1 --ep "$ranks" \
         --ep-exchange tokens --schedule 1f1b_overlap --microbatches 2 --cuda-graph attn,router,dispatch ;;
-    30b)  # its last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
-      free_gb=$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)
-      [ "$free_gb" -lt 260 ] && export RUNS=/tmp
-      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b 420 "${tr[@]}" --config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
-        --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard
-      unset RUNS ;;
+    30b) RUNS=$big_runs job qwen3-30b-a3b 420 "${tr[@]}" "${q30[@]}" ;;
     30b-pp)  # the plan python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search --routing-skew 4
       # ranks first: no expert parallelism, so routing far from balance (as it starts) costs no rank more memory
-      RUNS=${RUNS:-/dev/shm} job qwen3-30b-a3b-pp4 420 "${tr[@]}" --config qwen3-30b-a3b --ep 1 --schedule standard \
-        --microbatches 8 --pp 4 --virtual-stages 2 --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 \
-        --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard ;;
+      RUNS=$big_runs job qwen3-30b-a3b-pp4 420 "${tr[@]}" "${q30[@]}" --ep 1 --schedule standard --microbatches 8 \
+        --pp 4 --virtual-stages 2 ;;
     30b-layers)
-      q30=(--config qwen3-30b-a3b --layers 24 --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0
-           --sample-tokens 0 --no-progress --no-tensorboard)
-      job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}"
-      job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --dp "$ranks" --ep 1 ;;
+      job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}" --layers 24
+      job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --layers 24 --dp "$ranks" --ep 1 ;;
     peer30b)
       (cd benchmarks && TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 540 torchrun \
         --standalone --nproc-per-node "$ranks" vs_peer.py --shape qwen3-30b-a3b --layers 24 --vocab 151936 \

@@ -320,6 +320,13 @@ def _rank_rows(batch: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
+def _filled(have: int, first: int, last: int) -> tuple[list[int], torch.Tensor]:
+    """Rows ``first..last`` of one batch over a split of ``have`` rows: which split row each
+    reads (past the split, its last again) and whether it counts (``[rows, 1]`` bool)."""
+    rows = range(first, last)
+    return [min(r, have - 1) for r in rows], torch.tensor([r < have for r in rows])[:, None]
+
+
 def sample_batch(ids, batch: int, seq: int, seed: int, step: int, rank: int = 0, world: int = 1) -> dict:
     """This rank's rows of step ``step``'s global batch of random windows.
 
@@ -402,9 +409,9 @@ def heldout_set(corpus: TokenCorpus, batch: int, seq: int, max_batches: int, ran
                          "(raise --heldout-fraction)")
     first, last = _rank_rows(batch, rank, world)
     if rows < batch:  # one batch: the rows there are, then rows that count nothing (as heldout_batches)
-        padded = _rows(corpus.heldout, p.heldout_mask, p.heldout_segments, p.row,
-                       [min(r, rows - 1) for r in range(first, last)])
-        padded["loss_mask"] &= torch.tensor([r < rows for r in range(first, last)])[:, None]
+        which, counts = _filled(rows, first, last)
+        padded = _rows(corpus.heldout, p.heldout_mask, p.heldout_segments, p.row, which)
+        padded["loss_mask"] &= counts
         return [padded]
     out = []
     for b in range(min(rows // batch, max_batches)):
@@ -437,10 +444,9 @@ def heldout_batches(ids, batch: int, seq: int, max_batches: int, rank: int = 0, 
                          f"(and its target): lower --seq or raise --heldout-fraction")
     first, last = _rank_rows(batch, rank, world)
     if windows < batch:
-        rows = range(first, last)
-        tokens = _windows(ids, [min(r, windows - 1) * seq for r in rows], seq)
-        counts = torch.tensor([r < windows for r in rows])[:, None].expand(-1, seq).contiguous()
-        return [{"tokens": tokens, "loss_mask": counts}]
+        which, counts = _filled(windows, first, last)
+        return [{"tokens": _windows(ids, [w * seq for w in which], seq),
+                 "loss_mask": counts.expand(-1, seq).contiguous()}]
     n = min(windows, batch * max_batches)
     n -= n % batch
     return [{"tokens": _windows(ids, [(b * batch + r) * seq for r in range(first, last)], seq)}
