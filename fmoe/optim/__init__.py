@@ -7,7 +7,8 @@ Nothing is modified in place, except what ``adamw(fused=True, donate=True)`` and
 ``update_expert_bias(donate=True)`` are handed;
 every state is a NamedTuple of tensors (a ``named_chain``'s a dict of them by name).
 
-``transforms.py``: the transforms, ``global_norm``, schedules, ``update_expert_bias``;
+``transforms.py``: the transforms, ``global_norm`` (and the ``NormFn`` the optimizers hold in
+place of the plan), schedules, ``update_expert_bias``;
 ``finite.py``: ``apply_if_finite`` (skip non-finite steps), ``skipped_steps`` and
 ``last_grad_norm`` (the norm the last update computed, read from the state);
 ``nonfinite.py``: ``adamw``'s default, every non-finite step skipped and counted;

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from ..checks import check_int
-from .transforms import StepNorm, Transform, check_norm_scope, device_of
+from .transforms import StepNorm, Transform, check_norm_scope, device_of, grad_norm_fn
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -66,8 +66,9 @@ def apply_if_finite(inner: Transform, max_skips: int, plan=None) -> Transform:
         A Transform whose state is an ``ApplyIfFiniteState``.
     """
     check_int("apply_if_finite max_skips", max_skips, 1)
-    check_norm_scope(plan, "apply_if_finite")
-    return apply_if_finite_sharing(inner, max_skips, StepNorm(plan))
+    norm = grad_norm_fn(plan)
+    check_norm_scope(norm, "apply_if_finite")
+    return apply_if_finite_sharing(inner, max_skips, StepNorm(norm))
 
 
 def apply_if_finite_sharing(inner: Transform, max_skips: int, norm: StepNorm) -> Transform:

@@ -20,14 +20,14 @@ from ..layers.triton_kernels import fused_kernels_available
 from .adamw_kernel import adamw_leaf_
 from .finite import finite_init, next_finite_state, skip_decision
 from .nonfinite import finite_everywhere, join_record, next_record, split_record, with_fresh_record
-from .transforms import ClipState, ScaleByAdamState, ScheduleState, check_moment_state, check_named_state, global_norm
+from .transforms import ClipState, NormFn, ScaleByAdamState, ScheduleState, check_moment_state, check_named_state
 
 
 ADAMW_STATES = ("clip", "adam", "decay", "lr", "freeze")
 """The names of ``adamw``'s states, in order (``clip`` only with ``max_grad_norm``)."""
 
 
-def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, max_skips: int | None,
+def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, norm_fn: NormFn, max_skips: int | None,
                 donate: bool, moments: torch.dtype = torch.float32):
     """``adamw(fused=True)``: the named chain's state (``clip``, ``adam``, ``decay``,
     ``lr``, ``freeze``) and meaning, one kernel per leaf (``adamw_kernel``) or, for fp32
@@ -91,13 +91,13 @@ def fused_adamw(chain_init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan, 
     def update(grads, state, params):
         if max_skips is None:  # the default: every non-finite step skipped, recorded in state["adam"]
             record, state = split_record(state, params)
-            norm = global_norm(grads, plan) if clipping else None
-            apply = finite_everywhere(grads, norm, plan)
+            norm = norm_fn(grads) if clipping else None
+            apply = finite_everywhere(grads, norm, norm_fn)
             new_params, new_state = fused_update(grads, state, params, norm, apply, record_clip=True)
             return new_params, new_state if record is None else join_record(new_state, next_record(record, apply))
         if not max_skips:
-            return fused_update(grads, state, params, global_norm(grads, plan) if clipping else None, None, True)
-        norm = global_norm(grads, plan)  # once, for the finite check and the clipping
+            return fused_update(grads, state, params, norm_fn(grads) if clipping else None, None, True)
+        norm = norm_fn(grads)  # once, for the finite check and the clipping
         apply = skip_decision(state, norm, max_skips)
         new_params, inner_state = fused_update(grads, state.inner_state, params, norm, apply, record_clip=False)
         return new_params, next_finite_state(state, norm, apply, inner_state)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .finite import ApplyIfFiniteState, select_where
-from .transforms import ClipState, ScaleByAdamState, StepNorm, Transform, device_of, global_norm
+from .transforms import ClipState, NormFn, ScaleByAdamState, StepNorm, Transform, device_of, global_norm
 
 
 def fresh_record(device) -> ApplyIfFiniteState:
@@ -59,13 +59,13 @@ def next_record(record: ApplyIfFiniteState, applied: torch.Tensor) -> ApplyIfFin
                            total_notfinite=record.total_notfinite + bad, applied=applied)
 
 
-def _several_ranks(plan) -> bool:
+def _several_ranks(norm_fn: NormFn) -> bool:
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    return plan.world > 1 if plan is not None else dist.get_world_size() > 1
+    return (norm_fn.world if norm_fn.world is not None else dist.get_world_size()) > 1
 
 
-def finite_everywhere(grads, norm: torch.Tensor | None, plan) -> torch.Tensor:
+def finite_everywhere(grads, norm: torch.Tensor | None, norm_fn: NormFn) -> torch.Tensor:
     """Whether the step's gradients are finite on every rank (a 0-dim device bool).
 
     Arguments:
@@ -73,19 +73,19 @@ def finite_everywhere(grads, norm: torch.Tensor | None, plan) -> torch.Tensor:
         norm: the global norm already computed for clipping (the same on every rank),
             or None: this rank's norm is computed, and on several ranks a flag is
             all-reduced over the world group.
-        plan: the Plan, or None.
+        norm_fn: the optimizer's NormFn (its ``world`` says whether there are several ranks).
     """
     if norm is not None:
         return torch.isfinite(norm)
     finite = torch.isfinite(global_norm(grads))
-    if _several_ranks(plan):
+    if _several_ranks(norm_fn):
         bad = (~finite).float()
         dist.all_reduce(bad)  # a sum: NaN-free, unlike a max over NaNs
         finite = bad == 0
     return finite
 
 
-def skip_every_nonfinite(chain: Transform, norm: StepNorm, clipping: bool, plan) -> Transform:
+def skip_every_nonfinite(chain: Transform, norm: StepNorm, clipping: bool) -> Transform:
     """``adamw``'s chain (a ``named_chain`` holding ``adam``) made to skip every
     non-finite step. ``norm``: the one its clip reads (when ``clipping``)."""
 
@@ -99,7 +99,7 @@ def skip_every_nonfinite(chain: Transform, norm: StepNorm, clipping: bool, plan)
                 updates, new = chain.update(grads, state, params)
         else:
             n, (updates, new) = None, chain.update(grads, state, params)
-        applied = finite_everywhere(grads, n, plan)
+        applied = finite_everywhere(grads, n, norm.norm)
         new = select_where(applied, new, state)
         if clipping:  # the norm of this step's gradients, skipped or not (the fused update's too)
             new["clip"] = ClipState(n)

@@ -11,7 +11,7 @@ from .fused import ADAMW_STATES, fused_adamw
 from .nonfinite import skip_every_nonfinite
 from .transforms import (ClipState, EmptyState, Optimizer, Schedule, ScaleByAdamState, ScheduleState, StepNorm,
                          Transform, add_decayed_weights, check_moments, check_norm_scope, clip_with_norm, freeze,
-                         named_chain, scale_by_adam, scale_by_learning_rate)
+                         grad_norm_fn, named_chain, scale_by_adam, scale_by_learning_rate)
 
 _POSITIONAL_ADAMW = (ScaleByAdamState, EmptyState, ScheduleState, EmptyState)  # adam, decay, lr, freeze
 
@@ -152,9 +152,10 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
     moment_dtype = check_moments("adamw moments", moments)
     check("adamw donate", donate, isinstance(donate, bool) and (fused or not donate),
            "must be False, or True with fused=True (the chain builds new tensors)")
+    norm_fn = grad_norm_fn(plan)
     if max_grad_norm is not None or skip_nonfinite:
-        check_norm_scope(plan, "adamw")
-    norm = StepNorm(plan)  # read by both the finite check and the clipping
+        check_norm_scope(norm_fn, "adamw")
+    norm = StepNorm(norm_fn)  # read by both the finite check and the clipping
     # the norm is kept in the state once: by apply_if_finite when skipping, else by the clip
     wrapped = bool(skip_nonfinite)  # apply_if_finite around the chain, which then records the norm
     parts = [] if max_grad_norm is None else [("clip", clip_with_norm(max_grad_norm, norm, record=not wrapped))]
@@ -162,10 +163,10 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
               ("lr", scale_by_learning_rate(lr)), ("freeze", freeze())]
     transform = named_chain(*parts)
     if fused:
-        return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, plan,
+        return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, norm_fn,
                                       skip_nonfinite, donate, moment_dtype))
     if skip_nonfinite is None:
-        transform = skip_every_nonfinite(transform, norm, max_grad_norm is not None, plan)
+        transform = skip_every_nonfinite(transform, norm, max_grad_norm is not None)
     elif skip_nonfinite:
         transform = apply_if_finite_sharing(transform, skip_nonfinite, norm)
     return optimizer(transform)

@@ -9,15 +9,17 @@ in ``fused.py``, is the other in-place update). A transform's state is a NamedTu
 tensors or trees of tensors; ``chain``'s is a tuple of them, ``named_chain``'s a dict
 by name. Settings are validated when a transform is built.
 
-``global_norm`` (so clipping and the finite check too), given a ``plan`` of several
-ranks, reads which leaves are split from the shard spec (``fmoe/shard``) and the
-ranks that split them from the mesh (``fmoe/comm``), and all-reduces over those
-ranks; without a plan, or on one rank, it is a local sum and imports neither.
+The global norm (``global_norm``; clipping and the finite check hold a ``NormFn``, from
+``grad_norm_fn(plan)``, in place of the plan), given a ``plan`` of several ranks, reads
+which leaves are split from the shard spec (``fmoe/shard``) and the ranks that split
+them from the mesh (``fmoe/comm``), once, and all-reduces over those ranks; without a
+plan, or on one rank, it is a local sum and imports neither.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -81,8 +83,65 @@ def device_of(tree):
     return leaves[0].device if leaves else torch.device("cpu")
 
 
+class NormFn:
+    """The global L2 norm of gradient trees laid out by one plan, decided once:
+    ``norm_fn(tree)`` is a 0-dim fp32 tensor. What the optimizer's clipping and finite
+    check hold in place of the plan (``grad_norm_fn`` builds one).
+
+    Attributes:
+        world: the ranks the plan's trees are split over (1: a local sum, no
+            collective), or None: no plan, so this rank's norm, and the finite check
+            decides over the whole process group, when there is one.
+    """
+
+    def __init__(self, world: int | None, layout: Callable[[], tuple] | None = None):
+        self.world, self._layout = world, layout
+
+    def __call__(self, tree) -> torch.Tensor:
+        paths, leaves, _ = optree.tree_flatten_with_path(tree)
+        sq = [torch.linalg.vector_norm(x.float()).square() for x in leaves]
+        if self._layout is None:
+            return torch.stack(sq).sum().sqrt()
+        spec, mesh = self._layout()
+        total = torch.zeros((), device=leaves[0].device)
+        placed = [_placement(spec, p) for p in paths]
+        for domain in sorted({d for d, _ in placed}):  # no collective for a domain no leaf is in
+            part = sum((_counted_once(q, x, spec, leaf) for (domain_, leaf), q, x in zip(placed, sq, leaves)
+                        if domain_ == domain), total * 0)
+            if spec.sharded(domain):
+                mesh.world.all_reduce(part).wait()  # every element lives on one rank (copies counted once)
+            else:  # replicated over the data-parallel ranks, split over the others
+                if domain == Domain.TENSOR:
+                    mesh.tp.all_reduce(part).wait()
+                elif domain == Domain.EXPERT:
+                    mesh.ep.all_reduce(part).wait()
+                    mesh.etp.all_reduce(part).wait()
+                mesh.pp.all_reduce(part).wait()  # each pipeline stage its own units
+            total = total + part
+        return total.sqrt()
+
+
+def grad_norm_fn(plan=None) -> NormFn:
+    """The NormFn of trees shaped like ``fmoe.init(plan)``: on several ranks the squared
+    norms of the parts each rank holds alone (shards, its experts) are summed over the
+    ranks that split them, so every rank gets the norm of the whole model; the plan's
+    shard spec and mesh are looked up once, at the first call (a process group must
+    exist by then). No plan, or one rank: a local sum."""
+    if plan is None:
+        return NormFn(None)
+    if plan.world == 1:
+        return NormFn(1)
+
+    @functools.cache
+    def layout():
+        from ..resolve import resolve  # a single-rank norm needs no plan resolved
+        setup = resolve(plan)
+        return setup.spec, setup.mesh
+    return NormFn(plan.world, layout)
+
+
 def global_norm(tree, plan=None) -> torch.Tensor:
-    """The fp32 L2 norm over every leaf of ``tree``.
+    """The fp32 L2 norm over every leaf of ``tree`` (``grad_norm_fn(plan)(tree)``).
 
     Arguments:
         tree: a pytree of tensors; with ``plan``, shaped like ``fmoe.init(plan)``.
@@ -95,32 +154,7 @@ def global_norm(tree, plan=None) -> torch.Tensor:
         A 0-dim fp32 tensor on the leaves' device; NaN or inf if any element is (or if
         the sum of squares overflows fp32).
     """
-    paths, leaves, _ = optree.tree_flatten_with_path(tree)
-    sq = [torch.linalg.vector_norm(x.float()).square() for x in leaves]
-    if plan is None or plan.world == 1:
-        return torch.stack(sq).sum().sqrt()
-    # several ranks: the plan's shard spec and mesh say which leaves are split and over
-    # which ranks (imported here: a single-rank norm needs no plan resolved)
-    from ..resolve import resolve
-
-    setup = resolve(plan)
-    spec, mesh = setup.spec, setup.mesh
-    total = torch.zeros((), device=leaves[0].device)
-    placed = [_placement(spec, p) for p in paths]
-    for domain in sorted({d for d, _ in placed}):  # no collective for a domain no leaf is in
-        part = sum((_counted_once(q, x, spec, leaf) for (domain_, leaf), q, x in zip(placed, sq, leaves)
-                    if domain_ == domain), total * 0)
-        if spec.sharded(domain):
-            mesh.world.all_reduce(part).wait()  # every element lives on one rank (copies counted once)
-        else:  # replicated over the data-parallel ranks, split over the others
-            if domain == Domain.TENSOR:
-                mesh.tp.all_reduce(part).wait()
-            elif domain == Domain.EXPERT:
-                mesh.ep.all_reduce(part).wait()
-                mesh.etp.all_reduce(part).wait()
-            mesh.pp.all_reduce(part).wait()  # each pipeline stage its own units
-        total = total + part
-    return total.sqrt()
+    return grad_norm_fn(plan)(tree)
 
 
 def _placement(spec, keys):
@@ -141,8 +175,8 @@ def _counted_once(sq: torch.Tensor, x: torch.Tensor, spec, leaf) -> torch.Tensor
     return sq
 
 
-def check_norm_scope(plan, what: str) -> None:
-    if plan is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+def check_norm_scope(norm: NormFn, what: str) -> None:
+    if norm.world is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise ValueError(f"{what}: pass plan= when running on several ranks, so the norm covers every shard")
 
@@ -157,18 +191,18 @@ class StepNorm:
     tree (updates further down a chain, say) it computes that tree's own norm.
     """
 
-    def __init__(self, plan):
-        self.plan = plan
+    def __init__(self, norm: NormFn):
+        self.norm = norm
         self._held = None  # (grads, norm) while an update runs
 
     def __call__(self, grads) -> torch.Tensor:
         if self._held is not None and self._held[0] is grads:
             return self._held[1]
-        return global_norm(grads, self.plan)
+        return self.norm(grads)
 
     @contextlib.contextmanager
     def held(self, grads):
-        norm = global_norm(grads, self.plan)
+        norm = self.norm(grads)
         self._held = (grads, norm)
         try:
             yield norm
@@ -196,8 +230,9 @@ def clip_by_global_norm(max_norm: float, plan=None) -> Transform:
         nobody computes it again (``fmoe.optim.last_grad_norm``).
     """
     check_finite("clip_by_global_norm max_norm", max_norm, positive=True)
-    check_norm_scope(plan, "clip_by_global_norm")
-    return clip_with_norm(max_norm, StepNorm(plan), record=True)
+    norm = grad_norm_fn(plan)
+    check_norm_scope(norm, "clip_by_global_norm")
+    return clip_with_norm(max_norm, StepNorm(norm), record=True)
 
 
 def clip_with_norm(max_norm: float, norm_of: StepNorm, record: bool) -> Transform:
