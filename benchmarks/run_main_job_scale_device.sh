@@ -16,12 +16,16 @@
 #   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
 # Each job is a fresh process with its own cold Triton and inductor caches; logs in $OUT; a table
 # of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
+# LIMIT=S: the seconds each full-depth 30B job may take (default 420; keep the device call's own limit above it, or
+#   its workers outlive the call and hold the GPUs' memory).
 # PROFILE=N: each job also traces its step N (--profile-step) and benchmarks/trace_gaps.py's
 # reading of rank 0's trace goes to its log (that step is slower: leave it off a timed window).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpus=$(nvidia-smi -L | wc -l)
 ranks=$((gpus > 4 ? 4 : gpus))
-common=(--steps 30 --eval-every 30 --eval-batches 1 --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard)
+# --stall-report: a step (the first one compiles) that runs past it prints each rank's stack and device memory
+common=(--steps 30 --eval-every 30 --eval-batches 1 --save-every 0 --sample-tokens 0 --no-progress --no-tensorboard
+        --stall-report 120)
 job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log, keep its summary line
   local name=$1 limit=$2 start=$(date +%s); shift 2
   local runs=${RUNS:-/dev/shm}
@@ -29,6 +33,7 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" \
     ${PROFILE:+--profile-step $PROFILE} --out "$runs/$name" > "$OUT/$name.log" 2>&1
   local code=$?
+  pkill -9 -f -- "--out $runs/$name( |$)" && sleep 5  # a worker that outlived its torchrun still holds its GPU's memory
   local trace="$runs/$name/trace-step${PROFILE}-rank0.json.gz"
   if [ -n "$PROFILE" ] && [ -f "$trace" ]; then  # where rank 0's GPU waited in that step, into the job's log
     python benchmarks/trace_gaps.py "$trace" --top 12 2>&1 | tee -a "$OUT/$name.log" | head -30
@@ -49,7 +54,7 @@ print(f"|   last window | step {step} | {rate:.0f} tokens/s, max expert_load {lo
 tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
 qwen=(--config qwen3-moe-medium "${common[@]}")
 q30=(--config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0 --sample-tokens 0
-     --no-progress --no-tensorboard)
+     --no-progress --no-tensorboard --stall-report 120)
 # a full-depth 30B run's last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
 big_runs=$([ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 260 ] && echo /dev/shm || echo /tmp)
 for part in "$@"; do
@@ -58,10 +63,10 @@ for part in "$@"; do
     dp1ep)
       job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} --dp 1 --ep "$ranks" \
         --ep-exchange tokens --schedule 1f1b_overlap --microbatches 2 --cuda-graph attn,router,dispatch ;;
-    30b) RUNS=$big_runs job qwen3-30b-a3b 420 "${tr[@]}" "${q30[@]}" ;;
+    30b) RUNS=$big_runs job qwen3-30b-a3b "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" ;;
     30b-pp)  # the plan python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search --routing-skew 4
       # ranks first: no expert parallelism, so routing far from balance (as it starts) costs no rank more memory
-      RUNS=$big_runs job qwen3-30b-a3b-pp4 420 "${tr[@]}" "${q30[@]}" --ep 1 --schedule standard --microbatches 8 \
+      RUNS=$big_runs job qwen3-30b-a3b-pp4 "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" --ep 1 --schedule standard --microbatches 8 \
         --pp 4 --virtual-stages 2 ;;
     30b-layers)
       job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}" --layers 24

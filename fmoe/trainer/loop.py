@@ -31,6 +31,7 @@ from .metrics import MetricsLog, Window, expert_load, peak_tflops, to_host
 from .resilience import StopSignals
 from .run_settings import RunSettings
 from .setup import SAMPLE_PROMPT, Run
+from .stall import Watchdog
 
 # The end-of-run sample gathers the whole fp32 model on the main rank; beyond this it
 # is left to `python -m fmoe.generate`, which loads a checkpoint in the compute dtype.
@@ -98,6 +99,7 @@ class _Job(NamedTuple):
     heldout: list
     checkpoints: Checkpoints
     stepper: _Stepper
+    watchdog: Watchdog  # says where the host is when a step runs past --stall-report seconds
     first: int  # the first step this process takes
     last: int  # and its last
     baseline: float  # the held-out unigram loss
@@ -140,16 +142,22 @@ def train(run: Run) -> dict:
 
 
 def _train(run: Run, signals: StopSignals) -> dict:
-    job, state = _setup(run)
+    watchdog = Watchdog(run.settings.stall_report, run.world.rank, run.plan.device)
     try:
-        _loop(job, state, signals)
-        summary = _finish(job, state)
-    except BaseException:
-        with contextlib.suppress(Exception):  # the error in flight says more than a failed release
-            job.stepper.close()
-        raise
-    job.stepper.close()
-    return summary
+        watchdog.mark("the run's setup (the initial parameters or a checkpoint, the held-out batches)")
+        job, state = _setup(run, watchdog)
+        try:
+            _loop(job, state, signals)
+            watchdog.mark(f"the end of the run (the checkpoint of step {state.done}, the sample)")
+            summary = _finish(job, state)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error in flight says more than a failed release
+                job.stepper.close()
+            raise
+        job.stepper.close()
+        return summary
+    finally:
+        watchdog.close()
 
 
 def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
@@ -163,6 +171,7 @@ def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
     window = Window()
     try:
         for step_num in bar:
+            job.watchdog.mark(f"step {step_num}")
             reads, stop = _step(job, state, step_num, signals, window)
             if reads is None:
                 continue  # nothing read to the host: the next step queues behind this one
@@ -177,6 +186,7 @@ def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
                 state.stopped = signals.received or "a signal on another rank"
                 break
             if s.save_every and step_num % s.save_every == 0 and step_num < job.last:
+                job.watchdog.mark(f"the checkpoint of step {step_num}")
                 job.checkpoints.save(step_num, state.params, state.opt_state)
             window.restart()  # after the evaluation, log and checkpoint: they are not training
     finally:
@@ -184,7 +194,7 @@ def _loop(job: _Job, state: _State, signals: StopSignals) -> None:
         log.close()
 
 
-def _setup(run: Run) -> tuple[_Job, _State]:
+def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
     """Everything before the first step: CPU threads and the seed, the checkpoint of a
     resumed run and the schedule it continues, the optimizer, the held-out batches, the
     first state (fresh, from Hugging Face weights, or resumed), the run folder (main
@@ -219,7 +229,7 @@ def _setup(run: Run) -> tuple[_Job, _State]:
                last=min(s.steps, s.stop_after) if s.stop_after else s.steps, baseline=baseline,
                tokens_per_step=tokens_per_step,
                flops_per_step=train_flops_per_token(plan.model, s.seq) * tokens_per_step,
-               peak=peak_tflops(plan.device, plan.dtype, s.peak_tflops))
+               peak=peak_tflops(plan.device, plan.dtype, s.peak_tflops), watchdog=watchdog)
     return job, _State(params, opt_state, done=first - 1)
 
 
@@ -347,6 +357,8 @@ def _record(job: _Job, state: _State, step_num: int, reads: dict, window: Window
         record["trained_tokens_per_s"] = window.trained / window.steps / step_s
     if job.peak:
         record["mfu"] = job.flops_per_step / step_s / run.world.size / (job.peak * 1e12)
+    if torch.device(run.plan.device).type == "cuda":  # this rank's, since the run began
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.plan.device) / 2**30
     return record, in_a_row
 
 
@@ -354,6 +366,7 @@ def _evaluate(job: _Job, state: _State, step_num: int, record: dict) -> None:
     """The held-out loss, into ``record``: every ``eval_every`` steps and at the last."""
     if step_num % job.run.settings.eval_every != 0 and step_num != job.last:
         return
+    job.watchdog.mark(f"the held-out evaluation after step {step_num}")
     state.heldout_loss = sum(float(eval_loss(state.params, b, job.run.plan)) for b in job.heldout) / len(job.heldout)
     record["heldout_loss"] = state.heldout_loss
     job.run.say(f"step {step_num:5d}  train {state.train_loss:.4f}  held-out {state.heldout_loss:.4f}  "
@@ -384,11 +397,15 @@ def _finish(job: _Job, state: _State) -> dict:
                "steps": state.done, "checkpoint": str(ckpt), "tokens_per_s": job.tokens_per_step / median,
                "mfu": job.flops_per_step / median / run.world.size / (peak * 1e12) if peak else None,
                "stopped": state.stopped}
+    cuda = torch.device(run.plan.device).type == "cuda"
+    summary["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.plan.device) / 2**30 if cuda else None
     if not state.stopped:
         run.say(f"done in {wall:.1f}s: train {train_loss:.4f}, held-out {heldout_loss:.4f} nats/token "
                 f"vs unigram {job.baseline:.4f} ({heldout_loss / job.baseline:.0%} of baseline); "
                 f"{summary['tokens_per_s']:.0f} tokens/s (median over the logged steps)"
-                + (f", MFU {summary['mfu']:.1%}" if peak else "") + f"; checkpoint {ckpt}")
+                + (f", MFU {summary['mfu']:.1%}" if peak else "")
+                + (f"; peak memory {summary['peak_memory_gib']:.1f} GiB (rank 0)" if cuda else "")
+                + f"; checkpoint {ckpt}")
     return summary
 
 

@@ -84,6 +84,9 @@ class RunSettings:
                                    "benchmarks/trace_gaps.py read (0: none; never kept for a resumed run)")
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
+    stall_report: float = _option(300.0, "seconds the host may spend in one step (or setup, evaluation, checkpoint) "
+                                         "before each rank prints what it was doing, its device memory and its "
+                                         "stack, and again every as many seconds (0: never)")
     cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
                                   "(the step and its update as one graph, after two eager steps; "
                                   "python -m interop.train)")
@@ -122,7 +125,7 @@ def _check_ranges(s: RunSettings) -> None:
     cores = os.cpu_count() or 1
     if s.threads > cores:
         invalid("threads", s.threads, f"must be an int in 0..{cores} (this machine's cores; 0: torch's default)")
-    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops"):
+    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops", "stall_report"):
         value, positive = getattr(s, name), name in ("lr", "timeout")
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             invalid(name, value, "must be a finite number " + ("> 0" if positive else ">= 0"))

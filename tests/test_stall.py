@@ -1,0 +1,64 @@
+"""The stall watchdog: a host that stays past a mark is reported with its stack, and
+the main job marks its steps."""
+
+import io
+import time
+
+import pytest
+
+import fmoe.trainer.loop as loop
+from fmoe.train import main as train_main
+from fmoe.trainer.stall import Watchdog
+
+from .test_trainer import SMALL
+
+
+def _a_slow_step(seconds):
+    time.sleep(seconds)
+
+
+def test_a_mark_held_past_its_limit_is_reported_with_the_main_threads_stack():
+    out = io.StringIO()
+    watchdog = Watchdog(0.2, rank=5, device="cpu", out=out)
+    try:
+        watchdog.mark("step 3")
+        _a_slow_step(0.9)
+        watchdog.mark(None)  # nothing watched: no report while it stands
+        reported = out.getvalue()
+        time.sleep(0.5)
+        assert out.getvalue() == reported
+    finally:
+        watchdog.close()
+    reports = reported.count("[rank 5] step 3 has run")
+    assert 2 <= reports <= 4, reported  # at 0.2 s and every 0.2 s after, while the mark stood
+    assert "in _a_slow_step" in reported and "time.sleep(seconds)" in reported
+
+
+def test_a_mark_moved_on_in_time_is_not_reported():
+    out = io.StringIO()
+    watchdog = Watchdog(0.5, rank=0, device="cpu", out=out)
+    try:
+        for n in range(6):
+            watchdog.mark(f"step {n}")
+            time.sleep(0.1)
+    finally:
+        watchdog.close()
+    assert out.getvalue() == ""
+    assert Watchdog(0, rank=0, device="cpu")._thread is None  # 0: no thread at all
+
+
+def test_the_main_job_reports_a_step_that_stalls(tmp_path, capsys, monkeypatch):
+    real = loop.step
+
+    def step_two_stalls(params, batch, plan, kernels=None):
+        calls.append(1)
+        if len(calls) == 2:
+            _a_slow_step(1.5)
+        return real(params, batch, plan, kernels)
+    calls = []
+    monkeypatch.setattr(loop, "step", step_two_stalls)
+    train_main(list(map(str, SMALL + ["--stall-report", 0.5, "--out", tmp_path])))
+    err = capsys.readouterr().err
+    assert "[rank 0] step 2 has run" in err and "in _a_slow_step" in err, err
+    with pytest.raises(SystemExit, match=r"--stall-report=-1.0 is invalid: must be a finite number >= 0"):
+        train_main(list(map(str, SMALL + ["--stall-report", -1, "--out", tmp_path / "b"])))
