@@ -9,8 +9,9 @@ picks the same K experts). CPU, fp32, a few minutes.
     python benchmarks/routing_collapse.py --freeze-router --models fmoe   # the router never moves
     python benchmarks/routing_collapse.py --expert-bias-rate 1e-2 --models fmoe
 
-With the router frozen the collapse comes from the hidden states (every token's
-normalised input shares one direction), not from the router.
+With the router frozen (zero gradients: fmoe's weight decay still shrinks it by
+lr x 0.1 a step, which moves no top-k) the collapse comes from the hidden states (every
+token's normalised input shares one direction), not from the router.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def hf_loads(a, batches):
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
-    router = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
-    opt = torch.optim.AdamW([p for p in model.parameters() if not (a.freeze_router and any(p is r for r in router))],
-                            lr=a.lr, weight_decay=0.1)
+    for name, p in model.named_parameters():
+        if a.freeze_router and name.endswith("mlp.gate.weight"):
+            p.requires_grad_(False)  # no gradient: out of the clip's norm too, as fmoe's zeroed one
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=a.lr, weight_decay=0.1)
     for n, tokens in enumerate(batches):
         out = model(input_ids=tokens[:, :-1], output_router_logits=True)
         loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())

@@ -125,18 +125,21 @@ def grad_norm_fn(plan=None) -> NormFn:
     """The NormFn of trees shaped like ``fmoe.init(plan)``: on several ranks the squared
     norms of the parts each rank holds alone (shards, its experts) are summed over the
     ranks that split them, so every rank gets the norm of the whole model; the plan's
-    shard spec and mesh are looked up once, at the first call (a process group must
-    exist by then). No plan, or one rank: a local sum."""
+    shard spec is looked up once, at the first call, its groups at each (as ``fmoe.step``
+    does; a process group must exist by then). No plan, or one rank: a local sum."""
     if plan is None:
         return NormFn(None)
     if plan.world == 1:
         return NormFn(1)
 
     @functools.cache
-    def layout():
-        from ..resolve import resolve  # a single-rank norm needs no plan resolved
-        setup = resolve(plan)
-        return setup.spec, setup.mesh
+    def spec():
+        from ..resolve import resolve_stage  # a single-rank norm needs no plan resolved
+        return resolve_stage(plan, 0).spec
+
+    def layout():  # the groups looked up at each call, never held: destroy_process_group() frees them
+        from ..comm.mesh import mesh_for
+        return spec(), mesh_for(plan)
     return NormFn(plan.world, layout)
 
 

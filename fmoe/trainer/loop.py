@@ -202,6 +202,8 @@ def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
     s, plan, world, corpus = run.settings, run.plan, run.world, run.corpus
     if s.threads:
         torch.set_num_threads(s.threads)
+    if torch.device(plan.device).type == "cuda":  # the peak the records report is this run's
+        torch.cuda.reset_peak_memory_stats(plan.device)
     torch.manual_seed(s.seed)
     checkpoints = Checkpoints(run)
     resumed = checkpoints.resumed()  # the schedule goes on from the checkpoint's

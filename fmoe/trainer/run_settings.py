@@ -85,8 +85,8 @@ class RunSettings:
     # the machine
     timeout: float = _option(1800.0, "seconds a collective waits for the other ranks before the job fails")
     stall_report: float = _option(300.0, "seconds the host may spend in one step (or setup, evaluation, checkpoint) "
-                                         "before each rank prints what it was doing, its device memory and its "
-                                         "stack, and again every as many seconds (0: never)")
+                                         "before each rank prints what it was doing, its stack and its device "
+                                         "memory, and again every as many seconds (0: never; else >= 1)")
     cuda_graph: str = _option("", "CUDA-graph scopes, comma-separated from attn, router, dispatch, experts; or 'step' "
                                   "(the step and its update as one graph, after two eager steps; "
                                   "python -m interop.train)")
@@ -125,10 +125,12 @@ def _check_ranges(s: RunSettings) -> None:
     cores = os.cpu_count() or 1
     if s.threads > cores:
         invalid("threads", s.threads, f"must be an int in 0..{cores} (this machine's cores; 0: torch's default)")
-    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops", "stall_report"):
+    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops"):
         value, positive = getattr(s, name), name in ("lr", "timeout")
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             invalid(name, value, "must be a finite number " + ("> 0" if positive else ">= 0"))
+    if not (s.stall_report == 0 or 1 <= s.stall_report <= _MAX_TIMEOUT_S):  # a report at most every second
+        invalid("stall_report", s.stall_report, f"must be 0 (never) or a number of seconds in 1..{_MAX_TIMEOUT_S}")
     if s.timeout > _MAX_TIMEOUT_S:
         invalid("timeout", s.timeout, f"must be at most {_MAX_TIMEOUT_S} seconds (a year)")
     if not 0 < s.heldout_fraction < 1:

@@ -5,8 +5,8 @@ freeing and retrying allocations on a device that is nearly full, and each looks
 from outside: a job that prints nothing. ``Watchdog`` is one thread per process: once the
 host has spent ``after_s`` seconds since the loop's last ``mark`` (a step begun, an
 evaluation, a checkpoint), it prints, to this rank's stderr, what it was doing, the
-device's memory (what the allocator holds, its peak, and how often it had to free its
-cache and try again) and the main thread's innermost frames; then again every
+loop thread's innermost frames and the device's memory (what the allocator holds, its
+peak, and how often it had to free its cache and try again); then again every
 ``after_s`` seconds while the same mark stands.
 """
 
@@ -23,15 +23,12 @@ _FRAMES = 8  # the innermost frames of the main thread's stack a report shows
 _GIB = 2**30
 
 
-def memory_line(device: torch.device) -> str:
-    """What the CUDA allocator holds on ``device`` (empty off CUDA): allocated, reserved,
-    the peak, the device's total, and the retries (a retry frees every cached block
-    and allocates again: near a full device each one synchronises it)."""
-    if device.type != "cuda":
-        return ""
+def memory_line(device: torch.device, total: int) -> str:
+    """What the CUDA allocator holds on ``device``: allocated, reserved, the peak, the
+    device's ``total`` bytes, and the retries (a retry frees every cached block and
+    allocates again: near a full device each one synchronises it)."""
     stats = torch.cuda.memory_stats(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    return (f"; device memory {stats.get('allocated_bytes.all.current', 0) / _GIB:.1f} GiB allocated, "
+    return (f"device memory {stats.get('allocated_bytes.all.current', 0) / _GIB:.1f} GiB allocated, "
             f"{stats.get('reserved_bytes.all.current', 0) / _GIB:.1f} reserved, peak "
             f"{stats.get('allocated_bytes.all.peak', 0) / _GIB:.1f}, of {total / _GIB:.1f}; "
             f"{stats.get('num_alloc_retries', 0)} allocation retries, {stats.get('num_ooms', 0)} out of memory")
@@ -46,11 +43,14 @@ class Watchdog:
         rank: this process's rank, to tell the ranks' reports apart.
         device: the plan's device (its memory goes into each report when it is CUDA).
         out: where reports go (default ``sys.stderr``).
+
+    The stack reported is that of the thread that built the Watchdog (the loop's).
     """
 
     def __init__(self, after_s: float, rank: int, device: torch.device, out=None):
         self.after_s, self.rank, self.device, self.out = after_s, rank, torch.device(device), out
-        self._main = threading.main_thread().ident
+        self._total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        self._watched = threading.get_ident()
         self._lock = threading.Lock()
         self._what, self._since, self._reports = None, 0.0, 0
         self._stop = threading.Event()
@@ -68,22 +68,29 @@ class Watchdog:
         """Stop the thread (the loop's end)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=10)  # a report in flight may wait on the allocator: never hold the exit
 
     def _watch(self) -> None:
-        poll = min(1.0, self.after_s / 4)
+        poll = max(0.05, min(1.0, self.after_s / 4))
         while not self._stop.wait(poll):
-            with self._lock:
+            with self._lock:  # the stack under the same lock as the mark: never another mark's
                 what, waited, due = self._what, time.monotonic() - self._since, (self._reports + 1) * self.after_s
                 if what is None or waited < due:
                     continue
                 self._reports += 1
-            self._report(what, waited)
+                frame = sys._current_frames().get(self._watched)
+                stack = traceback.format_stack(frame)[-_FRAMES:] if frame is not None else []
+            self._report(what, waited, stack)
 
-    def _report(self, what: str, waited: float) -> None:
-        frame = sys._current_frames().get(self._main)
-        stack = traceback.format_stack(frame)[-_FRAMES:] if frame is not None else []
+    def _report(self, what: str, waited: float, stack: list[str]) -> None:
         out = self.out or sys.stderr
-        out.write(f"[rank {self.rank}] {what} has run {waited:.0f} s on the host{memory_line(self.device)}; "
-                  f"the main thread is in:\n" + "".join(stack))
+        out.write(f"[rank {self.rank}] {what} has run {waited:.0f} s on the host; the main thread is in:\n"
+                  + "".join(stack))
+        out.flush()
+        if self.device.type != "cuda":
+            return
+        try:  # last: the allocator's lock may be held by the very call that is stuck
+            out.write(f"[rank {self.rank}] {memory_line(self.device, self._total)}\n")
+        except Exception as err:  # a report never ends the watch
+            out.write(f"[rank {self.rank}] device memory unreadable: {err}\n")
         out.flush()
