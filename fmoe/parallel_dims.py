@@ -26,9 +26,34 @@ ranks holding the same expert slice, which shard it) is the ``n`` with the same
 
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
+
+
+class GroupName(enum.StrEnum):
+    """A kind of group of ranks (``ParallelDims.groups``): ``TP``, ``CP``, ``EP``, ``PP`` the
+    ranks differing only in that coordinate; ``STAGE`` a pipeline stage's ranks;
+    ``TENSOR_DATA`` those holding one tensor-parallel slice; ``ETP`` and ``EDP`` the
+    experts' tensor- and data-parallel groups; ``EXPERT_MODEL`` those holding one copy of
+    a stage's experts between them."""
+
+    TP = "tp"
+    CP = "cp"
+    EP = "ep"
+    PP = "pp"
+    STAGE = "stage"
+    TENSOR_DATA = "tensor_data"
+    ETP = "etp"
+    EDP = "edp"
+    EXPERT_MODEL = "expert_model"
+
+
+# the groups inside one pipeline stage that a rank's collectives run on (not PP, which
+# spans the stages, nor EXPERT_MODEL, which no collective uses)
+STAGE_GROUPS = (GroupName.TP, GroupName.CP, GroupName.EP, GroupName.ETP, GroupName.STAGE, GroupName.TENSOR_DATA,
+                GroupName.EDP)
 
 
 class Coords(NamedTuple):
@@ -97,12 +122,13 @@ class ParallelDims:
         """The rank's pipeline stage."""
         return self.coords(rank).s
 
-    def index(self, name: str, rank: int) -> int:
+    def index(self, name: GroupName, rank: int) -> int:
         """The rank's index inside its group ``name`` (see ``groups``)."""
-        return _indices(self, name)[rank]
+        return _indices(self, _group_name(name))[rank]
 
-    def groups(self, name: str) -> tuple[tuple[int, ...], ...]:
-        """Every group of kind ``name`` as a tuple of world ranks, in a fixed order:
+    def groups(self, name: GroupName) -> tuple[tuple[int, ...], ...]:
+        """Every group of kind ``name`` (a GroupName, or its value) as a tuple of world
+        ranks, in a fixed order:
 
         - ``tp``, ``cp``, ``ep``, ``pp``: the ranks differing only in that coordinate;
         - ``stage``: the ranks of one pipeline stage (the world when ``pp`` is 1);
@@ -112,28 +138,35 @@ class ParallelDims:
         - ``expert_model``: same stage and edp index, every ``e`` and etp index (who
           together hold one copy of the stage's experts).
         """
-        return _groups(self, name)
+        return _groups(self, _group_name(name))
+
+
+def _group_name(name) -> GroupName:
+    try:
+        return GroupName(name)
+    except ValueError:
+        raise KeyError(f"no group {name!r}; allowed: {', '.join(GroupName)}") from None
 
 
 @functools.lru_cache(maxsize=256)
-def _indices(dims: ParallelDims, name: str) -> dict:
+def _indices(dims: ParallelDims, name: GroupName) -> dict:
     return {r: i for g in dims.groups(name) for i, r in enumerate(g)}
 
 
 @functools.lru_cache(maxsize=256)
-def _groups(dims: ParallelDims, name: str) -> tuple[tuple[int, ...], ...]:
-    if name in ("tp", "cp", "ep", "pp", "stage", "tensor_data"):
-        free = {"tp": "t", "cp": "c", "ep": "e", "pp": "s", "stage": "dect", "tensor_data": "dec"}[name]
+def _groups(dims: ParallelDims, name: GroupName) -> tuple[tuple[int, ...], ...]:
+    match name:
+        case GroupName.TP | GroupName.CP | GroupName.EP | GroupName.PP | GroupName.STAGE | GroupName.TENSOR_DATA:
+            free = {GroupName.TP: "t", GroupName.CP: "c", GroupName.EP: "e", GroupName.PP: "s",
+                    GroupName.STAGE: "dect", GroupName.TENSOR_DATA: "dec"}[name]
 
-        def key(r):
-            return tuple(v for k, v in dims.coords(r)._asdict().items() if k not in free)
-    elif name in ("etp", "edp", "expert_model"):
-        def key(r):
-            at, n = dims.coords(r), dims.token_index(r)
-            return {"etp": (at.s, at.e, n // dims.etp), "edp": (at.s, at.e, n % dims.etp),
-                    "expert_model": (at.s, n // dims.etp)}[name]
-    else:
-        raise KeyError(f"no group {name!r}; allowed: tp, cp, ep, pp, stage, tensor_data, etp, edp, expert_model")
+            def key(r):
+                return tuple(v for k, v in dims.coords(r)._asdict().items() if k not in free)
+        case GroupName.ETP | GroupName.EDP | GroupName.EXPERT_MODEL:
+            def key(r):
+                at, n = dims.coords(r), dims.token_index(r)
+                return {GroupName.ETP: (at.s, at.e, n // dims.etp), GroupName.EDP: (at.s, at.e, n % dims.etp),
+                        GroupName.EXPERT_MODEL: (at.s, n // dims.etp)}[name]
     out: dict = {}
     for r in range(dims.world):
         out.setdefault(key(r), []).append(r)

@@ -40,6 +40,7 @@ import optree
 import torch
 
 from .config import ModelConfig
+from .parallel_dims import GroupName
 from .tensor_split import Split, split_of
 
 
@@ -165,6 +166,16 @@ class Domain(enum.StrEnum):
     DENSE = "dense"
     TENSOR = "tensor"
     EXPERT = "expert"
+
+    @property
+    def data_group(self) -> GroupName:
+        """The ranks that sum this domain's gradients and share its shards: a stage's
+        ranks (dense), those holding one tensor-parallel slice (tensor), those holding one
+        expert slice (expert)."""
+        return _DATA_GROUPS[self]
+
+
+_DATA_GROUPS = {Domain.DENSE: GroupName.STAGE, Domain.TENSOR: GroupName.TENSOR_DATA, Domain.EXPERT: GroupName.EDP}
 
 
 class Leaf(NamedTuple):

@@ -15,6 +15,7 @@ slices over ``edp``. Each is also the group its buffers shard over.
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import Plan
-from ..parallel_dims import ParallelDims
+from ..parallel_dims import STAGE_GROUPS, GroupName, ParallelDims
+from ..params import Domain
 from .collectives import Group
 
 LOCAL = Group(1, 0, None)
@@ -59,15 +61,34 @@ class Mesh:
     pp: Group = LOCAL
     pp_gradients: Group | None = None
 
-    def data_group(self, domain: str) -> Group:
-        """Ranks whose gradients of ``domain`` parameters (``fmoe.params.Domain``) must be
-        summed: ``dense`` over the stage, ``tensor`` over ``tensor_data``, ``expert`` over
-        ``edp``."""
-        if domain == "expert":
-            return self.edp
-        return self.tensor_data if domain == "tensor" else self.stage
+    def group(self, name: GroupName) -> Group:
+        """This rank's group ``name`` (one of ``_GROUPS``)."""
+        match name:
+            case GroupName.TP:
+                return self.tp
+            case GroupName.CP:
+                return self.cp
+            case GroupName.EP:
+                return self.ep
+            case GroupName.PP:
+                return self.pp
+            case GroupName.STAGE:
+                return self.stage
+            case GroupName.TENSOR_DATA:
+                return self.tensor_data
+            case GroupName.ETP:
+                return self.etp
+            case GroupName.EDP:
+                return self.edp
+        raise KeyError(f"a Mesh holds no {name!r} group; it holds {', '.join(_GROUPS)}")
 
-    def shard_group(self, domain: str, size: int) -> Group:
+    def data_group(self, domain: Domain) -> Group:
+        """Ranks whose gradients of ``domain`` parameters must be summed
+        (``Domain.data_group``: a dense leaf's over the stage, a tensor-parallel slice's
+        over ``tensor_data``, an expert's over ``edp``)."""
+        return self.group(Domain(domain).data_group)
+
+    def shard_group(self, domain: Domain, size: int) -> Group:
         """Ranks sharing ``domain``'s flat buffers (one rank when ``size`` is 1)."""
         return self.data_group(domain) if size > 1 else LOCAL
 
@@ -87,8 +108,18 @@ def _expert_ranks(dims: ParallelDims) -> torch.Tensor:
     return out
 
 
+class _View(enum.StrEnum):
+    """Which DeviceMesh of a layout holds a group (``_view_of``)."""
+
+    DENSE = "dense"  # pp x dp x ep x cp x tp
+    PIPELINE = "pipeline"  # pp x stage
+    TENSOR = "tensor"  # pp x tensor_data x tp
+    GRADIENTS = "gradients"  # every rank, apart from the default group
+    EXPERT = "expert"  # pp x edp x ep x etp
+
+
 @functools.lru_cache(maxsize=32)  # a layout uses up to five: two layouts in turn must not evict each other
-def _device_mesh(dims: ParallelDims, view: str, device_type: str):
+def _device_mesh(dims: ParallelDims, view: _View, device_type: str):
     # The DeviceMesh refers to its groups by name; process-group objects are looked up
     # per call and never cached, so destroy_process_group() really releases them
     # (a cached gloo group outliving it can abort the interpreter at exit). Dimensions
@@ -96,24 +127,25 @@ def _device_mesh(dims: ParallelDims, view: str, device_type: str):
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = torch.arange(dims.world)
-    if view == "dense":
-        shape = {"pp": dims.pp, "dp": dims.dp, "ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
-        ranks = ranks.view(*shape.values())
-    elif view == "pipeline":
-        shape = {"pp": dims.pp, "stage": dims.stage_size}
-        ranks = ranks.view(*shape.values())
-    elif view == "tensor":
-        shape = {"pp": dims.pp, "tensor_data": dims.stage_size // dims.tp, "tp": dims.tp}
-        ranks = ranks.view(*shape.values())
-    elif view == "gradients":
-        shape = {"pp_gradients": dims.world}
-    else:
-        shape = {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
-        ranks = _expert_ranks(dims)
+    match view:
+        case _View.DENSE:
+            shape = {"pp": dims.pp, "dp": dims.dp, "ep": dims.ep, "cp": dims.cp, "tp": dims.tp}
+            ranks = ranks.view(*shape.values())
+        case _View.PIPELINE:
+            shape = {"pp": dims.pp, "stage": dims.stage_size}
+            ranks = ranks.view(*shape.values())
+        case _View.TENSOR:
+            shape = {"pp": dims.pp, "tensor_data": dims.stage_size // dims.tp, "tp": dims.tp}
+            ranks = ranks.view(*shape.values())
+        case _View.GRADIENTS:
+            shape = {"pp_gradients": dims.world}
+        case _View.EXPERT:
+            shape = {"pp": dims.pp, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp}
+            ranks = _expert_ranks(dims)
     kept = [i for i, size in enumerate(shape.values()) if size > 1]
     ranks = ranks.squeeze(tuple(i for i in range(len(shape)) if i not in kept))
     names = tuple(list(shape)[i] for i in kept)
-    if view != "gradients":
+    if view != _View.GRADIENTS:
         return DeviceMesh(device_type, ranks, mesh_dim_names=names)
     # a dimension of every rank is the default group unless its backend is named
     return DeviceMesh(device_type, ranks, mesh_dim_names=names, backend_override=((dist.get_backend(), None),))
@@ -128,24 +160,25 @@ def separate_world_group_supported() -> bool:
     return "backend_override" in inspect.signature(DeviceMesh.__init__).parameters
 
 
-def _view_of(dims: ParallelDims, name: str) -> tuple[str, str]:
+def _view_of(dims: ParallelDims, name: GroupName) -> tuple[_View, str]:
     """Which DeviceMesh (and dimension) holds group ``name``: the dense one where it is
     one of its dimensions (``edp`` too when only ``dp`` and ``ep`` are above 1)."""
-    if name in ("tp", "cp", "ep", "pp"):
-        return "dense", name
-    if name == "stage":
-        return "pipeline", name
-    if name == "tensor_data":
-        return "tensor", name
-    if name == "edp" and dims.etp == dims.cp == dims.tp == 1:
-        return "dense", "dp"
-    return "expert", name
+    match name:
+        case GroupName.TP | GroupName.CP | GroupName.EP | GroupName.PP:
+            return _View.DENSE, name
+        case GroupName.STAGE:
+            return _View.PIPELINE, name
+        case GroupName.TENSOR_DATA:
+            return _View.TENSOR, name
+        case GroupName.EDP if dims.etp == dims.cp == dims.tp == 1:
+            return _View.DENSE, "dp"
+    return _View.EXPERT, name
 
 
-_GROUPS = ("tp", "cp", "ep", "pp", "stage", "tensor_data", "edp", "etp")
+_GROUPS = (*STAGE_GROUPS, GroupName.PP)  # a Mesh's groups besides the world's
 
 
-def _group(dims: ParallelDims, name: str, world: Group, device_type: str) -> Group:
+def _group(dims: ParallelDims, name: GroupName, world: Group, device_type: str) -> Group:
     partition = dims.groups(name)
     if len(partition) == 1:
         return world
@@ -162,6 +195,7 @@ def mesh_for(plan: Plan) -> Mesh:
     groups = {name: _group(dims, name, world, device_type) for name in _GROUPS}
     gradients = None
     if plan.pp > 1 and plan.virtual_stages > 1:  # created once per layout, as the others
-        gradients = _subgroup(_device_mesh(dims, "gradients", device_type), "pp_gradients")
-    return Mesh(world, groups["ep"], groups["edp"], groups["tp"], groups["cp"], groups["etp"],
-                groups["tensor_data"], groups["stage"], groups["pp"], gradients)
+        gradients = _subgroup(_device_mesh(dims, _View.GRADIENTS, device_type), "pp_gradients")
+    return Mesh(world, groups[GroupName.EP], groups[GroupName.EDP], groups[GroupName.TP], groups[GroupName.CP],
+                groups[GroupName.ETP], groups[GroupName.TENSOR_DATA], groups[GroupName.STAGE], groups[GroupName.PP],
+                gradients)

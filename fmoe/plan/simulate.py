@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ..config import Plan
 from ..layers.nodes import Kind, layer_kinds
-from ..params import Domain
+from ..parallel_dims import STAGE_GROUPS, GroupName
 from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import (Backward, Forward, Gather, Land, Recompute, Recv, Reduce, Release, Send, Wait,
                                 Wgrad, label)
@@ -157,15 +157,14 @@ class _Charge:
         self.rows = self.size["held"] * self.cfg.topk * self.cfg.dim * plan.compute_dtype.itemsize
         # what an expert all-to-all brings the busiest rank
         self.crossing = self.size["held"] * crossing_bytes_per_token(plan) * self.share
-        self.groups = {name: next(g for g in self.dims.groups(name) if rank in g)
-                       for name in ("tp", "cp", "ep", "etp", "stage", "tensor_data", "edp")}
+        self.groups = {name: next(g for g in self.dims.groups(name) if rank in g) for name in STAGE_GROUPS}
 
     @functools.cached_property
     def parameter_passes(self) -> float:
         """The copy of the rank's parameters into the step's shards and the optimizer's update."""
         return self.costs.parameter_pass_seconds(_rank_elements(self.spec, self.rank))
 
-    def comm(self, kind: str, nbytes: float, group: str) -> float:
+    def comm(self, kind: str, nbytes: float, group: GroupName) -> float:
         return self.costs.links.seconds(kind, nbytes, self.groups[group])
 
     @functools.lru_cache(maxsize=None)  # noqa: B019  (one _Charge per simulation)
@@ -188,12 +187,12 @@ class _Charge:
         comm = 0.0
         if tp > 1 and kind in (Kind.ATTN, Kind.DENSE, Kind.HEAD, Kind.EMBED):
             pairs = {Kind.ATTN: 1 + bool(cfg.shared_ffn), Kind.DENSE: 2, Kind.HEAD: 0.5, Kind.EMBED: 0.5}[kind]
-            comm += pairs * 2 * self.comm("all_gather", self.act * tp, "tp")
+            comm += pairs * 2 * self.comm("all_gather", self.act * tp, GroupName.TP)
         if self.plan.cp > 1 and kind in (Kind.ATTN, Kind.DENSE):
             kv = 2 * size["seen"] * cfg.num_kv_heads * cfg.head_dim * self.plan.compute_dtype.itemsize / tp
-            comm += self.comm("all_gather", kv * self.plan.cp, "cp")
+            comm += self.comm("all_gather", kv * self.plan.cp, GroupName.CP)
         if self.plan.etp > 1 and kind == Kind.EXPERTS:
-            comm += 2 * self.comm("all_to_all", self.rows * self.plan.etp, "etp")
+            comm += 2 * self.comm("all_to_all", self.rows * self.plan.etp, GroupName.ETP)
         if phase == "wgrad":
             comm = 0.0
         return self.costs.compute_seconds(flops * scale, kind.value), comm
@@ -213,14 +212,14 @@ class _Charge:
     @functools.cached_property
     def exchange(self) -> float:
         """One expert all-to-all of a microbatch's rows (dispatch or combine, either way)."""
-        return self.comm("all_to_all", self.crossing, "ep")
+        return self.comm("all_to_all", self.crossing, GroupName.EP)
 
     @functools.lru_cache(maxsize=None)  # noqa: B019
     def unit(self, name: str, gather: bool) -> float:
         """A unit's gather (compute dtype) or gradient reduction (fp32)."""
         seconds = 0.0
         for key, layout in self.spec.unit(name).groups.items():
-            group = {Domain.DENSE: "stage", Domain.TENSOR: "tensor_data", Domain.EXPERT: "edp"}[key.domain]
+            group = key.domain.data_group
             sharded = self.spec.sharded(key.domain)
             if gather and sharded:
                 seconds += self.comm("all_gather", layout.full_size * self.spec.dtype(key).itemsize, group)
@@ -254,7 +253,7 @@ def simulate(plan: Plan, rows: int, seq: int, costs: CostModel | None = None, pr
     costs = CostModel() if costs is None else costs
     dims = plan.dims
     spec = resolve_stage(plan, 0).spec
-    for name in ("tp", "cp", "ep", "etp", "edp", "tensor_data", "stage"):
+    for name in STAGE_GROUPS:
         for group in dims.groups(name):  # the premise: every rank of a group runs one program
             if len({dims.stage(r) for r in group}) > 1:
                 raise PlanError(f"group {name} {group} spans pipeline stages")

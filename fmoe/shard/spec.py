@@ -190,7 +190,7 @@ class ShardSpec:
         ``edp`` for expert groups."""
         if not self.sharded(domain):
             return 0
-        return self.dims.index({Domain.DENSE: "stage", Domain.TENSOR: "tensor_data"}.get(domain, "edp"), world_rank)
+        return self.dims.index(Domain(domain).data_group, world_rank)
 
     def leaf_piece(self, path: str, shape: tuple, world_rank: int) -> "Piece":
         """Which part of the full parameter ``path`` (of full ``shape``) a rank holds:
