@@ -4,6 +4,7 @@ that the main job's ``--help`` shows: shared by ``ModelConfig`` and ``Plan``."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from .backends import expert_backend_names
 from .checks import check_choice
@@ -18,7 +19,19 @@ SCHEDULES = ("standard", "1f1b_overlap")
 EP_EXCHANGES = ("rows", "tokens")
 DTYPES = ("float32", "bfloat16")
 GATHER_BUFFERS = ("dynamic", "double", "persistent")
-QK_NORMS = ("none", "head", "full")
+
+
+class QkNorm(enum.StrEnum):
+    """``ModelConfig.qk_norm`` as a value (``ModelConfig.qk_norm_mode``): no norm on
+    queries and keys, one RMSNorm weight a head dimension shared by the heads
+    (``HEAD``, Qwen3), or one over the whole projection (``FULL``, OLMoE)."""
+
+    NONE = "none"
+    HEAD = "head"
+    FULL = "full"
+
+
+QK_NORMS = tuple(mode.value for mode in QkNorm)
 REMATS = ("none", "selective", "full")
 FP8S = ("none", "rowwise", "tensorwise")
 ROPE_SCALINGS = ("none", "yarn")

@@ -123,7 +123,7 @@ def _check_latent_attention(cfg) -> None:
     if cfg.kv_heads:
         fail(f"{own}.kv_heads", cfg.kv_heads, "must be 0 with multi-head latent attention (kv_lora_rank > 0): "
                                                "every head has its own key and value")
-    if cfg.qkv_bias or cfg.qk_norm != "none":
+    if cfg.qkv_bias or cfg.qk_norm_widths is not None:
         what = "qkv_bias" if cfg.qkv_bias else "qk_norm"
         fail(f"{own}.{what}", getattr(cfg, what), "belongs to the qkv projection, which multi-head latent "
                                                    "attention (kv_lora_rank > 0) does not have")

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .config_fields import GLU_ACTIVATIONS
+from .config_fields import GLU_ACTIVATIONS, QkNorm
 from .model_checks import check_model_config
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -300,6 +300,21 @@ class ModelConfig:
     def kv_width(self) -> int:
         """Columns of the key (and of the value) projection: ``num_kv_heads * head_dim``."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def qk_norm_mode(self) -> QkNorm:
+        """``qk_norm`` as a QkNorm."""
+        return QkNorm(self.qk_norm)
+
+    @property
+    def qk_norm_widths(self) -> tuple[int, int] | None:
+        """The widths of the ``q_norm`` and ``k_norm`` weights (None: ``qk_norm='none'``)."""
+        match self.qk_norm_mode:
+            case QkNorm.HEAD:
+                return self.head_dim, self.head_dim
+            case QkNorm.FULL:
+                return self.q_width, self.kv_width
+        return None
 
     def fc1_width(self, hidden: int) -> int:
         """Columns of an fc1 whose activation yields ``hidden`` features."""

@@ -104,10 +104,8 @@ def _qkv_projections(cfg: ModelConfig) -> dict:
     attn = {"qkv": ((cfg.dim, Q + 2 * K), "normal")}
     if cfg.qkv_bias:
         attn["qkv_bias"] = ((Q + 2 * K,), "zeros")
-    if cfg.qk_norm != "none":
-        per_head = cfg.qk_norm == "head"
-        attn["q_norm"] = ((cfg.head_dim if per_head else Q,), "ones")
-        attn["k_norm"] = ((cfg.head_dim if per_head else K,), "ones")
+    if (widths := cfg.qk_norm_widths) is not None:
+        attn["q_norm"], attn["k_norm"] = (((width,), "ones") for width in widths)
     return attn
 
 

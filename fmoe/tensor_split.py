@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from .config_fields import QkNorm
 from .parallel_checks import hidden_units
 
 
@@ -99,7 +100,7 @@ def split_of(keys: tuple, cfg) -> Split | None:
                  "sinks": Split(0, (Part(H, H),)), "q": Split(1, (Part(Q, H),)), "q_up": Split(1, (Part(Q, H),))}
         if cfg.latent:
             heads["kv_up"] = Split(1, (Part(H * (cfg.head_dim - cfg.rope_head_dim + cfg.v_head_dim), H),))
-        if cfg.qk_norm == "full":
+        if cfg.qk_norm_mode is QkNorm.FULL:
             heads.update(q_norm=Split(0, (Part(Q, H),)), k_norm=Split(0, (Part(K, Kh),)))
         return heads.get(name)
     experts = keys[2:4] == ("moe", "experts")

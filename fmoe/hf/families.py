@@ -14,6 +14,7 @@ is its inverse for ``fmoe.hf.save``.
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..config_fields import QkNorm
 from .config_keys import check_fields, fail, model_config, require, yarn_fields
 from .gpt_oss import gpt_oss_family, gpt_oss_fields, gpt_oss_hf_config
 
@@ -225,7 +226,7 @@ def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
         ("window_layers", cfg.window_layers, not cfg.window_layers),
         ("dense_layers", cfg.dense_layers, cfg.dense_layers == first_k)]
     if family == "glm4_moe":
-        checks += [("qk_norm", cfg.qk_norm, cfg.qk_norm in ("none", "head")),
+        checks += [("qk_norm", cfg.qk_norm, cfg.qk_norm_mode is not QkNorm.FULL),
                    ("rope_scaling", cfg.rope_scaling, cfg.rope_scaling == "none")]
     check_fields(cfg, where, checks, f"score_func='sigmoid' is written as {family} "
                   f"({'multi-head latent attention' if cfg.latent else 'GLM-4.5'}: a shared expert a multiple of "
@@ -255,9 +256,9 @@ def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
         ("window_layers", cfg.window_layers, not cfg.window_layers)))
     if cfg.shared_ffn and not cfg.shared_gate:
         fail(where, "ModelConfig.shared_gate", False, "a shared expert is written as Qwen2-MoE's, which is gated")
-    if cfg.qk_norm == "head":
+    if cfg.qk_norm_mode is QkNorm.HEAD:
         family = "qwen3_moe"
-    elif cfg.qk_norm == "full":
+    elif cfg.qk_norm_mode is QkNorm.FULL:
         family = "olmoe"
     elif cfg.shared_ffn:
         family = "qwen2_moe"
@@ -335,7 +336,7 @@ def to_hf_config(cfg: ModelConfig, family: str, dtype: str) -> dict:
                   intermediate_size=cfg.dense_ffn or cfg.ffn, decoder_sparse_step=1,
                   mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False, sliding_window=None)
     if family == "glm4_moe":
-        hf.update(use_qk_norm=cfg.qk_norm == "head", attention_bias=cfg.qkv_bias,
+        hf.update(use_qk_norm=cfg.qk_norm_mode is QkNorm.HEAD, attention_bias=cfg.qkv_bias,
                   partial_rotary_factor=cfg.rope_fraction)
         hf["rope_parameters"]["partial_rotary_factor"] = cfg.rope_fraction
     elif family == "deepseek_v3":  # transformers' head_dim is the rotated part's

@@ -102,7 +102,7 @@ def gpt_oss_family(cfg: ModelConfig, where: str) -> str:
         ("prob_placement", cfg.prob_placement, cfg.prob_placement == "output"),  # scales the fc2 bias too
         ("attn_sinks", cfg.attn_sinks, cfg.attn_sinks),
         ("out_bias", cfg.out_bias, cfg.out_bias == cfg.qkv_bias),  # one attention_bias for q/k/v and o_proj
-        ("qk_norm", cfg.qk_norm, cfg.qk_norm == "none"),
+        ("qk_norm", cfg.qk_norm, cfg.qk_norm_widths is None),
         ("shared_ffn", cfg.shared_ffn, cfg.shared_ffn == 0),
         ("dense_layers", cfg.dense_layers, not cfg.dense_layers),
         ("expert_groups", cfg.expert_groups, cfg.expert_groups == 1),

@@ -85,10 +85,9 @@ def recipes(cfg: ModelConfig, family: str) -> dict:
             out[f"{L}.attn.out_bias"] = Recipe((Part(f"{at}.o_proj.bias", D, False),))
         if cfg.attn_sinks:
             out[f"{L}.attn.sinks"] = Recipe((Part(f"{at}.sinks", cfg.heads, False),))
-        if cfg.qk_norm != "none":
-            per_head = cfg.qk_norm == "head"
-            out[f"{L}.attn.q_norm"] = Recipe((vec(f"{at}.q_norm", cfg.head_dim if per_head else Q),))
-            out[f"{L}.attn.k_norm"] = Recipe((vec(f"{at}.k_norm", cfg.head_dim if per_head else K),))
+        if (widths := cfg.qk_norm_widths) is not None:
+            out[f"{L}.attn.q_norm"] = Recipe((vec(f"{at}.q_norm", widths[0]),))
+            out[f"{L}.attn.k_norm"] = Recipe((vec(f"{at}.k_norm", widths[1]),))
         if family == "gpt_oss":
             out.update(_gpt_oss_moe(L, f"model.layers.{i}", cfg))
             continue

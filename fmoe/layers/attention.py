@@ -45,6 +45,7 @@ except ImportError:  # an older torch: return_lse
     AuxRequest = None
 
 from ..config import ModelConfig
+from ..config_fields import QkNorm
 from .block_masks import Documents, row_block_mask
 from .context_parallel import ContextParallel, attend_chunks
 from .fp8 import PLAIN, Gemms
@@ -90,11 +91,11 @@ def project_qkv(p: dict, x_BSD: torch.Tensor, cfg: ModelConfig, start: int = 0, 
     if "qkv_bias" in p:
         qkv_BSN = qkv_BSN + p["qkv_bias"]
     q_BSQ, k_BSK, v_BSK = qkv_BSN.split([cfg.q_width, cfg.kv_width, cfg.kv_width], dim=-1)
-    if cfg.qk_norm == "full":
+    if cfg.qk_norm_mode is QkNorm.FULL:
         q_BSQ, k_BSK = rms_norm(q_BSQ, p["q_norm"], cfg.norm_eps), rms_norm(k_BSK, p["k_norm"], cfg.norm_eps)
     q_BSHd = rearrange(q_BSQ, "b s (h d) -> b s h d", h=cfg.heads)
     k_BSKd, v_BSKd = (rearrange(t, "b s (h d) -> b s h d", h=cfg.num_kv_heads) for t in (k_BSK, v_BSK))
-    if cfg.qk_norm == "head":
+    if cfg.qk_norm_mode is QkNorm.HEAD:
         # before the transpose, in the projection's own layout: the compiled attention
         # fuses the norm with the split and transpose (2% faster at the qwen3 shape)
         q_BSHd, k_BSKd = rms_norm(q_BSHd, p["q_norm"], cfg.norm_eps), rms_norm(k_BSKd, p["k_norm"], cfg.norm_eps)

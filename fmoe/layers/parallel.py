@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..config_fields import QkNorm
 from .context_parallel import ContextParallel
 from .expert_tensor_parallel import experts_over_etp
 from .nodes import Kernels
@@ -50,7 +51,7 @@ def _with_kv_copies(p: dict, cfg, tp: TensorParallel, copies: int) -> dict:
     for name in ("qkv", "qkv_bias"):
         if name in attn:
             attn[name] = sum_over_copies(attn[name], tp, first, copies)
-    if "k_norm" in attn and cfg.qk_norm == "full":
+    if "k_norm" in attn and cfg.qk_norm_mode is QkNorm.FULL:
         attn["k_norm"] = sum_over_copies(attn["k_norm"], tp, 0, copies)
     return dict(p, attn=attn)
 
