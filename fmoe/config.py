@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .checks import check_bool, check_int, fail
 from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, EP_EXCHANGES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS,
                             PAD_MULTIPLES, PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS,
-                            SHARDINGS, _check_choices, choices, field_docs)
+                            SHARDINGS, Remat, _check_choices, choices, field_docs)
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
 from .parallel_checks import check_parallel
 from .parallel_dims import ParallelDims
@@ -251,6 +251,11 @@ class Plan:
     def world(self) -> int:
         """The ranks the plan runs on: ``pp * dp * ep * cp * tp``."""
         return self.dims.world
+
+    @property
+    def remat_mode(self) -> Remat:
+        """``remat`` as a Remat."""
+        return Remat(self.remat)
 
     @property
     def dims(self) -> ParallelDims:

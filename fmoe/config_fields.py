@@ -32,7 +32,27 @@ class QkNorm(enum.StrEnum):
 
 
 QK_NORMS = tuple(mode.value for mode in QkNorm)
-REMATS = ("none", "selective", "full")
+
+
+class Remat(enum.StrEnum):
+    """``Plan.remat`` as a value (``Plan.remat_mode``), with what each recomputes."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+    @property
+    def whole_layers(self) -> bool:
+        """Each layer's forward runs again before its backward; only its input is kept."""
+        return self is Remat.FULL
+
+    @property
+    def selected_kernels(self) -> bool:
+        """Inside each node, the cheap elementwise kernels run again; the products' outputs are kept."""
+        return self is Remat.SELECTIVE
+
+
+REMATS = tuple(mode.value for mode in Remat)
 FP8S = ("none", "rowwise", "tensorwise")
 ROPE_SCALINGS = ("none", "yarn")
 # The fields with a fixed set of values (with expert_backend's names: ``choices``, what the

@@ -70,7 +70,7 @@ def _remedies(group: str, plan, moments: str, rows: int) -> list[str]:
     """What shrinks ``group`` of what a rank of ``plan`` holds (``rows``: the global batch's)."""
     if group == "activations":
         rows_each = rows // (plan.dp * plan.ep * plan.microbatches)
-        return ([] if plan.remat == "full" else ["--remat full"]) + (
+        return ([] if plan.remat_mode.whole_layers else ["--remat full"]) + (
             ["more --microbatches (fewer rows each)"] if rows_each > 1 else []) + ["more --tp / --cp"]
     zero3 = [] if plan.sharding == "optim_grads_params" else ["--sharding optim_grads_params (ZeRO-3)"]
     if group.startswith("gathered"):  # whole units at once: split the layers themselves

@@ -15,6 +15,7 @@ import functools
 from collections import Counter
 
 from ..config import Plan
+from ..config_fields import Remat
 from ..layers.nodes import Kind
 from ..optim.transforms import check_moments
 from ..resolve import resolve_stage, stage_program
@@ -24,22 +25,23 @@ from .simulate import _rank_elements, _sizes, busiest_share
 PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
 
 
-def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat: str, ep: int,
+def _layer_activations(cfg, layer: int, held: float, seen: float, tp: int, remat: Remat, ep: int,
                        share: float = 1.0) -> float:
     """Elements one microbatch keeps for layer ``layer``'s backward (``held``: the
     positions of the rank's stream, ``seen``: those its attention computes on; ``share``:
     the rank's routed rows over an even share, ``busiest_share``)."""
     D, K = cfg.dim, cfg.topk
-    if remat == "full":  # its input, and under expert parallelism the rows that crossed, both ways
+    if remat.whole_layers:  # its input, and under expert parallelism the rows that crossed, both ways
         return held * D + (2 * held * K * D * share if ep > 1 and not cfg.is_dense(layer) else 0)
     attention = seen * (2 * cfg.q_width + 2 * cfg.kv_width) / tp + seen * D  # q, k, v, output; the input
-    if remat == "none":
+    kept = not remat.selected_kernels  # what selective recomputation runs again instead
+    if kept:
         attention += 3 * held * D  # the norms' inputs and outputs, the residual
     if cfg.is_dense(layer):
-        hidden = cfg.fc1_width(cfg.dense_ffn) + (cfg.dense_ffn if remat == "none" else 0)
+        hidden = cfg.fc1_width(cfg.dense_ffn) + (cfg.dense_ffn if kept else 0)
         return attention + seen * hidden / tp + seen * D
     F = cfg.ffn
-    experts = held * K * share * (2 * D + cfg.fc1_width(F) + (F if remat == "none" else 0))
+    experts = held * K * share * (2 * D + cfg.fc1_width(F) + (F if kept else 0))
     shared = seen * (cfg.fc1_width(cfg.shared_ffn) + cfg.shared_ffn) / tp if cfg.shared_ffn else 0
     router = held * cfg.experts * 2  # fp32 logits: two compute-dtype elements' worth each
     return attention + experts + shared + router
@@ -104,7 +106,7 @@ def estimate_memory(plan: Plan, rows: int, seq: int, stage: int = 0, moments: st
         if node.kind == Kind.HEAD:  # the logits' fp32 copy, whole or a piece at a time, and the final norm's input
             return (plan.loss_chunk or sizes["seen"]) * cfg.vocab / plan.tp * 4 + sizes["held"] * cfg.dim * itemsize
         if node.layer is not None:
-            return _layer_activations(cfg, node.layer, sizes["held"], sizes["seen"], plan.tp, plan.remat,
+            return _layer_activations(cfg, node.layer, sizes["held"], sizes["seen"], plan.tp, plan.remat_mode,
                                       plan.ep, busiest_share(plan, skew)) * itemsize
         return 0.0
 

@@ -154,7 +154,7 @@ def kernels_for(plan: Plan) -> Kernels:
     """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager,
     under ``Plan.remat='selective'``'s policy or not, with ``Plan.fp8``'s products and
     the expert backend (looked up here, once: ``fmoe.runtime`` checked it is loaded)."""
-    selective_remat, gemms = plan.remat == "selective", GEMMS[plan.fp8]
+    selective_remat, gemms = plan.remat_mode.selected_kernels, GEMMS[plan.fp8]
     backend = bound_backend(plan.expert_backend)
     if plan.compile:
         return compiled_kernels(selective_remat, gemms, backend)

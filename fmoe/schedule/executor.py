@@ -135,7 +135,7 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
                         plan.tp, mesh.pp_gradients) if plan.pp > 1 else None
     # router losses are averaged over the ranks that see different tokens: one stage's
     return Run(setup.table, with_parallel(kernels, parallel), ep, cfg, cfg.tie_embeddings, plan.loss_chunk,
-               plan.microbatches * mesh.stage.size, plan.delay_wgrad, train, train and plan.remat == "full", divisor,
+               plan.microbatches * mesh.stage.size, plan.delay_wgrad, train, train and plan.remat_mode.whole_layers, divisor,
                mesh.tp.rank == 0, mbs, [], node_events, zero, zero.clone(), {}, pipeline)
 
 

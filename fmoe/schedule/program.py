@@ -76,7 +76,7 @@ class _Chunk(NamedTuple):
 
 def _chunks(plan: Plan, stage: int) -> list[_Chunk]:
     cfg, P = plan.model, plan.pp
-    forward, backward = _forward(cfg), _backward(cfg, plan.delay_wgrad, plan.remat == "full")
+    forward, backward = _forward(cfg), _backward(cfg, plan.delay_wgrad, plan.remat_mode.whole_layers)
     out = []
     for v, members in enumerate(plan.stage_chunks(stage)):
         k, held = v * P + stage, set(members)
@@ -164,7 +164,7 @@ def _woven(plan: Plan, f: int, forward: _Chunk, b: int, backward: _Chunk) -> lis
     microbatch's compute), as ``1f1b_overlap`` weaves them without stages; a chunk with
     more layers than the other runs its extra layers alone. ``f``'s stream is received
     before and sent after, ``b``'s gradient the same."""
-    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat == "full"
+    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat_mode.whole_layers
     ops = ([] if forward.first else [(f, Recv, STREAM)]) + ([] if backward.last else [(b, Recv, STREAM_GRADIENT)])
     ops += ([(f, Forward, EMBED)] if forward.first else []) + ([(b, Backward, HEAD)] if backward.last else [])
     fl, bl = forward.layers, backward.layers[::-1]
@@ -249,7 +249,7 @@ def schedule_ops(plan: Plan, train: bool = True, stage: int = 0) -> list[tuple[i
 
 
 def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
-    cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat == "full"
+    cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat_mode.whole_layers
     L = cfg.layers
     if not train:
         return [(mb, run, node) for mb in range(M) for run, node in _forward(cfg)]
