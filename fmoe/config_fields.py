@@ -11,7 +11,28 @@ from .checks import check_choice
 
 ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
 GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
-SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+
+
+class ScoreFunc(enum.StrEnum):
+    """``ModelConfig.score_func`` as a value (``ModelConfig.score_func_mode``): how router
+    logits become the scores experts are chosen by and weighted with."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+    TOPK_SOFTMAX = "topk_softmax"
+
+    @property
+    def independent(self) -> bool:
+        """Each expert's score is its own sigmoid (DeepSeek-V3, GLM-4.5), not a share of one softmax."""
+        return self is ScoreFunc.SIGMOID
+
+    @property
+    def selects_by_logit(self) -> bool:
+        """Experts are chosen by logit and weighted by a softmax over the chosen k (GPT-OSS)."""
+        return self is ScoreFunc.TOPK_SOFTMAX
+
+
+SCORE_FUNCS = tuple(mode.value for mode in ScoreFunc)
 PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .config_fields import GLU_ACTIVATIONS, QkNorm
+from .config_fields import GLU_ACTIVATIONS, QkNorm, ScoreFunc
 from .model_checks import check_model_config
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -300,6 +300,11 @@ class ModelConfig:
     def kv_width(self) -> int:
         """Columns of the key (and of the value) projection: ``num_kv_heads * head_dim``."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def score_func_mode(self) -> ScoreFunc:
+        """``score_func`` as a ScoreFunc."""
+        return ScoreFunc(self.score_func)
 
     @property
     def qk_norm_mode(self) -> QkNorm:

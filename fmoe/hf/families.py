@@ -14,7 +14,7 @@ is its inverse for ``fmoe.hf.save``.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..config_fields import QkNorm
+from ..config_fields import QkNorm, ScoreFunc
 from .config_keys import check_fields, fail, model_config, require, yarn_fields
 from .gpt_oss import gpt_oss_family, gpt_oss_fields, gpt_oss_hf_config
 
@@ -237,14 +237,14 @@ def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
 def family_of(cfg: ModelConfig, where: str = "fmoe.hf.save") -> str:
     """The family whose released layout computes what ``cfg`` computes (ValueError naming
     the ModelConfig field that none of them has)."""
-    if cfg.score_func == "sigmoid":
-        return _sigmoid_family(cfg, where)
-    if cfg.score_func == "topk_softmax":
-        return gpt_oss_family(cfg, where)
+    match cfg.score_func_mode:
+        case ScoreFunc.SIGMOID:
+            return _sigmoid_family(cfg, where)
+        case ScoreFunc.TOPK_SOFTMAX:
+            return gpt_oss_family(cfg, where)
     check_fields(cfg, where, (
         ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
         ("activation", cfg.activation, cfg.activation in _HF_ACTIVATIONS),
-        ("score_func", cfg.score_func, cfg.score_func == "softmax"),
         ("router_bias", cfg.router_bias, not cfg.router_bias),
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("out_bias", cfg.out_bias, not cfg.out_bias),

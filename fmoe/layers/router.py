@@ -84,8 +84,9 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
     logits_TE = upcast(x_TD) @ upcast(p["router"])
     if "router_bias" in p:
         logits_TE = logits_TE + upcast(p["router_bias"])
-    scores_TE = logits_TE.sigmoid() if cfg.score_func == "sigmoid" else logits_TE.softmax(-1)
-    top_logits = cfg.score_func == "topk_softmax"  # chosen by logit, weighted by a softmax over the k
+    mode = cfg.score_func_mode
+    scores_TE = logits_TE.sigmoid() if mode.independent else logits_TE.softmax(-1)
+    top_logits = mode.selects_by_logit  # chosen by logit, weighted by a softmax over the k
     selection_TE = (logits_TE if top_logits else scores_TE).detach() + upcast(p["expert_bias"].detach())
     if cfg.expert_groups > 1:
         selection_TE = limit_to_groups(selection_TE, cfg.expert_groups, cfg.topk_groups)
@@ -99,7 +100,7 @@ def route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig) -> Routing:
         probs_TK = probs_TK * cfg.routed_scaling
     counts_E = expert_counts(indices_TK, E)
     token_share_E = counts_E.to(scores_TE.dtype) / indices_TK.numel()
-    score_share_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if cfg.score_func == "sigmoid" else scores_TE
+    score_share_TE = scores_TE / scores_TE.sum(-1, keepdim=True) if mode.independent else scores_TE
     aux = E * (token_share_E * score_share_TE.mean(0)).sum()
     z = torch.logsumexp(logits_TE, dim=-1).square().mean()
     return Routing(indices_TK, probs_TK, counts_E, aux, z)
