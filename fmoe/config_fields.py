@@ -9,8 +9,24 @@ import enum
 from .backends import expert_backend_names
 from .checks import check_choice
 
-ACTIVATIONS = ("swiglu", "geglu", "quick_geglu", "relu2")
-GLU_ACTIVATIONS = ("swiglu", "geglu", "quick_geglu")
+
+
+class Activation(enum.StrEnum):
+    """``ModelConfig.activation`` as a value (``ModelConfig.activation_mode``)."""
+
+    SWIGLU = "swiglu"
+    GEGLU = "geglu"
+    QUICK_GEGLU = "quick_geglu"  # GPT-OSS's: clamped, with glu_limit and glu_offset
+    RELU2 = "relu2"
+
+    @property
+    def gated(self) -> bool:
+        """Two halves, a gate and an up projection (fc1 is twice as wide)."""
+        return self is not Activation.RELU2
+
+
+ACTIVATIONS = tuple(mode.value for mode in Activation)
+GLU_ACTIVATIONS = tuple(mode.value for mode in Activation if mode.gated)
 
 
 class ScoreFunc(enum.StrEnum):

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .config_fields import GLU_ACTIVATIONS, QkNorm, ScoreFunc
+from .config_fields import Activation, QkNorm, ScoreFunc
 from .model_checks import check_model_config
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -258,8 +258,13 @@ class ModelConfig:
         return 1.0 / math.sqrt(self.head_dim)  # as SDPA works out its default
 
     @property
+    def activation_mode(self) -> Activation:
+        """``activation`` as an Activation."""
+        return Activation(self.activation)
+
+    @property
     def is_glu(self) -> bool:
-        return self.activation in GLU_ACTIVATIONS
+        return self.activation_mode.gated
 
     @property
     def head_dim(self) -> int:

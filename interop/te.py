@@ -28,6 +28,7 @@ import importlib
 import torch
 
 from fmoe import Plan
+from fmoe.config_fields import Activation
 from fmoe.layers import QUICK_GELU_ALPHA, ExpertBackend, add_expert_bias, register_expert_backend, static_rows
 
 try:  # TE is an optional extra: fmoe[te]
@@ -100,7 +101,7 @@ class _TEGroupedLinear(torch.autograd.Function):
 def _glu_kernels(cfg):
     """``(forward(h, scales), backward(grad, h, scales, want_scale_grad))`` of TE's scaled GLU."""
     interleave = cfg.glu_interleave
-    if cfg.activation == "swiglu":
+    if cfg.activation_mode is Activation.SWIGLU:
         return (lambda h, s: tex.scaled_swiglu(h, s, None, interleave),
                 lambda g, h, s, ds: tex.scaled_dswiglu(g, h, s, None, interleave, ds))
     limit, offset = float(cfg.glu_limit), float(cfg.glu_offset)

@@ -19,6 +19,7 @@ import torch
 from ..checkpoint.convert import safetensors_torch
 from ..checkpoint.files import chmod_as_umask, staged_directory, write_atomically
 from ..config import ModelConfig, Plan
+from ..config_fields import Activation
 from ..params import named_leaves
 from ..runtime import check_runtime
 from ..shard.layout import rows_cols
@@ -61,7 +62,7 @@ def config(directory) -> ModelConfig:
 
 def _architecture_diff(mine: ModelConfig, theirs: ModelConfig) -> list[str]:
     ignore = set(training_fields(theirs)) | {"kv_heads", "head_size"}
-    if theirs.activation != "quick_geglu":
+    if theirs.activation_mode is not Activation.QUICK_GEGLU:
         ignore |= {"glu_limit", "glu_offset"}  # read by quick_geglu alone
     a, b = dataclasses.asdict(mine), dataclasses.asdict(theirs)
     diff = [f"{k}={a[k]!r} (the checkpoint's: {b[k]!r})" for k in a if k not in ignore and a[k] != b[k]]

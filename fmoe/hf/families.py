@@ -14,7 +14,7 @@ is its inverse for ``fmoe.hf.save``.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..config_fields import QkNorm, ScoreFunc
+from ..config_fields import Activation, QkNorm, ScoreFunc
 from .config_keys import check_fields, fail, model_config, require, yarn_fields
 from .gpt_oss import gpt_oss_family, gpt_oss_fields, gpt_oss_hf_config
 
@@ -216,7 +216,7 @@ def _sigmoid_family(cfg: ModelConfig, where: str) -> str:
     first_k = tuple(range(len(cfg.dense_layers)))
     family = "deepseek_v3" if cfg.latent else "glm4_moe"
     checks = [
-        ("activation", cfg.activation, cfg.activation == "swiglu"),
+        ("activation", cfg.activation, cfg.activation_mode is Activation.SWIGLU),
         ("router_bias", cfg.router_bias, not cfg.router_bias),
         ("expert_biases", cfg.expert_biases, not cfg.expert_biases),
         ("out_bias", cfg.out_bias, not cfg.out_bias),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..checks import is_int, is_number
 from ..config import ModelConfig
+from ..config_fields import Activation
 from ..layers.experts import QUICK_GELU_ALPHA
 from .config_keys import check_fields, fail, require, yarn_fields
 
@@ -95,7 +96,7 @@ def gpt_oss_family(cfg: ModelConfig, where: str) -> str:
     """``gpt_oss`` if it holds ``cfg`` (softmax over the top-k logits is GPT-OSS's)."""
     check_fields(cfg, where, (
         ("kv_lora_rank", cfg.kv_lora_rank, not cfg.latent),
-        ("activation", cfg.activation, cfg.activation == "quick_geglu"),
+        ("activation", cfg.activation, cfg.activation_mode is Activation.QUICK_GEGLU),
         ("glu_offset", cfg.glu_offset, cfg.glu_offset == 1.0),
         ("router_bias", cfg.router_bias, cfg.router_bias),
         ("expert_biases", cfg.expert_biases, cfg.expert_biases),

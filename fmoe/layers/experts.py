@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from ..backends import ExpertBackend, registered_backend
 from ..config import ModelConfig
+from ..config_fields import Activation
 from . import triton_kernels
 from .fp8 import PLAIN, Gemms
 from .precision import upcast
@@ -181,7 +182,7 @@ def activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | No
 
 def fused_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None) -> bool:
     """Whether ``activation`` runs the fused Triton SwiGLU kernel for these inputs."""
-    return cfg.activation == "swiglu" and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R)
+    return cfg.activation_mode is Activation.SWIGLU and triton_kernels.swiglu_fusable(h, cfg.glu_interleave, row_probs_R)
 
 
 def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tensor | None = None,
@@ -189,18 +190,20 @@ def torch_activation(h: torch.Tensor, cfg: ModelConfig, row_probs_R: torch.Tenso
     """``activation`` in torch code (the CPU and reference path; what ``Plan.compile`` fuses)."""
     if bias is not None:
         h = _AddExpertBias.apply(h, *bias)
-    if cfg.activation == "relu2":
+    mode = cfg.activation_mode
+    if not mode.gated:  # relu2
         a = F.relu(h).square()
     else:
         gate, up = glu_halves(h, cfg.glu_interleave)
-        if cfg.activation == "swiglu":
-            a = F.silu(gate) * up
-        elif cfg.activation == "geglu":
-            a = F.gelu(gate, approximate="tanh") * up
-        else:
-            gate = gate.clamp(max=cfg.glu_limit)
-            up = up.clamp(-cfg.glu_limit, cfg.glu_limit)
-            a = gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
+        match mode:
+            case Activation.SWIGLU:
+                a = F.silu(gate) * up
+            case Activation.GEGLU:
+                a = F.gelu(gate, approximate="tanh") * up
+            case Activation.QUICK_GEGLU:
+                gate = gate.clamp(max=cfg.glu_limit)
+                up = up.clamp(-cfg.glu_limit, cfg.glu_limit)
+                a = gate * torch.sigmoid(QUICK_GELU_ALPHA * gate) * (up + cfg.glu_offset)
     return a if row_probs_R is None else a * row_probs_R.to(a.dtype)[:, None]
 
 
