@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from .checks import check_bool, check_int, fail
 from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, EP_EXCHANGES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS,
                             PAD_MULTIPLES, PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS,
-                            SHARDINGS, Remat, _check_choices, choices, field_docs)
+                            SHARDINGS, EpExchange, GatherBuffers, Remat, _check_choices, choices,
+                            field_docs)
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
 from .parallel_checks import check_parallel
 from .parallel_dims import ParallelDims
@@ -161,7 +162,7 @@ class Plan:
         check_bool(f"{own}.compile", self.compile)
         check_int(f"{own}.loss_chunk", self.loss_chunk, 0, builtin=True)
         check_int(f"{own}.prefetch", self.prefetch, 0, builtin=True)
-        if self.gather_buffers == "double" and self.prefetch > 1:
+        if self.gather_buffers_mode.two_slots and self.prefetch > 1:
             fail(f"{own}.prefetch", self.prefetch,
                   "gather_buffers='double' holds 2 units, so prefetch must be 0 or 1 "
                   "(or use gather_buffers 'dynamic' / 'persistent')")
@@ -171,7 +172,7 @@ class Plan:
             object.__setattr__(self, "units", check_units(self.units, self.model))
         if self.model.experts % self.ep:
             fail(f"{own}.ep", self.ep, f"must divide model.experts ({self.model.experts})")
-        if self.ep_exchange == "tokens" and (self.model.capacity_factor or self.model.pad_multiple):
+        if self.ep_exchange_mode.tokens_cross_once and (self.model.capacity_factor or self.model.pad_multiple):
             fail(f"{own}.ep_exchange", self.ep_exchange, "sends tokens under dropless routing only: needs "
                  f"model.capacity_factor=0 and model.pad_multiple=0 (they are {self.model.capacity_factor} and "
                  f"{self.model.pad_multiple}), or ep_exchange='rows'")
@@ -251,6 +252,16 @@ class Plan:
     def world(self) -> int:
         """The ranks the plan runs on: ``pp * dp * ep * cp * tp``."""
         return self.dims.world
+
+    @property
+    def gather_buffers_mode(self) -> GatherBuffers:
+        """``gather_buffers`` as a GatherBuffers."""
+        return GatherBuffers(self.gather_buffers)
+
+    @property
+    def ep_exchange_mode(self) -> EpExchange:
+        """``ep_exchange`` as an EpExchange."""
+        return EpExchange(self.ep_exchange)
 
     @property
     def remat_mode(self) -> Remat:

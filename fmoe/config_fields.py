@@ -53,9 +53,48 @@ PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 SCHEDULES = ("standard", "1f1b_overlap")
-EP_EXCHANGES = ("rows", "tokens")
+
+
+class EpExchange(enum.StrEnum):
+    """``Plan.ep_exchange`` as a value (``Plan.ep_exchange_mode``)."""
+
+    ROWS = "rows"  # each routed row crosses to its expert's rank and back
+    TOKENS = "tokens"  # each token crosses once to every rank it routes to, and is routed there
+
+    @property
+    def tokens_cross_once(self) -> bool:
+        return self is EpExchange.TOKENS
+
+
+EP_EXCHANGES = tuple(mode.value for mode in EpExchange)
 DTYPES = ("float32", "bfloat16")
-GATHER_BUFFERS = ("dynamic", "double", "persistent")
+
+
+class GatherBuffers(enum.StrEnum):
+    """``Plan.gather_buffers`` as a value (``Plan.gather_buffers_mode``): where a gathered
+    unit's weights live."""
+
+    DYNAMIC = "dynamic"
+    DOUBLE = "double"
+    PERSISTENT = "persistent"
+
+    @property
+    def allocated_each_gather(self) -> bool:
+        """A new buffer for each gather, freed at its release."""
+        return self is GatherBuffers.DYNAMIC
+
+    @property
+    def two_slots(self) -> bool:
+        """Two preallocated buffers a unit kind, used in turn (prefetch at most 1)."""
+        return self is GatherBuffers.DOUBLE
+
+    @property
+    def kept(self) -> bool:
+        """Every unit gathered once and kept for the whole run."""
+        return self is GatherBuffers.PERSISTENT
+
+
+GATHER_BUFFERS = tuple(mode.value for mode in GatherBuffers)
 
 
 class QkNorm(enum.StrEnum):

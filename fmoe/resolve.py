@@ -172,7 +172,7 @@ def check_memory(setup: Setup) -> None:
     gathered in the device's free memory (checked before any collective)."""
     plan, spec = setup.plan, setup.spec
     device = torch.device(plan.device)
-    if plan.gather_buffers != "persistent" or device.type != "cuda":
+    if not plan.gather_buffers_mode.kept or device.type != "cuda":
         return
     need = sum(layout.full_size * torch.empty((), dtype=spec.dtype(key)).element_size()
                for u in setup.units for key, layout in u.groups.items() if spec.sharded(key.domain))

@@ -125,7 +125,7 @@ def crossing_bytes_per_token(plan: Plan) -> float:
     (1 - C(E - E/ep, k) / C(E, k))`` ranks (top-8 of 64 over 2 ranks: 2.0, over 8: 5.4)."""
     cfg = plan.model
     row = cfg.dim * plan.compute_dtype.itemsize
-    if plan.ep_exchange == "rows" or plan.ep == 1:
+    if not plan.ep_exchange_mode.tokens_cross_once or plan.ep == 1:
         return float(cfg.topk * row)
     missed = math.comb(cfg.experts - cfg.experts // plan.ep, cfg.topk) / math.comb(cfg.experts, cfg.topk)
     return plan.ep * (1.0 - missed) * (row + cfg.topk * (4 + 4))

@@ -124,7 +124,7 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
     plan, mesh = setup.plan, setup.mesh
     node_events: list = []
     ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events,
-                        tokens=plan.ep_exchange == "tokens") if plan.ep > 1 else None
+                        tokens=plan.ep_exchange_mode.tokens_cross_once) if plan.ep > 1 else None
     cfg = plan.model
     mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents, cfg.any_window),
                           [LayerFlow() for _ in range(cfg.layers)])
@@ -154,7 +154,7 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
     spec, mesh, plan = setup.spec, setup.mesh, setup.plan
     shards = build_shards(params_named, spec, setup.units, mesh, plan.device)
     state = lc.start(spec, mesh, shards, program.max_live, program.slots, plan.device,
-                     plan.gather_buffers == "dynamic", plan.microbatches)
+                     plan.gather_buffers_mode.allocated_each_gather, plan.microbatches)
     run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train)
     for a in program.actions:
         with _profiled(a):

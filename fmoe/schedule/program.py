@@ -369,7 +369,7 @@ def double_buffer_slots(plan: Plan, spec: ShardSpec, program) -> dict | None:
     Slots alternate in order of first gather; ValueError (before anything runs) if
     the program would ever need both live units in one slot.
     """
-    if plan.gather_buffers != "double" or not any(size > 1 for size in spec.sizes.values()):
+    if not plan.gather_buffers_mode.two_slots or not any(size > 1 for size in spec.sizes.values()):
         return None
     slots, live = {}, set()
     for a in program:
