@@ -11,9 +11,9 @@ by name. Settings are validated when a transform is built.
 
 The global norm (``global_norm``; clipping and the finite check hold a ``NormFn``, from
 ``grad_norm_fn(plan)``, in place of the plan), given a ``plan`` of several ranks, reads
-which leaves are split from the shard spec (``fmoe/shard``) and the ranks that split
-them from the mesh (``fmoe/comm``), once, and all-reduces over those ranks; without a
-plan, or on one rank, it is a local sum and imports neither.
+which leaves are split from the shard spec (``fmoe/shard``, looked up once) and the
+ranks that split them from the mesh (``fmoe/comm``, at each call), and all-reduces over
+those ranks; without a plan, or on one rank, it is a local sum and imports neither.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def device_of(tree):
 
 
 class NormFn:
-    """The global L2 norm of gradient trees laid out by one plan, decided once:
+    """The global L2 norm of gradient trees laid out by one plan, built once from it:
     ``norm_fn(tree)`` is a 0-dim fp32 tensor. What the optimizer's clipping and finite
     check hold in place of the plan (``grad_norm_fn`` builds one).
 
