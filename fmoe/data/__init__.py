@@ -6,9 +6,10 @@
 - ``tokens``: the on-disk format (``tokens.bin`` + ``meta.json`` [+ ``tokenizer.json``]),
   ``open_corpus`` / ``embedded_corpus`` -> ``TokenCorpus``, ``check_vocab``,
   ``check_corpus`` (every id read once), the tokenizer a run records
-  (``tokenizer_record``, ``recorded_tokenizer``), and batches that depend on
-  ``(seed, step)`` only (``sample_batch``, ``heldout_batches``; ``train_batch`` and
-  ``heldout_set`` also take a packed corpus's rows, with ``loss_mask`` and ``segments``).
+  (``tokenizer_record``, ``recorded_tokenizer``), the unigram baseline.
+- ``batches``: batches that depend on ``(seed, step)`` only (``sample_batch``,
+  ``heldout_batches``; ``train_batch`` and ``heldout_set`` also take a packed corpus's
+  rows, with ``loss_mask`` and ``segments``).
 - ``tokenizer_match``: what "the same tokenizer" means (``tokenizer_digest``: a digest of
   its canonical JSON; ``same_tokenizer``), the tokenizer a corpus records in its
   ``meta.json`` (``"tokenized_with"``) and ``check_model_tokenizer``, which refuses to
@@ -19,22 +20,17 @@
 
 from . import prepare
 from .embedded import corpus_bytes, random_windows, tiled_windows, train_heldout_split
+from .batches import check_packed_seq, heldout_batches, heldout_rows, heldout_set, sample_batch, train_batch
 from .tokens import (
     PackedRows,
     TokenCorpus,
-    check_packed_seq,
     corpus_unigram,
-    heldout_rows,
-    heldout_set,
-    train_batch,
     check_corpus,
     check_vocab,
     corpus_fingerprint,
     embedded_corpus,
-    heldout_batches,
     open_corpus,
     recorded_tokenizer,
-    sample_batch,
     tokenizer_record,
     unigram_cross_entropy,
 )
