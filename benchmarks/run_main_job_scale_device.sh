@@ -18,6 +18,8 @@
 # of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
 # LIMIT=S: the seconds each full-depth 30B job may take (default 420; keep the device call's own limit above it, or
 #   its workers outlive the call and hold the GPUs' memory).
+# FLAGS="...": more flags for the 30B jobs (--layers 24, --remat full).
+# Workers still running 25 s before LIMIT get SIGUSR1: every thread's stack into the log.
 # PROFILE=N: each job also traces its step N (--profile-step) and benchmarks/trace_gaps.py's
 # reading of rank 0's trace goes to its log (that step is slower: leave it off a timed window).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,9 +32,13 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   local name=$1 limit=$2 start=$(date +%s); shift 2
   local runs=${RUNS:-/dev/shm}
   rm -rf "$runs/$name"
+  (sleep $((limit - 25)); for p in $(pgrep -f -- "--out $runs/$name( |$)"); do  # every thread's stack, GIL or not,
+     grep -q torchrun "/proc/$p/cmdline" 2>/dev/null || kill -USR1 "$p"; done) &  # from each worker before the cut
+  local dumper=$!
   TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" \
     ${PROFILE:+--profile-step $PROFILE} --out "$runs/$name" > "$OUT/$name.log" 2>&1
   local code=$?
+  pkill -P "$dumper" 2>/dev/null; kill "$dumper" 2>/dev/null
   pkill -9 -f -- "--out $runs/$name( |$)" && sleep 5  # a worker that outlived its torchrun still holds its GPU's memory
   local trace="$runs/$name/trace-step${PROFILE}-rank0.json.gz"
   if [ -n "$PROFILE" ] && [ -f "$trace" ]; then  # where rank 0's GPU waited in that step, into the job's log
@@ -54,7 +60,7 @@ print(f"|   last window | step {step} | {rate:.0f} tokens/s, max expert_load {lo
 tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
 qwen=(--config qwen3-moe-medium "${common[@]}")
 q30=(--config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0 --sample-tokens 0
-     --no-progress --no-tensorboard --stall-report 120)
+     --no-progress --no-tensorboard --stall-report 120 $FLAGS)
 # a full-depth 30B run's last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
 big_runs=$([ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 260 ] && echo /dev/shm || echo /tmp)
 for part in "$@"; do

@@ -188,7 +188,7 @@ def test_the_command_line_prints_the_plan_and_ranks_plans():
     searched = run("--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--search", "--memory", 1,
                    "--batch", 16, "--seq", 64)
     assert searched.returncode == 0, searched.stderr
-    assert "plan(s) for 4 GPUs fit --memory 1 GiB" in searched.stdout and "tokens/s (key)" in searched.stdout
+    assert "plan(s) for 4 GPUs fit 0.9 GiB (--memory 1 GiB less the 10% --reserve)" in searched.stdout and "tokens/s (key)" in searched.stdout
     bad = run("--config", "cpu", "--gpus", 3, "--pp", 2)
     assert bad.returncode == 2 and "--gpus=3 is not a multiple of pp * ep * cp * tp = 2" in bad.stderr
 

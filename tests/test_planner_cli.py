@@ -11,12 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import fmoe
+from fmoe.config import Plan
 from fmoe.params import active_param_count, param_count
 from fmoe.plan import CostModel
 from fmoe.plan.__main__ import main
-from fmoe.plan.budget import budget
+from fmoe.plan.budget import Budget, budget, over_budget
+from fmoe.plan.memory import PARTS
+from fmoe.plan.report import GIB
 from fmoe.plan.command import launcher, train_flags
 from fmoe.plan.models import MODELS, model
 from fmoe.plan.search import search
@@ -48,6 +52,8 @@ def run(capsys, *argv):
     (["--network-gbps", "0"], "--network-gbps=0.0 is invalid: must be a finite number > 0"),
     (["--routing-skew", "0.5"], "--routing-skew=0.5 is invalid: must be a finite number >= 1 (1: balanced routing)"),
     (["--routing-skew", "inf"], "--routing-skew=inf is invalid: must be a finite number >= 1 (1: balanced routing)"),
+    (["--reserve", "1"], "--reserve=1.0 is invalid: must be a share of --memory in [0, 1) (0: plans may fill it)"),
+    (["--reserve", "-0.1"], "--reserve=-0.1 is invalid: must be a share of --memory in [0, 1) (0: plans may fill it)"),
     (["--search"], "--search needs --gpus"),
 ])
 def test_a_bad_planner_flag_is_one_line_naming_it(capsys, flags, message):
@@ -83,12 +89,29 @@ def test_a_plan_over_the_memory_budget_is_marked_without_search(capsys):
     code, out, _ = run(capsys, *TINY, "--gpus", "2", "--memory", "0.001")
     assert code == 0
     line = next(line for line in out.splitlines() if line.startswith("memory:"))
-    assert re.fullmatch(r"memory: needs \d+\.\d GiB a GPU, over --memory 0\.001 GiB: params, grads and optimizer "
+    assert re.fullmatch(r"memory: needs \d+\.\d GiB a GPU, over 0\.0009 GiB \(--memory 0\.001 GiB less the 10% "
+                        r"--reserve\): params, grads and optimizer "
                         r"state \d+\.\d GiB, gathered weights and gradient buffers \d+\.\d GiB, activations "
                         r"\d+\.\d GiB; for the (.*) try (.*), or --search to rank the plans that fit", line), line
     assert "--sharding optim_grads_params (ZeRO-3)" in line  # the cpu preset's plan does not shard
     code, out, _ = run(capsys, *TINY, "--gpus", "2", "--memory", "80")
+    assert re.search(r"^memory: needs \d+\.\d GiB a GPU, fits 72 GiB \(--memory 80 GiB less the 10% --reserve\)$",
+                     out, re.M), out
+    code, out, _ = run(capsys, *TINY, "--gpus", "2", "--memory", "80", "--reserve", "0")
     assert re.search(r"^memory: needs \d+\.\d GiB a GPU, fits --memory 80 GiB$", out, re.M), out
+
+
+def test_a_plan_fits_when_its_estimate_leaves_the_reserve_free():
+    plan = Plan(model=model("qwen3-30b-a3b"))
+    parts = dict.fromkeys(PARTS, 0) | {"params": 90 * GIB, "activations": 10 * GIB}
+    stages = [parts | {"total": 100 * GIB}]
+    for memory, reserve, fits in ((118, 0.15, True), (117, 0.15, False), (100, 0.0, True), (99.9, 0.0, False),
+                                  (111.2, 0.1, True), (111.1, 0.1, False)):
+        over = over_budget(plan, stages, Budget(memory, f"--memory {memory:g} GiB", reserve), "float32", 8)
+        assert (over is None) == fits, (memory, reserve, over)
+    over = over_budget(plan, stages, Budget(111.1, "--memory 111.1 GiB", 0.1), "float32", 8)
+    assert over.startswith("memory: needs 100.0 GiB a GPU, over 99.99 GiB (--memory 111.1 GiB less the 10% "
+                           "--reserve): params, grads and optimizer state 90.0 GiB"), over
 
 
 def test_the_budget_is_the_named_devices_when_memory_is_not_given(capsys, monkeypatch):
@@ -97,8 +120,8 @@ def test_the_budget_is_the_named_devices_when_memory_is_not_given(capsys, monkey
     code, out, _ = run(capsys, "--model", "qwen3-30b-a3b", "--gpus", "8", "--batch", "64", "--seq", "4096",
                        "--calibration", h200)
     assert code == 0
-    assert re.search(r"^memory: needs [\d,]+\.\d GiB a GPU, over the calibration's H200 \(140\.4 GiB; --memory to "
-                     r"change\): ", out, re.M), out
+    assert re.search(r"^memory: needs [\d,]+\.\d GiB a GPU, over 126\.4 GiB \(the calibration's H200 \(140\.4 GiB; "
+                     r"--memory to change\) less the 10% --reserve\): ", out, re.M), out
     assert budget(None, "NVIDIA H100 80GB HBM3, torch 2.11").gib == pytest.approx(81559 / 1024)
     assert budget(None, "defaults (assumed, not measured)").source == "an assumed H100's 80 GiB (--memory to change)"
     assert budget(12.5, "NVIDIA H200").gib == 12.5  # --memory wins
@@ -108,7 +131,7 @@ def test_help_lists_every_flag_the_planner_takes(capsys):
     code, out, _ = run(capsys, "--help")
     assert code == 0
     listed = set(re.findall(r"^\s{2}(--[a-z0-9-]+)", out, re.M))
-    own = {"--model", "--gpus", "--search", "--memory", "--top", "--trace", "--calibration", "--gpus-per-node",
+    own = {"--model", "--gpus", "--search", "--memory", "--reserve", "--top", "--trace", "--calibration", "--gpus-per-node",
            "--nvlink-gbps", "--network-gbps", "--routing-skew"}
     forwarded = {"--" + name.replace("_", "-") for name in options.KNOWN}
     assert own | forwarded <= listed, sorted((own | forwarded) - listed)
@@ -138,24 +161,30 @@ def test_released_models_have_their_published_sizes(name):
     assert mine / 1e9 == pytest.approx(active, rel=0.02)
 
 
-def test_the_qwen3_30b_preset_is_the_released_shape_in_the_plan_the_search_ranks_first(capsys):
-    # python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search: one
-    # machine of 4 x H200; its best plan is the preset's own, so its run line adds no flag
-    # (the released config.json turns the router's aux loss off, output_router_logits=false, as
-    # for inference; training from scratch uses its router_aux_loss_coef)
+def test_the_qwen3_30b_preset_is_the_released_shape_in_a_plan_that_fits_however_routing_starts(capsys):
+    # one machine of 4 x H200 (--memory 141, 10% kept free). The released config.json turns the
+    # router's aux loss off (output_router_logits=false, as for inference); training from
+    # scratch uses its router_aux_loss_coef.
     settings, _ = options.resolve(["--config", "qwen3-30b-a3b"])
     assert options.model_config(settings) == model("qwen3-30b-a3b").replace(aux_loss_coef=1e-3)
-    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--search")
-    assert code == 0
-    assert "run it: torchrun --nproc-per-node 4 -m fmoe.train --config qwen3-30b-a3b\n" in out
-    assert re.search(r"^best: pp=1 dp=1 ep=4 .*schedule=1f1b_overlap microbatches=2 remat=none", out, re.M)
-    # learned routing starts collapsed (every token's 8 choices on the same few experts):
-    # with one rank taking all the rows, the plan no longer fits, and the search drops ep
-    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--routing-skew", 4)
-    assert code == 0 and "memory: needs 185.7 GiB a GPU, over --memory 141 GiB" in out
+    # the preset's own plan fits balanced and collapsed routing alike (it has no ep), and its
+    # run line adds no flag
+    for skew in (1, 4):
+        code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--routing-skew", skew)
+        assert code == 0 and re.search(r"^memory: needs 1\d\d\.\d GiB a GPU, fits 126\.9 GiB", out, re.M), out
+        assert "run it: torchrun --nproc-per-node 4 -m fmoe.train --config qwen3-30b-a3b\n" in out
+    # learned routing starts collapsed (every token's 8 choices on the same few experts): with
+    # one expert rank taking the rows of all, the plan the preset had (ep=4) no longer fits,
+    # and the search drops ep; the preset's plan is among those it ranks
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--routing-skew", 4,
+                       "--pp", 1, "--virtual-stages", 1, "--ep", 4, "--schedule", "1f1b_overlap", "--microbatches", 2,
+                       "--remat", "none")
+    assert code == 0 and "memory: needs 185.7 GiB a GPU, over 126.9 GiB" in out
     code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--search",
                        "--routing-skew", 4)
-    assert code == 0 and re.search(r"^best: pp=4 virtual_stages=2 dp=1 ep=1 ", out, re.M)
+    assert code == 0 and re.search(r"^best: .* ep=1 ", out, re.M), out
+    assert re.search(r"^\s+[\d,]+ .* pp=4 virtual_stages=2 dp=1 ep=1 .*schedule=standard microbatches=8 remat=full",
+                     out, re.M), out
 
 
 def test_released_models_read_their_config_json_keys():
@@ -269,3 +298,20 @@ def test_one_plan_prints_its_run_line_and_trace(capsys, tmp_path):
     assert (code, out) == (2, "") and err == f"fmoe.plan: --trace {tmp_path / 'nowhere' / 'step.json'}: no directory " \
                                              f"{tmp_path / 'nowhere'}\n"
     assert math.isfinite(float(re.search(r"exposed communication (\d+\.\d)%", run(capsys, *TINY)[1]).group(1)))
+
+
+def test_the_main_job_warns_of_a_plan_that_leaves_its_gpu_less_than_the_reserve(monkeypatch):
+    from fmoe.plan import budget as budget_module
+    settings, _ = options.resolve(["--config", "qwen3-30b-a3b"])
+    plan = options.plan_for(settings, options.model_config(settings))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    args = (plan, settings["batch"], settings["seq"], settings["moments"])
+    monkeypatch.setattr(budget_module, "device_memory", lambda device: 139.8 * GIB)
+    assert budget_module.device_warning(*args) is None  # the preset's plan: 106.7 GiB of 125.8
+    monkeypatch.setattr(budget_module, "device_memory", lambda device: 100 * GIB)
+    line = budget_module.device_warning(*args)
+    assert line.startswith("warning: by the planner's estimate this plan needs 106.7 GiB a GPU (stage 3), over 90 GiB (this NVIDIA H200's "
+                           "100.0 GiB less the 10% --reserve): "), line
+    assert "may stall rather than run out of memory" in line
+    cpu = options.plan_for(settings | {"device": "cpu"}, options.model_config(settings))
+    assert budget_module.device_warning(cpu, settings["batch"], settings["seq"], settings["moments"]) is None

@@ -2,6 +2,9 @@
 the main job marks its steps."""
 
 import io
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -63,3 +66,25 @@ def test_the_main_job_reports_a_step_that_stalls(tmp_path, capsys, monkeypatch):
     for bad in (-1, 0.5, "nan"):
         with pytest.raises(SystemExit, match=rf"--stall-report={float(bad)!r} is invalid: must be 0 \(never\) or"):
             train_main(list(map(str, SMALL + ["--stall-report", bad, "--out", tmp_path / "b"])))
+
+
+def test_sigusr1_dumps_every_threads_stack_while_a_watchdog_runs():
+    # from C (faulthandler): it needs no GIL, so it reaches a host stuck in a call that holds it
+    script = """if True:
+        import os, signal, time
+        from fmoe.trainer.stall import Watchdog
+        def waiting_here():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.5)
+        watchdog = Watchdog(60, rank=0, device="cpu")
+        waiting_here()
+        watchdog.close()
+        print("closed")
+    """
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "closed\n", done
+    assert "most recent call first" in done.stderr and "in waiting_here" in done.stderr, done.stderr
+    # closed, the signal is no longer the watchdog's: a watchdog with no thread never takes it
+    quiet = subprocess.run([sys.executable, "-c", script.replace("Watchdog(60", "Watchdog(0")],
+                           capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == -signal.SIGUSR1 and "waiting_here" not in quiet.stderr, quiet

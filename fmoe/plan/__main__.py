@@ -15,7 +15,8 @@ the plan, what was checked, the estimated step time, tokens/s and MFU, each stag
 bubble and memory, whether it fits the memory budget, and a timeline of one rank per
 stage; ``--trace`` writes it as a Chrome trace. ``--search`` ranks the plans for ``--gpus`` whose every rank
 fits the budget by estimated tokens/s. The budget: ``--memory`` GiB, else the memory of
-the calibration's GPU, else this machine's GPU's, else an H100's 80 GiB. Costs:
+the calibration's GPU, else this machine's GPU's, else an H100's 80 GiB, of which a plan
+leaves ``--reserve`` (10%) free. Costs:
 ``--calibration`` (a file of ``benchmarks/plan_calibration.py``; default: assumed
 efficiencies) and the links (``--gpus-per-node``, ``--nvlink-gbps``, ``--network-gbps``;
 defaults: H100 / H200 nodes of 8 on NVLink, 400G InfiniBand).
@@ -31,7 +32,7 @@ import time
 from ..checks import check, check_finite, check_int, is_number
 from ..config import Plan
 from ..trainer import options
-from .budget import budget, over_budget
+from .budget import RESERVE, budget, over_budget
 from .command import run_line
 from .costs import Calibration, CostModel, Links
 from .memory import estimate_memory
@@ -59,6 +60,9 @@ def _planner_flags(group) -> None:
     group.add_argument("--search", action="store_true", help="rank the plans for --gpus that fit the memory budget")
     group.add_argument("--memory", type=float, metavar="GIB", help="GiB each GPU can hold, > 0 (default: the "
                        "calibration's GPU's, else this machine's GPU's, else 80)")
+    group.add_argument("--reserve", type=float, default=RESERVE, metavar="F",
+                       help="the share of --memory a plan's estimate leaves free, in [0, 1): the CUDA context, NCCL's "
+                            "buffers, fragmentation and the estimate's error (default: %(default)g)")
     group.add_argument("--top", type=int, default=10, metavar="N", help="plans --search prints, >= 1 (default: 10)")
     group.add_argument("--trace", metavar="PATH", help="write the simulated step as a Chrome trace here")
     group.add_argument("--calibration", metavar="PATH",
@@ -105,6 +109,8 @@ def _check_flags(own) -> None:
     check(
         "--routing-skew", own.routing_skew, is_number(own.routing_skew) and math.isfinite(own.routing_skew)
         and own.routing_skew >= 1, "must be a finite number >= 1 (1: balanced routing)")
+    check("--reserve", own.reserve, is_number(own.reserve) and 0 <= own.reserve < 1,
+          "must be a share of --memory in [0, 1) (0: plans may fill it)")
     if own.search and not own.gpus:
         raise ValueError("--search needs --gpus")
     if own.trace:
@@ -152,8 +158,8 @@ def _run_keys(run) -> dict:
 
 def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
     t0 = time.perf_counter()
-    ranked = search(cfg, fields, own.gpus, run.batch, run.seq, limit.gib, costs, run.moments, own.routing_skew)
-    print(f"{len(ranked)} plan(s) for {own.gpus} GPUs fit {limit.source} (batch {run.batch} x {run.seq}; "
+    ranked = search(cfg, fields, own.gpus, run.batch, run.seq, limit.usable, costs, run.moments, own.routing_skew)
+    print(f"{len(ranked)} plan(s) for {own.gpus} GPUs fit {limit} (batch {run.batch} x {run.seq}; "
           f"{time.perf_counter() - t0:.1f} s); ranked by estimated tokens/s, higher first (ties: less memory first)")
     if not ranked:
         print("no plan fits: try more --gpus, --moments bfloat16 or a larger --memory")
@@ -207,7 +213,7 @@ def _print_plan(own, cfg, fields, explicit, run, costs, limit, vocab_from_data) 
           f"free), exposed communication {w.exposed_comm:.1%} of the step (what the links add)")
     over = over_budget(plan, memory, limit, run.moments, run.batch)
     need = max(m["total"] for m in memory) / GIB
-    print(over if over else f"memory: needs {need:,.1f} GiB a GPU, fits {limit.source}")
+    print(over if over else f"memory: needs {need:,.1f} GiB a GPU, fits {limit}")
     print("timeline, one rank per stage (digits: a microbatch's forward, letters: its backward, a = 0; '.': idle):")
     for line in timeline(sim):
         print(line)
@@ -233,7 +239,7 @@ def main(argv=None) -> int:
         cfg, fields, explicit, run, vocab_from_data = _model_and_fields(rest, own.model)
         calibration = _calibration(own.calibration)
         costs = CostModel(calibration, Links(own.gpus_per_node, own.nvlink_gbps, own.network_gbps))
-        limit = budget(own.memory, calibration.source)
+        limit = budget(own.memory, calibration.source, own.reserve)
         if own.search:
             return _print_search(own, cfg, fields, run, costs, limit, vocab_from_data)
         return _print_plan(own, cfg, fields, explicit, run, costs, limit, vocab_from_data)

@@ -8,10 +8,15 @@ evaluation, a checkpoint), it prints, to this rank's stderr, what it was doing, 
 loop thread's innermost frames and the device's memory (what the allocator holds, its
 peak, and how often it had to free its cache and try again); then again every
 ``after_s`` seconds while the same mark stands.
+
+A host stuck inside a call that holds the GIL starves that thread too; for it, ``SIGUSR1``
+dumps every thread's Python stack from C (``faulthandler``), GIL or not.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 import threading
 import time
@@ -34,6 +39,18 @@ def memory_line(device: torch.device, total: int) -> str:
             f"{stats.get('num_alloc_retries', 0)} allocation retries, {stats.get('num_ooms', 0)} out of memory")
 
 
+def _dumps_on_usr1(out) -> bool:
+    """Whether a watchdog reporting to ``out`` takes SIGUSR1: it reports to a real stderr
+    (faulthandler writes to a file descriptor) from the main thread (signals' own)."""
+    if out is not None or not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return False
+    return True
+
+
 class Watchdog:
     """Reports a host that has not moved past a mark for ``after_s`` seconds.
 
@@ -54,8 +71,11 @@ class Watchdog:
         self._lock = threading.Lock()
         self._what, self._since, self._reports = None, 0.0, 0
         self._stop = threading.Event()
-        self._thread = None
+        self._thread, self._usr1 = None, False
         if after_s > 0:
+            self._usr1 = _dumps_on_usr1(out)
+            if self._usr1:
+                faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
             self._thread = threading.Thread(target=self._watch, name="fmoe-stall-watchdog", daemon=True)
             self._thread.start()
 
@@ -68,6 +88,8 @@ class Watchdog:
         """Stop the thread (the loop's end)."""
         self._stop.set()
         if self._thread is not None:
+            if self._usr1:
+                faulthandler.unregister(signal.SIGUSR1)
             self._thread.join(timeout=10)  # a report in flight may wait on the allocator: never hold the exit
 
     def _watch(self) -> None:
