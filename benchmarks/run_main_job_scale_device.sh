@@ -7,10 +7,12 @@
 #     over 2 microbatches, attention/router/dispatch graphed); STEPS=N for N steps. The graphed jobs, on one GPU and
 #     under torchrun: benchmarks/run_graphed_presets_device.sh.
 #   30b: the qwen3-30b-a3b preset as it ships (48 layers, vocab 151936, seq 4096, learned routing,
-#     ep 4), 20 steps over 4 GPUs; its checkpoint under /dev/shm when that holds it.
-#   30b-pp: the same model in the plan the planner ranks first when routing is far from balance
-#     (--routing-skew 4: pp=4, two interleaved stages, no ep), 20 steps.
-#   30b-layers: the same layers at half depth (24), ZeRO-3 against the preset's dp1 x ep4, 20 steps.
+#     pp=4 of two interleaved stages, remat full), 20 steps over 4 GPUs; its checkpoint under /dev/shm
+#     when that holds it.
+#   30b-ep: the same model over dp1 x ep4 with whole layers recomputed (the planner's first with
+#     balanced routing: 116.9 GiB estimated; collapsed routing needs more on the busiest rank).
+#   30b-dp2: pp=2 of two interleaved stages x dp=2, remat full (the planner's first at --routing-skew 4).
+#   30b-layers: the same layers at half depth (24), ZeRO-3 against dp1 x ep4 (no remat), 20 steps.
 #   peer30b: the same 24 layers (vocab 151936, 2 x 4096 tokens a GPU, aux loss 1e-3) as a bare step
 #     beside the compiled FSDP2 peer (benchmarks/vs_peer.py): fmoe compiled, ZeRO-3 and dp1 x ep4.
 #   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
@@ -61,6 +63,7 @@ tr=(torchrun --standalone --nproc-per-node "$ranks" -m interop.train)
 qwen=(--config qwen3-moe-medium "${common[@]}")
 q30=(--config qwen3-30b-a3b --steps 20 --log-every 5 --eval-every 20 --eval-batches 1 --save-every 0 --sample-tokens 0
      --no-progress --no-tensorboard --stall-report 120 $FLAGS)
+ep30=(--pp 1 --virtual-stages 1 --ep 4 --schedule 1f1b_overlap --microbatches 2)  # the old preset's plan
 # a full-depth 30B run's last checkpoint (fp32 params, bf16 moments) is ~245 GB: in memory where /dev/shm holds it
 big_runs=$([ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -ge 260 ] && echo /dev/shm || echo /tmp)
 for part in "$@"; do
@@ -70,13 +73,13 @@ for part in "$@"; do
       job qwen3-${ranks}gpu-dp1ep${ranks} 300 "${tr[@]}" "${qwen[@]}" --batch $((8 * ranks)) ${STEPS:+--steps $STEPS --eval-every $STEPS} --dp 1 --ep "$ranks" \
         --ep-exchange tokens --schedule 1f1b_overlap --microbatches 2 --cuda-graph attn,router,dispatch ;;
     30b) RUNS=$big_runs job qwen3-30b-a3b "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" ;;
-    30b-pp)  # the plan python -m fmoe.plan --config qwen3-30b-a3b --gpus 4 --memory 141 --search --routing-skew 4
-      # ranks first: no expert parallelism, so routing far from balance (as it starts) costs no rank more memory
-      RUNS=$big_runs job qwen3-30b-a3b-pp4 "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" --ep 1 --schedule standard --microbatches 8 \
-        --pp 4 --virtual-stages 2 ;;
+    30b-ep) RUNS=$big_runs job qwen3-30b-a3b-ep4 "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" "${ep30[@]}" --remat full ;;
+    30b-dp2) RUNS=$big_runs job qwen3-30b-a3b-pp2dp2 "${LIMIT:-420}" "${tr[@]}" "${q30[@]}" --pp 2 --dp 2 \
+      --microbatches 4 ;;
     30b-layers)
-      job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}" --layers 24
-      job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --layers 24 --dp "$ranks" --ep 1 ;;
+      job qwen3-30b-24l-dp1ep4 150 "${tr[@]}" "${q30[@]}" --layers 24 "${ep30[@]}" --remat none
+      job qwen3-30b-24l-zero3 150 "${tr[@]}" "${q30[@]}" --layers 24 --pp 1 --virtual-stages 1 --dp "$ranks" \
+        --remat none --microbatches 2 --schedule 1f1b_overlap ;;
     peer30b)
       (cd benchmarks && TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout 540 torchrun \
         --standalone --nproc-per-node "$ranks" vs_peer.py --shape qwen3-30b-a3b --layers 24 --vocab 151936 \
@@ -89,7 +92,7 @@ print("torch", torch.__version__, "nvshmem available:", symm.is_nvshmem_availabl
       "all_to_all_vdev_2d:", hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
 EOF
       ;;
-    *) echo "unknown part $part (zero3 dp1ep 30b 30b-pp 30b-layers peer30b nvshmem)"; exit 2 ;;
+    *) echo "unknown part $part (zero3 dp1ep 30b 30b-ep 30b-dp2 30b-layers peer30b nvshmem)"; exit 2 ;;
   esac
 done
 df -h /dev/shm | tail -1
