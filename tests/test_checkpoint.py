@@ -5,6 +5,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import time
 
 import optree
@@ -93,6 +94,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ck.step == 1 and torch.equal(ck.params["embed"], params["embed"])
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # a second writer thread's
 def test_a_write_that_runs_out_of_disk_says_so_in_one_line(tmp_path, monkeypatch):
     # What torch.save raises when the disk fills mid-file, as DCP's writer calls it.
     params, state, *_ = trained(1)
@@ -111,6 +113,39 @@ def test_a_write_that_runs_out_of_disk_says_so_in_one_line(tmp_path, monkeypatch
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert fmoe.load(tmp_path / "ck", PLAN).step == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failing threads' own
+def test_a_writer_thread_that_fails_replaces_nothing(tmp_path, monkeypatch):
+    # DCP writes a rank's files on several threads; one that fails drops its error and its
+    # results, and the save would otherwise look complete
+    params, state, *_ = trained(1)
+    fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
+    real_save, failed = torch.save, []
+
+    def fails_off_the_main_thread(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.2)  # the other threads take their files meanwhile
+            return real_save(*args, **kwargs)
+        failed.append(1)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint_api, "io_threads", lambda: 4)
+    monkeypatch.setattr(torch, "save", fails_off_the_main_thread)
+    with pytest.raises(OSError, match=r"save to .* failed on rank 0: OSError: no file holds \d+ piece\(s\) "
+                                      r"\(.*\): a writer thread failed"):
+        fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=2)
+    assert failed
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert fmoe.load(tmp_path / "ck", PLAN).step == 1
+    # and with the threads whole, the same save writes several files a rank that load back
+    monkeypatch.setattr(checkpoint_api, "io_threads", lambda: 4)
+    fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=2)
+    assert len([f for f in os.listdir(tmp_path / "ck") if f.endswith(".distcp")]) == 4
+    ck = fmoe.load(tmp_path / "ck", PLAN)
+    assert ck.step == 2 and all(torch.equal(a, b) for a, b in zip(fmoe.params.named_leaves(ck.params).values(),
+                                                                   fmoe.params.named_leaves(params).values()))
 
 
 def test_a_failure_that_is_not_a_write_keeps_its_own_error(tmp_path, monkeypatch):

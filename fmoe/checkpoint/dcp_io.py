@@ -93,6 +93,15 @@ def metadata_to_json(md: Metadata) -> dict:
     return {"tensors": tensors, "storage": storage, "version": md.version}
 
 
+def unwritten(js: dict) -> list[str]:
+    """The pieces (``fqn at offsets``) that ``metadata_to_json``'s ``js`` plans but no
+    file holds: what a writer thread that died left out (DCP's threads drop their
+    errors and their results alike)."""
+    held = {(e["fqn"], tuple(e["offset"] or ())) for e in js["storage"]}
+    return [f"{fqn} at {offsets}" for fqn, t in js["tensors"].items() for offsets, _ in t["chunks"]
+            if (fqn, tuple(offsets)) not in held]
+
+
 def metadata_from_json(js: dict) -> Metadata:
     state = {}
     for fqn, t in js["tensors"].items():

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..comm.collectives import Group, broadcast_text
+import torch
+
+from ..comm.collectives import Group, broadcast_text, gather_texts
 
 META_FILE = "fmoe.json"
 
@@ -23,9 +27,43 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def checksums(directory: Path) -> dict:
-    """``{file name: sha256}`` of the data files DCP wrote."""
-    return {p.name: digest(p) for p in sorted(directory.iterdir()) if p.suffix == ".distcp"}
+def io_threads() -> int:
+    """Threads a rank writes and hashes its checkpoint files on: its share of the cores
+    (``torch.get_num_threads``, which the main job sets per rank), at most 8."""
+    return max(1, min(8, torch.get_num_threads()))
+
+
+def data_files(directory: Path) -> list[str]:
+    """The names of the data files DCP wrote into ``directory``, sorted."""
+    return sorted(p.name for p in directory.iterdir() if p.suffix == ".distcp")
+
+
+def checksums(directory: Path, names=None) -> dict:
+    """``{file name: sha256}`` of ``names`` in ``directory`` (default: every data file),
+    several files at once (hashlib lets go of the GIL while it hashes)."""
+    names = data_files(directory) if names is None else list(names)
+    with ThreadPoolExecutor(io_threads()) as pool:
+        return dict(zip(names, pool.map(lambda name: digest(directory / name), names)))
+
+
+def gathered_checksums(directory: Path, world: Group, device) -> dict:
+    """``checksums`` of every data file a collective save wrote into ``directory``, each
+    rank hashing its own (DCP names rank ``r``'s ``__r_<n>.distcp``), on every rank; a
+    file no rank claims is hashed by rank 0, so none is left out."""
+    names = data_files(directory)
+    mine = [n for n in names if n.startswith(f"__{world.rank}_")]
+    if world.rank == 0:
+        mine += [n for n in names if not any(n.startswith(f"__{r}_") for r in range(world.size))]
+    try:
+        text = json.dumps({"sums": checksums(directory, mine)})
+    except OSError as err:  # told to every rank below: none waits on a rank that gave up
+        text = json.dumps({"error": f"rank {world.rank} could not read its files back: {err}"})
+    sums: dict = {}
+    for part in map(json.loads, gather_texts(text, world, device)):
+        if "error" in part:
+            raise OSError(part["error"])
+        sums.update(part["sums"])
+    return sums
 
 
 def write_atomically(text: str, path: Path) -> None:
@@ -87,9 +125,10 @@ def checkpoint_dir(path: Path) -> Path:
     raise FileNotFoundError(f"no fmoe checkpoint at {path} ({META_FILE} missing)")
 
 
-def check_files(directory: Path, storage: list, sums: dict | None) -> None:
+def check_files(directory: Path, storage: list, sums: dict | None, world: Group | None = None, device="cpu") -> None:
     """Raise ValueError naming the file and a key it holds if data is missing,
-    truncated or (with ``sums``) altered."""
+    truncated or (with ``sums``) altered. Under ``world`` (a collective load) each rank
+    hashes a share of the files and every rank raises the first error any found."""
     holds: dict = {}
     for entry in storage:
         holds.setdefault(entry["file"], []).append(entry["fqn"])
@@ -100,11 +139,21 @@ def check_files(directory: Path, storage: list, sums: dict | None) -> None:
             raise ValueError(f"{directory}: data file {entry['file']} is truncated "
                              f"({f.stat().st_size} bytes); {entry['fqn']!r} needs bytes up to "
                              f"{entry['start'] + entry['length']}")
-    for name, want in (sums or {}).items():
-        if digest(directory / name) != want:
+    if not sums:
+        return
+    names = sorted(sums)
+    share = names if world is None else names[world.rank::world.size]
+    error = ""
+    for name, got in checksums(directory, share).items():
+        if got != sums[name]:
             keys = sorted(set(holds.get(name, [])))
-            raise ValueError(f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
-                             f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
+            error = (f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
+                     f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
+            break
+    found = [error] if world is None else gather_texts(error, world, device)
+    first = next((e for e in found if e), None)
+    if first:
+        raise ValueError(first)
 
 
 @contextlib.contextmanager

@@ -93,6 +93,23 @@ def recv(out: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
     return Pending(dist.irecv(out, src=peer, group=None if group is None else group.group))
 
 
+def gather_texts(text: str, world: Group, device) -> list[str]:
+    """Every rank's ``text`` in rank order, on every rank of ``world`` (sent as tensors
+    on ``device``, padded to the longest; no pickle involved)."""
+    if world.size == 1:
+        return [text]
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], device=device)
+    lengths = [torch.empty_like(length) for _ in range(world.size)]
+    dist.all_gather(lengths, length, group=world.group)
+    sizes = [int(n) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    got = [torch.empty_like(padded) for _ in range(world.size)]
+    dist.all_gather(got, padded, group=world.group)
+    return [bytes(g[:n].cpu().tolist()).decode() for g, n in zip(got, sizes)]
+
+
 def broadcast_text(text: str | None, world: Group, device) -> str | None:
     """Rank 0's ``text`` (or None) on every rank of ``world``, sent as tensors on
     ``device`` (NCCL has no CPU tensors); no pickle involved."""

@@ -1,6 +1,7 @@
 """Checkpoints across plans: saved at dp=2 ZeRO-3, loaded at other layouts and sizes."""
 
 import functools
+import shutil
 
 import optree
 import pytest
@@ -10,7 +11,7 @@ import fmoe
 
 from ..reference import assert_trees_equal
 from .harness import run_ranks
-from .workloads import CFG, checkpoint_reader, checkpoint_writer, user_state_round_trip
+from .workloads import CFG, checkpoint_load_error, checkpoint_reader, checkpoint_writer, user_state_round_trip
 
 SAVED_AT = (2, 1, "optim_grads_params")
 TARGETS = [(1, 1, "no_shard"), (4, 1, "optim"), (2, 2, "optim_grads_params"), SAVED_AT]
@@ -64,3 +65,16 @@ def test_a_state_the_user_built_comes_back_to_each_rank(tmp_path, kind):
     for res in run_ranks(2, user_state_round_trip, str(tmp_path / "ck"), kind):
         assert res["same"]
         assert res["mirrored"] == (n_params if kind == "by_name" else n_layer_params)
+
+
+def test_a_corrupted_file_stops_every_rank_though_one_hashes_it(saved, tmp_path):
+    # each rank of a load hashes a share of the files; the one that finds the damage tells the rest
+    path, _ = saved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(path, damaged)
+    last = sorted(f for f in damaged.iterdir() if f.suffix == ".distcp")[-1]
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(data)
+    errors = run_ranks(2, checkpoint_load_error, str(damaged), *SAVED_AT)
+    assert errors[0] == errors[1] and f"data file {last.name} is corrupted (checksum mismatch)" in errors[0], errors

@@ -342,6 +342,16 @@ def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu", moments
     return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after}) | {"step": ck.step}
 
 
+def checkpoint_load_error(rank, world, path, dp, ep, sharding):
+    """What loading ``path`` under a plan raises on this rank (a ValueError's text), or None."""
+    plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
+    try:
+        fmoe.load(path, plan)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 TE_SEED = dict(dp=1, ep=2, sharding="optim_grads_params", schedule="1f1b_overlap", microbatches=4, delay_wgrad=True)
 
 
