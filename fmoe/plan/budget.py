@@ -126,7 +126,10 @@ def device_warning(plan, rows: int, seq: int, moments: str) -> str | None:
         return None
     gib = device_memory(device) / GIB
     limit = Budget(gib, f"this {torch.cuda.get_device_name(device)}'s {gib:.1f} GiB")
-    stages = [estimate_memory(plan, rows, seq, s, moments) for s in range(plan.pp)]
+    try:
+        stages = [estimate_memory(plan, rows, seq, s, moments) for s in range(plan.pp)]
+    except ValueError:  # PlanError too: a plan the planner cannot size goes unwarned (the job's checks passed)
+        return None
     over = over_budget(plan, stages, limit, moments, rows, "python -m fmoe.plan --search (with this job's flags)")
     if over is None:
         return None
