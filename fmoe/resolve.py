@@ -27,6 +27,7 @@ from .layers.tensor_parallel import TensorParallel
 from .params import ParamTable
 from .schedule.actions import Action, Backward
 from .schedule.compiled import kernels_for
+from .schedule.pipeline import crossing_peers
 from .schedule.program import build_program, double_buffer_slots, max_live_units, node_uses
 from .shard.spec import ShardSpec, shard_spec
 
@@ -82,6 +83,46 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class Execution:
+    """What the executor reads of a plan at every run, read from it once (``Setup.execution``).
+
+    Attributes:
+        model: the ModelConfig.
+        microbatches: ``Plan.microbatches``.
+        loss_chunk: ``Plan.loss_chunk`` (0: the whole loss at once).
+        delay_wgrad: ``Plan.delay_wgrad``.
+        remat_layers: ``Plan.remat='full'``: a layer's forward keeps its input, its backward recomputes.
+        records_collectives: eager kernels (not ``Plan.compile``) record their collectives for the trace.
+        expert_parallel: ``Plan.ep > 1``; ``tokens_cross_once``: ``Plan.ep_exchange='tokens'``.
+        device: the plan's device.
+        allocates_each_gather: ``Plan.gather_buffers='dynamic'``.
+        stream_dtype, stream_tp: the pipeline stream's dtype and the ranks that split its positions.
+        ring: interleaved pipeline stages (the last stage's next is the first).
+    """
+
+    model: object
+    microbatches: int
+    loss_chunk: int
+    delay_wgrad: bool
+    remat_layers: bool
+    records_collectives: bool
+    expert_parallel: bool
+    tokens_cross_once: bool
+    device: torch.device
+    allocates_each_gather: bool
+    stream_dtype: torch.dtype
+    stream_tp: int
+    ring: bool
+
+    @classmethod
+    def of(cls, plan: Plan) -> "Execution":
+        return cls(plan.model, plan.microbatches, plan.loss_chunk, plan.delay_wgrad, plan.remat_mode.whole_layers,
+                   not plan.compile, plan.ep > 1, plan.ep_exchange_mode.tokens_cross_once,
+                   torch.device(plan.device), plan.gather_buffers_mode.allocated_each_gather, plan.compute_dtype,
+                   plan.tp, plan.virtual_stages > 1)
+
+
+@dataclass(frozen=True)
 class Setup:
     """A plan resolved once: what every step under it runs with.
 
@@ -109,6 +150,19 @@ class Setup:
     @property
     def table(self) -> ParamTable:
         return self.spec.table
+
+    @functools.cached_property
+    def execution(self) -> Execution:
+        """What the executor reads of the plan, read once."""
+        return Execution.of(self.plan)
+
+    @functools.cached_property
+    def peers(self) -> tuple[int | None, int | None] | None:
+        """This rank's neighbours in the stage before and after it (None without
+        pipeline parallelism)."""
+        if self.plan.pp == 1:
+            return None
+        return crossing_peers(self.plan.dims, self.mesh.world.rank, self.plan.virtual_stages > 1)
 
     @functools.cached_property
     def mesh(self) -> Mesh:

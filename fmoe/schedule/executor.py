@@ -37,7 +37,7 @@ from ..shard.spec import local_leaves
 from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
-from .pipeline import Pipeline, crossing_peers, recv, send
+from .pipeline import Pipeline, recv, send
 
 
 class Executed(NamedTuple):
@@ -121,22 +121,25 @@ def _step(state, a: Action, run: Run):
 
 
 def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> Run:
-    plan, mesh = setup.plan, setup.mesh
+    how, mesh = setup.execution, setup.mesh
     node_events: list = []
-    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events,
-                        tokens=plan.ep_exchange_mode.tokens_cross_once) if plan.ep > 1 else None
-    cfg = plan.model
+    ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events, tokens=how.tokens_cross_once) \
+        if how.expert_parallel else None
+    cfg = how.model
     mbs = [MicrobatchFlow(b, None if b.documents is None else documents(b.documents, cfg.any_window),
                           [LayerFlow() for _ in range(cfg.layers)])
-           for b in batch.microbatches(plan.microbatches)]
+           for b in batch.microbatches(how.microbatches)]
     zero = torch.zeros((), device=batch.tokens.device)
-    parallel = setup.parallel if plan.compile else setup.parallel.recording(node_events)
-    pipeline = Pipeline(*crossing_peers(plan.dims, mesh.world.rank, plan.virtual_stages > 1), plan.compute_dtype,
-                        plan.tp, mesh.pp_gradients) if plan.pp > 1 else None
-    # router losses are averaged over the ranks that see different tokens: one stage's
-    return Run(setup.table, with_parallel(kernels, parallel), ep, cfg, cfg.tie_embeddings, plan.loss_chunk,
-               plan.microbatches * mesh.stage.size, plan.delay_wgrad, train, train and plan.remat_mode.whole_layers, divisor,
-               mesh.tp.rank == 0, mbs, [], node_events, zero, zero.clone(), {}, pipeline)
+    parallel = setup.parallel.recording(node_events) if how.records_collectives else setup.parallel
+    pipeline = None if setup.peers is None else \
+        Pipeline(*setup.peers, how.stream_dtype, how.stream_tp, mesh.pp_gradients)
+    return Run(table=setup.table, kernels=with_parallel(kernels, parallel), ep=ep, cfg=cfg, tie=cfg.tie_embeddings,
+               chunk=how.loss_chunk,
+               # router losses are averaged over the ranks that see different tokens: one stage's
+               router_parts=how.microbatches * mesh.stage.size, delay_wgrad=how.delay_wgrad, train=train,
+               remat=train and how.remat_layers, divisor=divisor, reports_loss=mesh.tp.rank == 0, mbs=mbs,
+               events=[], node_events=node_events, ce_sum=zero, objective=zero.clone(), stats={},
+               pipeline=pipeline)
 
 
 def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kernels: Kernels | None = None) -> Executed:
@@ -151,10 +154,10 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
     """
     train = torch.is_grad_enabled()
     program = setup.program(train) if program is None else program
-    spec, mesh, plan = setup.spec, setup.mesh, setup.plan
-    shards = build_shards(params_named, spec, setup.units, mesh, plan.device)
-    state = lc.start(spec, mesh, shards, program.max_live, program.slots, plan.device,
-                     plan.gather_buffers_mode.allocated_each_gather, plan.microbatches)
+    spec, mesh, how = setup.spec, setup.mesh, setup.execution
+    shards = build_shards(params_named, spec, setup.units, mesh, how.device)
+    state = lc.start(spec, mesh, shards, program.max_live, program.slots, how.device, how.allocates_each_gather,
+                     how.microbatches)
     run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train)
     for a in program.actions:
         with _profiled(a):
@@ -167,17 +170,17 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
         for key, layout in u.groups.items():
             grads.update(local_leaves(state.units[u.name].grad_shard[key], layout,
                                       spec.shard_rank(mesh.world.rank, key.domain), spec.sharded(key.domain)))
-    return Executed(run.ce_sum, run.objective, grads, _layer_stats(run, plan), state)
+    return Executed(run.ce_sum, run.objective, grads, _layer_stats(run, how), state)
 
 
-def _layer_stats(run: Run, plan) -> list:
+def _layer_stats(run: Run, how) -> list:
     """One MoEStats per microbatch stacked over every MoE layer of the model, in order;
     the layers another pipeline stage runs count nothing here (zeros), so every rank's
     sums have one shape."""
-    moe_layers, E = plan.model.moe_layers, plan.model.experts
+    moe_layers, E = how.model.moe_layers, how.model.experts
     device = run.ce_sum.device
     out = []
-    for mb in range(plan.microbatches):
+    for mb in range(how.microbatches):
         ran = run.stats.get(mb, {})
         out.append(stack_stats([ran[i] if i in ran else _no_stats(E, device) for i in moe_layers]))
     return out
