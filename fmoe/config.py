@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .checks import check_bool, check_int, fail
 from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, EP_EXCHANGES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS,
                             PAD_MULTIPLES, PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS,
-                            SHARDINGS, EpExchange, GatherBuffers, Remat, _check_choices, choices,
+                            SHARDINGS, EpExchange, GatherBuffers, Remat, Schedule, _check_choices, choices,
                             field_docs)
 from .model_config import ModelConfig, Yarn, yarn_get_mscale
 from .parallel_checks import check_parallel
@@ -267,6 +267,11 @@ class Plan:
     def remat_mode(self) -> Remat:
         """``remat`` as a Remat."""
         return Remat(self.remat)
+
+    @property
+    def schedule_mode(self) -> Schedule:
+        """``schedule`` as a Schedule."""
+        return Schedule(self.schedule)
 
     @property
     def dims(self) -> ParallelDims:

@@ -52,7 +52,15 @@ SCORE_FUNCS = tuple(mode.value for mode in ScoreFunc)
 PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-SCHEDULES = ("standard", "1f1b_overlap")
+class Schedule(enum.StrEnum):
+    """``Plan.schedule`` as a value (``Plan.schedule_mode``); the order each gives a
+    stage's node runs is its entry in ``fmoe.schedule.program.ORDERS``."""
+
+    STANDARD = "standard"  # each microbatch's forward, then its backward
+    OVERLAP = "1f1b_overlap"  # a microbatch's forward woven into the one before's backward, layer by layer
+
+
+SCHEDULES = tuple(mode.value for mode in Schedule)
 
 
 class EpExchange(enum.StrEnum):

@@ -175,3 +175,10 @@ def test_deferred_wgrad_gives_the_same_gradients(backend):
     assert torch.equal(rows_now, rows_later)
     for k in p:
         torch.testing.assert_close(later[k], now[k], rtol=0, atol=0)
+
+
+def test_every_schedule_has_an_order_for_one_stage_and_for_pipeline_stages():
+    from fmoe.config_fields import SCHEDULES, Schedule
+    from fmoe.schedule.program import ORDERS
+    assert set(ORDERS) == set(Schedule) and tuple(Schedule) == tuple(map(Schedule, SCHEDULES))
+    assert all(callable(order.single) and callable(order.pipeline) for order in ORDERS.values())

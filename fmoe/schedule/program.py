@@ -8,9 +8,10 @@ test can hand the executor a deliberately wrong one.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..config import ModelConfig, Plan
+from ..config_fields import Schedule
 from ..layers.nodes import Kind, layer_kinds
 from ..shard.spec import ShardSpec
 from .actions import (STREAM, STREAM_GRADIENT, Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce,
@@ -124,8 +125,15 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
     backwards = [(mb, V - 1 - v) for mb, v in forwards]
     if not train:
         return [op for mb, v in forwards for op in fwd(mb, v)]
-    if plan.schedule == "1f1b_overlap" and M > 1:
-        return _overlapped_pipeline(plan, stage, chunks, forwards, backwards, fwd, bwd)
+    order = ORDERS[plan.schedule_mode if M > 1 else Schedule.STANDARD]
+    return order.pipeline(plan, stage, chunks, forwards, backwards, fwd, bwd)
+
+
+def _one_f_one_b_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
+    """Stage ``stage``'s part under ``standard``: ``P - stage - 1`` warm-up forwards
+    (interleaved: ``2 (P - stage - 1) + (V - 1) P``), then one forward and one backward
+    in turn, then the remaining backwards."""
+    P, V = plan.pp, len(chunks)
     warm = min(P - stage - 1 if V == 1 else 2 * (P - stage - 1) + (V - 1) * P, len(forwards))
     ops = [op for mb, v in forwards[:warm] for op in fwd(mb, v)]
     for i in range(len(forwards) - warm):
@@ -249,12 +257,24 @@ def schedule_ops(plan: Plan, train: bool = True, stage: int = 0) -> list[tuple[i
 
 
 def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
+    if not train:
+        return [(mb, run, node) for mb in range(plan.microbatches) for run, node in _forward(plan.model)]
+    return ORDERS[plan.schedule_mode if plan.microbatches > 1 else Schedule.STANDARD].single(plan)
+
+
+def _standard(plan: Plan) -> list[tuple[int, type, Node]]:
+    """Each microbatch's forward, then its backward."""
+    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat_mode.whole_layers
+    return [(mb, run, node) for mb in range(plan.microbatches)
+            for run, node in _forward(cfg) + _backward(cfg, delay, remat)]
+
+
+def _overlapped(plan: Plan) -> list[tuple[int, type, Node]]:
+    """Microbatch 0's forward; then the forward of each next microbatch woven into the
+    backward of the one before, layer by layer (``_overlapped_layers``); then the last
+    backward alone."""
     cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat_mode.whole_layers
     L = cfg.layers
-    if not train:
-        return [(mb, run, node) for mb in range(M) for run, node in _forward(cfg)]
-    if plan.schedule == "standard" or M == 1:
-        return [(mb, run, node) for mb in range(M) for run, node in _forward(cfg) + _backward(cfg, delay, remat)]
     ops = [(0, run, node) for run, node in _forward(cfg)]
     for f in range(1, M):
         b = f - 1
@@ -264,6 +284,22 @@ def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
                     for who, run, node in _overlapped_layers(cfg, j, L - 1 - j, delay, remat)]
         ops += [(f, Forward, HEAD), (b, Backward, EMBED)]
     return ops + [(M - 1, run, node) for run, node in _backward(cfg, delay, remat)]
+
+
+class Order(NamedTuple):
+    """How a schedule orders a training step's node runs: with no pipeline stages
+    (``single(plan)``), and a pipeline stage's part (``pipeline(plan, stage, chunks,
+    forwards, backwards, fwd, bwd)``: its chunk runs in the rank's order and how to run
+    one forward or backward, ``_pipeline``'s)."""
+
+    single: Callable
+    pipeline: Callable
+
+
+# A schedule is a Schedule value and its entry here; the executor, the planner's checks and
+# its simulation run any program these give.
+ORDERS = {Schedule.STANDARD: Order(_standard, _one_f_one_b_pipeline),
+          Schedule.OVERLAP: Order(_overlapped, _overlapped_pipeline)}
 
 
 def node_uses(plan: Plan, spec: ShardSpec, train: bool = True, stage: int = 0) -> list[Use]:
