@@ -1,6 +1,6 @@
 """How fast ``fmoe.save`` writes and ``fmoe.load`` reads back a checkpoint, by writer threads.
 
-    python benchmarks/checkpoint_io.py                      # ~0.4B params into /dev/shm, 1 and 4 threads
+    python benchmarks/checkpoint_io.py                      # ~0.5B params into /dev/shm, 1 and 4 threads
     python benchmarks/checkpoint_io.py --dim 1024 --threads 1 2 --dir /tmp
 
 One process, on the CPU: the model's fp32 params and AdamW state (fp32 moments, so 12

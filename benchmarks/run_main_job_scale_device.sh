@@ -21,7 +21,8 @@
 # LIMIT=S: the seconds each full-depth 30B job may take (default 420; keep the device call's own limit above it, or
 #   its workers outlive the call and hold the GPUs' memory).
 # FLAGS="...": more flags for the 30B jobs (--layers 24, --remat full).
-# Workers still running 25 s before LIMIT get SIGUSR1: every thread's stack into the log.
+# Workers still running 25 s before their job's limit (LIMIT, or the part's own) get SIGUSR1: every
+#   thread's stack into the log.
 # PROFILE=N: each job also traces its step N (--profile-step) and benchmarks/trace_gaps.py's
 # reading of rank 0's trace goes to its log (that step is slower: leave it off a timed window).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,8 +35,11 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   local name=$1 limit=$2 start=$(date +%s); shift 2
   local runs=${RUNS:-/dev/shm}
   rm -rf "$runs/$name"
-  (sleep $((limit - 25)); for p in $(pgrep -f -- "--out $runs/$name( |$)"); do  # every thread's stack, GIL or not,
-     grep -q torchrun "/proc/$p/cmdline" 2>/dev/null || kill -USR1 "$p"; done) &  # from each worker before the cut
+  # 25 s before the cut, every thread's stack (GIL or not) from each process of the job that takes SIGUSR1:
+  # its caught-signals mask (SigCgt) has bit 0x200 while the main job's watchdog runs; SIGUSR1 ends any other
+  (sleep $((limit > 25 ? limit - 25 : 0)) && for p in $(pgrep -f -- "--out $runs/$name( |$)"); do
+     caught=$(awk '/^SigCgt:/ {print $2}' "/proc/$p/status" 2>/dev/null)
+     [ -n "$caught" ] && (( 0x$caught & 0x200 )) && kill -USR1 "$p"; done) &
   local dumper=$!
   TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout "$limit" "$@" \
     ${PROFILE:+--profile-step $PROFILE} --out "$runs/$name" > "$OUT/$name.log" 2>&1

@@ -120,7 +120,7 @@ def test_the_budget_is_the_named_devices_when_memory_is_not_given(capsys, monkey
     code, out, _ = run(capsys, "--model", "qwen3-30b-a3b", "--gpus", "8", "--batch", "64", "--seq", "4096",
                        "--calibration", h200)
     assert code == 0
-    assert re.search(r"^memory: needs [\d,]+\.\d GiB a GPU, over 126\.4 GiB \(the calibration's H200 \(140\.4 GiB; "
+    assert re.search(r"^memory: needs [\d,]+\.\d GiB a GPU, over 126\.36 GiB \(the calibration's H200 \(140\.4 GiB; "
                      r"--memory to change\) less the 10% --reserve\): ", out, re.M), out
     assert budget(None, "NVIDIA H100 80GB HBM3, torch 2.11").gib == pytest.approx(81559 / 1024)
     assert budget(None, "defaults (assumed, not measured)").source == "an assumed H100's 80 GiB (--memory to change)"
@@ -311,7 +311,7 @@ def test_the_main_job_warns_of_a_plan_that_leaves_its_gpu_less_than_the_reserve(
     monkeypatch.setattr(budget_module, "device_memory", lambda device: 100 * GIB)
     line = budget_module.device_warning(*args)
     assert line.startswith("warning: by the planner's estimate this plan needs 106.7 GiB a GPU (stage 3), over 90 GiB (this NVIDIA H200's "
-                           "100.0 GiB less the 10% --reserve): "), line
-    assert "may stall rather than run out of memory" in line
+                           "100.0 GiB less a 10% reserve): "), line
+    assert "may stall rather than run out of memory" in line and line.endswith("--reserve sets the share kept free)")
     cpu = options.plan_for(settings | {"device": "cpu"}, options.model_config(settings))
     assert budget_module.device_warning(cpu, settings["batch"], settings["seq"], settings["moments"]) is None

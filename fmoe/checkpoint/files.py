@@ -128,32 +128,37 @@ def checkpoint_dir(path: Path) -> Path:
 def check_files(directory: Path, storage: list, sums: dict | None, world: Group | None = None, device="cpu") -> None:
     """Raise ValueError naming the file and a key it holds if data is missing,
     truncated or (with ``sums``) altered. Under ``world`` (a collective load) each rank
-    hashes a share of the files and every rank raises the first error any found."""
+    hashes a share of the files and every rank raises the first error any found: no rank
+    leaves before the others hear what it found."""
+    try:
+        error = _file_error(directory, storage, sums, world)
+    except OSError as err:  # a file this rank could not read back
+        error = f"{directory}: a data file could not be read ({err})"
+    found = [error] if world is None else gather_texts(error, world, device)
+    first = next((e for e in found if e), None)
+    if first:
+        raise ValueError(first)
+
+
+def _file_error(directory: Path, storage: list, sums: dict | None, world: Group | None) -> str:
+    """``check_files``' first finding on this rank, or ""."""
     holds: dict = {}
     for entry in storage:
         holds.setdefault(entry["file"], []).append(entry["fqn"])
         f = directory / entry["file"]
         if not f.exists():
-            raise ValueError(f"{directory}: data file {entry['file']} holding {entry['fqn']!r} is missing")
+            return f"{directory}: data file {entry['file']} holding {entry['fqn']!r} is missing"
         if f.stat().st_size < entry["start"] + entry["length"]:
-            raise ValueError(f"{directory}: data file {entry['file']} is truncated "
-                             f"({f.stat().st_size} bytes); {entry['fqn']!r} needs bytes up to "
-                             f"{entry['start'] + entry['length']}")
-    if not sums:
-        return
-    names = sorted(sums)
+            return (f"{directory}: data file {entry['file']} is truncated ({f.stat().st_size} bytes); "
+                    f"{entry['fqn']!r} needs bytes up to {entry['start'] + entry['length']}")
+    names = sorted(sums or {})
     share = names if world is None else names[world.rank::world.size]
-    error = ""
     for name, got in checksums(directory, share).items():
         if got != sums[name]:
             keys = sorted(set(holds.get(name, [])))
-            error = (f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
-                     f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
-            break
-    found = [error] if world is None else gather_texts(error, world, device)
-    first = next((e for e in found if e), None)
-    if first:
-        raise ValueError(first)
+            return (f"{directory}: data file {name} is corrupted (checksum mismatch); it holds "
+                    f"{keys[:4]}{' ...' if len(keys) > 4 else ''}")
+    return ""
 
 
 @contextlib.contextmanager

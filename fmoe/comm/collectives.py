@@ -103,7 +103,7 @@ def gather_texts(text: str, world: Group, device) -> list[str]:
     lengths = [torch.empty_like(length) for _ in range(world.size)]
     dist.all_gather(lengths, length, group=world.group)
     sizes = [int(n) for n in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded = torch.zeros(max(1, *sizes), dtype=torch.uint8, device=device)  # never an empty collective
     padded[:data.numel()] = data
     got = [torch.empty_like(padded) for _ in range(world.size)]
     dist.all_gather(got, padded, group=world.group)

@@ -162,7 +162,7 @@ def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
     print(f"{len(ranked)} plan(s) for {own.gpus} GPUs fit {limit} (batch {run.batch} x {run.seq}; "
           f"{time.perf_counter() - t0:.1f} s); ranked by estimated tokens/s, higher first (ties: less memory first)")
     if not ranked:
-        print("no plan fits: try more --gpus, --moments bfloat16 or a larger --memory")
+        print("no plan fits: try more --gpus, --moments bfloat16, a larger --memory or a smaller --reserve")
         return 1
     print("  tokens/s (key)   step ms   bubble   exposed comm   GiB a GPU   plan")
     for row in ranked[:own.top]:

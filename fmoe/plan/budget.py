@@ -36,6 +36,7 @@ class Budget:
     gib: float
     source: str
     reserve: float = RESERVE
+    reserve_flag: bool = True  # the planner's line names --reserve; the main job's cannot
 
     @property
     def usable(self) -> float:
@@ -45,7 +46,9 @@ class Budget:
     def __str__(self) -> str:
         if not self.reserve:
             return self.source
-        return f"{self.usable:,.4g} GiB ({self.source} less the {self.reserve:.0%} --reserve)"
+        usable = f"{self.usable:,.2f}".rstrip("0").rstrip(".") if self.usable >= 1 else f"{self.usable:.2g}"
+        kept = f"the {self.reserve:.0%} --reserve" if self.reserve_flag else f"a {self.reserve:.0%} reserve"
+        return f"{usable} GiB ({self.source} less {kept})"
 
 
 def _named_gpu(source: str) -> tuple[str, float] | None:
@@ -125,7 +128,7 @@ def device_warning(plan, rows: int, seq: int, moments: str) -> str | None:
     if device.type != "cuda":
         return None
     gib = device_memory(device) / GIB
-    limit = Budget(gib, f"this {torch.cuda.get_device_name(device)}'s {gib:.1f} GiB")
+    limit = Budget(gib, f"this {torch.cuda.get_device_name(device)}'s {gib:.1f} GiB", reserve_flag=False)
     try:
         stages = [estimate_memory(plan, rows, seq, s, moments) for s in range(plan.pp)]
     except ValueError:  # PlanError too: a plan the planner cannot size goes unwarned (the job's checks passed)
@@ -134,4 +137,5 @@ def device_warning(plan, rows: int, seq: int, moments: str) -> str | None:
     if over is None:
         return None
     return (f"warning: by the planner's estimate this plan {over.removeprefix('memory: ')}. A GPU this full may "
-            "stall rather than run out of memory (BENCHMARKS.md, \"Qwen3-30B-A3B at full depth\")")
+            "stall rather than run out of memory (BENCHMARKS.md, \"Qwen3-30B-A3B at full depth\"; the planner's "
+            "--reserve sets the share kept free)")

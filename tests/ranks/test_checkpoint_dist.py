@@ -11,7 +11,8 @@ import fmoe
 
 from ..reference import assert_trees_equal
 from .harness import run_ranks
-from .workloads import CFG, checkpoint_load_error, checkpoint_reader, checkpoint_writer, user_state_round_trip
+from .workloads import (CFG, checkpoint_load_error, checkpoint_reader, checkpoint_round_trip_on_threads,
+                        checkpoint_writer, user_state_round_trip)
 
 SAVED_AT = (2, 1, "optim_grads_params")
 TARGETS = [(1, 1, "no_shard"), (4, 1, "optim"), (2, 2, "optim_grads_params"), SAVED_AT]
@@ -78,3 +79,18 @@ def test_a_corrupted_file_stops_every_rank_though_one_hashes_it(saved, tmp_path)
     last.write_bytes(data)
     errors = run_ranks(2, checkpoint_load_error, str(damaged), *SAVED_AT)
     assert errors[0] == errors[1] and f"data file {last.name} is corrupted (checksum mismatch)" in errors[0], errors
+
+
+def test_ranks_writing_on_several_threads_read_back_identical_tensors(tmp_path):
+    # three files a rank, each rank hashing its own: what a rank with cores to spare does
+    results = run_ranks(2, checkpoint_round_trip_on_threads, str(tmp_path / "ck"), 3)
+    for rank, res in enumerate(results):
+        assert res["files"] == [f"__{rank}_{n}.distcp" for n in range(3)], res["files"]
+        assert_trees_equal(res["read"], res["written"])
+
+
+def test_a_file_one_rank_cannot_read_back_stops_every_rank(saved):
+    # that rank must not leave before the others hear it: they would wait for it in the gather
+    path, _ = saved
+    errors = run_ranks(2, checkpoint_load_error, str(path), *SAVED_AT, 1)
+    assert errors[0] == errors[1] and "a data file could not be read ([Errno 13] Permission denied" in errors[0], errors

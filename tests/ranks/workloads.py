@@ -6,6 +6,7 @@ import functools
 import gc
 import importlib
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -342,8 +343,26 @@ def checkpoint_reader(rank, world, path, dp, ep, sharding, device="cpu", moments
     return optree.tree_map(lambda t: t.cpu(), {"full": full, "after": after}) | {"step": ck.step}
 
 
-def checkpoint_load_error(rank, world, path, dp, ep, sharding):
-    """What loading ``path`` under a plan raises on this rank (a ValueError's text), or None."""
+def checkpoint_round_trip_on_threads(rank, world, path, threads):
+    """Save at dp=2 ZeRO-3 with ``threads`` writer and hashing threads a rank, load back:
+    the written full tensors, the read ones and the data files each rank wrote."""
+    from fmoe.checkpoint import api, files
+    api.io_threads = files.io_threads = lambda: threads
+    written = checkpoint_writer(rank, world, path, 2, 1, "optim_grads_params")
+    read = checkpoint_reader(rank, world, path, 2, 1, "optim_grads_params")
+    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") and f.endswith(".distcp"))
+    return {"written": written["full"], "read": read["full"], "files": mine}
+
+
+def checkpoint_load_error(rank, world, path, dp, ep, sharding, unreadable_on=None):
+    """What loading ``path`` under a plan raises on this rank (a ValueError's text), or None;
+    on rank ``unreadable_on`` reading a data file back fails as a permission error would."""
+    if rank == unreadable_on:
+        from fmoe.checkpoint import files
+
+        def unreadable(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        files.digest = unreadable
     plan = fmoe.Plan(model=CFG, dp=dp, ep=ep, sharding=sharding, microbatches=2)
     try:
         fmoe.load(path, plan)
