@@ -52,6 +52,8 @@ SCORE_FUNCS = tuple(mode.value for mode in ScoreFunc)
 PROB_PLACEMENTS = ("output", "activation")
 PAD_MULTIPLES = (0, 8, 16, 32, 64, 128, 256)
 SHARDINGS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
 class Schedule(enum.StrEnum):
     """``Plan.schedule`` as a value (``Plan.schedule_mode``); the order each gives a
     stage's node runs is its entry in ``fmoe.schedule.program.ORDERS``."""

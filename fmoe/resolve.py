@@ -97,7 +97,6 @@ class Execution:
         device: the plan's device.
         allocates_each_gather: ``Plan.gather_buffers='dynamic'``.
         stream_dtype, stream_tp: the pipeline stream's dtype and the ranks that split its positions.
-        ring: interleaved pipeline stages (the last stage's next is the first).
     """
 
     model: object
@@ -112,14 +111,13 @@ class Execution:
     allocates_each_gather: bool
     stream_dtype: torch.dtype
     stream_tp: int
-    ring: bool
 
     @classmethod
     def of(cls, plan: Plan) -> "Execution":
         return cls(plan.model, plan.microbatches, plan.loss_chunk, plan.delay_wgrad, plan.remat_mode.whole_layers,
                    not plan.compile, plan.ep > 1, plan.ep_exchange_mode.tokens_cross_once,
                    torch.device(plan.device), plan.gather_buffers_mode.allocated_each_gather, plan.compute_dtype,
-                   plan.tp, plan.virtual_stages > 1)
+                   plan.tp)
 
 
 @dataclass(frozen=True)
