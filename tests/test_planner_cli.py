@@ -315,3 +315,17 @@ def test_the_main_job_warns_of_a_plan_that_leaves_its_gpu_less_than_the_reserve(
     assert "may stall rather than run out of memory" in line and line.endswith("--reserve sets the share kept free)")
     cpu = options.plan_for(settings | {"device": "cpu"}, options.model_config(settings))
     assert budget_module.device_warning(cpu, settings["batch"], settings["seq"], settings["moments"]) is None
+
+
+def test_a_plan_with_ep_that_fits_only_balanced_routing_says_so(capsys):
+    # learned routing starts collapsed: the busiest expert rank then holds the rows of all
+    ep4 = ("--pp", 1, "--virtual-stages", 1, "--ep", 4, "--schedule", "1f1b_overlap", "--microbatches", 2)
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, *ep4)
+    assert code == 0 and "memory: needs 116.9 GiB a GPU, fits 126.9 GiB" in out
+    assert re.search(r"^routing: with routing collapsed \(--routing-skew 4: .*\) this plan needs 152\.9 GiB a GPU, "
+                     r"over 126\.9 GiB .*; --routing-skew 4 ranks the plans that fit it$", out, re.M), out
+    code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, "--search")
+    assert re.search(r"^best: .* ep=4 ", out, re.M) and "routing: with routing collapsed" in out, out
+    for quiet in (("--routing-skew", 4, "--search"), ("--memory", 200, *ep4), ()):  # skewed, room, no ep
+        code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, *quiet)
+        assert code == 0 and "routing: with routing collapsed" not in out, (quiet, out)

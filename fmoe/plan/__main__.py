@@ -39,7 +39,7 @@ from .memory import estimate_memory
 from .models import MODELS, model
 from .report import GIB, chrome_trace, check_trace_path, describe, summary, timeline
 from .search import meshes, search, why
-from .simulate import PlanError, simulate
+from .simulate import PlanError, busiest_share, simulate
 
 PROG = "python -m fmoe.plan"
 
@@ -172,9 +172,10 @@ def _print_search(own, cfg, fields, run, costs, limit, vocab_from_data) -> int:
     print("  (bubble: the most idle share of a stage's compute with communication free; exposed comm: the share "
           "of the step the links add)")
     best = ranked[0]
-    note = _expert_parallel_note(cfg, own.gpus, ranked, run, costs, own.routing_skew)
-    if note:
-        print(note)
+    for note in (_expert_parallel_note(cfg, own.gpus, ranked, run, costs, own.routing_skew),
+                 _collapsed_routing_note(best.plan, run, limit, own.routing_skew)):
+        if note:
+            print(note)
     print(f"best: {describe(best.plan)}")
     print(run_line(best.plan, _run_keys(run), own.gpus_per_node, vocab_from_data, run.config))
     return 0
@@ -201,6 +202,21 @@ def _expert_parallel_note(cfg, gpus: int, ranked: list, run, costs, skew: float)
             f"{w_top.exposed_comm:.1%}, its bubble {w_ep.bubble:.3f} against {w_top.bubble:.3f}")
 
 
+def _collapsed_routing_note(plan: Plan, run, limit, skew: float) -> str | None:
+    """One line when ``plan`` has expert parallelism and fits only while routing is
+    balanced: learned routing starts collapsed (every token's choices on the same few
+    experts), and the busiest expert rank then holds the rows of all. None otherwise."""
+    worst = busiest_share(plan, math.inf)
+    if plan.ep == 1 or skew >= worst:
+        return None
+    need = max(estimate_memory(plan, run.batch, run.seq, s, run.moments, worst)["total"] for s in range(plan.pp)) / GIB
+    if need <= limit.usable:
+        return None
+    return (f"routing: with routing collapsed (--routing-skew {worst:g}: what learned routing starts at, every "
+            f"token's choices on the same few experts) this plan needs {need:,.1f} GiB a GPU, over {limit}; "
+            f"--routing-skew {worst:g} ranks the plans that fit it")
+
+
 def _print_plan(own, cfg, fields, explicit, run, costs, limit, vocab_from_data) -> int:
     t0 = time.perf_counter()
     plan = _plan(fields, cfg, explicit, own.gpus)
@@ -214,6 +230,9 @@ def _print_plan(own, cfg, fields, explicit, run, costs, limit, vocab_from_data) 
     over = over_budget(plan, memory, limit, run.moments, run.batch)
     need = max(m["total"] for m in memory) / GIB
     print(over if over else f"memory: needs {need:,.1f} GiB a GPU, fits {limit}")
+    collapsed = None if over else _collapsed_routing_note(plan, run, limit, own.routing_skew)
+    if collapsed:
+        print(collapsed)
     print("timeline, one rank per stage (digits: a microbatch's forward, letters: its backward, a = 0; '.': idle):")
     for line in timeline(sim):
         print(line)
