@@ -64,6 +64,7 @@ class StagePlan:
         plan, stage: the Plan and the pipeline stage.
         spec: the ShardSpec.
         train, eval: the Programs of a training step and of a forward-only one.
+        execution: what the executor reads of the plan (``Execution``).
     """
 
     plan: Plan
@@ -77,6 +78,10 @@ class StagePlan:
     @functools.cached_property
     def eval(self) -> Program:
         return _program(self.plan, self.spec, self.stage, False)
+
+    @functools.cached_property
+    def execution(self) -> "Execution":
+        return Execution.of(self.plan)
 
     def program(self, train: bool) -> Program:
         return self.train if train else self.eval
@@ -131,6 +136,7 @@ class Setup:
         train, eval: the Programs of a training step and of a forward-only one.
         kernels: the functions inside the nodes (``Plan.compile``, ``Plan.remat``,
             ``Plan.fp8`` and the expert backend bound in).
+        execution: what the executor reads of the plan (the StagePlan's, read once per plan).
         stage: this process's pipeline stage (0 without pipeline parallelism): its
             Programs are that stage's, and it holds that stage's units
             (``units``).
@@ -143,16 +149,12 @@ class Setup:
     train: Program
     eval: Program
     kernels: Kernels
+    execution: Execution
     stage: int = 0
 
     @property
     def table(self) -> ParamTable:
         return self.spec.table
-
-    @functools.cached_property
-    def execution(self) -> Execution:
-        """What the executor reads of the plan, read once."""
-        return Execution.of(self.plan)
 
     @functools.cached_property
     def peers(self) -> tuple[int | None, int | None] | None:
@@ -197,7 +199,7 @@ def resolve(plan: Plan) -> Setup:
     """
     stage = plan.dims.stage(Group.world().rank) if plan.pp > 1 else 0
     pure = resolve_stage(plan, stage)
-    return Setup(plan, pure.spec, pure.train, pure.eval, kernels_for(plan), stage)
+    return Setup(plan, pure.spec, pure.train, pure.eval, kernels_for(plan), pure.execution, stage)
 
 
 @functools.lru_cache(maxsize=256)

@@ -205,7 +205,7 @@ def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
         torch.set_num_threads(s.threads)
     if torch.device(plan.device).type == "cuda":  # the peak the records report is this run's
         torch.cuda.reset_peak_memory_stats(plan.device)
-    full = device_warning(plan, s.batch, s.seq, s.moments)
+    full = device_warning(plan, s.batch, s.seq, s.moments) if world.is_main else None  # what only it prints
     if full:
         run.say(full)
     torch.manual_seed(s.seed)
