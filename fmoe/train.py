@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .plan.budget import device_warning
 from .trainer import launch, loop, run_lock, setup
 
 
@@ -44,6 +45,16 @@ def parse_args(argv=None, adapters: setup.Adapters | None = None, lock: bool = F
         print(run, end="")
         raise SystemExit(0)
     return run
+
+
+def _warn_if_full(run: setup.Run) -> None:
+    """On CUDA, before a parameter is drawn: the line for a plan whose estimate leaves the
+    GPU less than the planner's reserve (the main rank works it out and says it)."""
+    if run.world.is_main:
+        s = run.settings
+        full = device_warning(run.plan, s.batch, s.seq, s.moments)
+        if full:
+            run.say(full)
 
 
 def _interrupted(what: str) -> int:
@@ -77,6 +88,7 @@ def main(argv=None, adapters: setup.Adapters | None = None) -> dict:
         raise
     try:
         launch.start(run.world, run.plan.device, run.settings.timeout)
+        _warn_if_full(run)
         return loop.train(run)
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the loop catches signals
         latest = run.out / "checkpoint"

@@ -329,3 +329,20 @@ def test_a_plan_with_ep_that_fits_only_balanced_routing_says_so(capsys):
     for quiet in (("--routing-skew", 4, "--search"), ("--memory", 200, *ep4), ()):  # skewed, room, no ep
         code, out, _ = run(capsys, "--config", "qwen3-30b-a3b", "--gpus", 4, "--memory", 141, *quiet)
         assert code == 0 and "routing: with routing collapsed" not in out, (quiet, out)
+
+
+def test_the_main_job_says_the_warning_on_its_main_rank_only(monkeypatch):
+    import types
+    import fmoe.train as train
+    said, asked = [], []
+
+    def warning(plan, rows, seq, moments):
+        asked.append((plan, rows, seq, moments))
+        return "warning: full"
+    monkeypatch.setattr(train, "device_warning", warning)
+    settings = types.SimpleNamespace(batch=8, seq=4096, moments="bfloat16")
+    for main in (True, False):
+        run = types.SimpleNamespace(world=types.SimpleNamespace(is_main=main), settings=settings, plan="the plan",
+                                    say=said.append)
+        train._warn_if_full(run)
+    assert said == ["warning: full"] and asked == [("the plan", 8, 4096, "bfloat16")]

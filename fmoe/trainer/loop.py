@@ -23,7 +23,6 @@ from ..data import corpus_unigram, heldout_rows, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
 from ..optim import Optimizer, adamw, global_norm, last_grad_norm, skipped_steps, update_expert_bias
 from ..params import param_count, train_flops_per_token
-from ..plan.budget import device_warning
 from ..gather import gather_full
 from ..step import eval_loss, step
 from . import lr_schedule
@@ -205,9 +204,6 @@ def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
         torch.set_num_threads(s.threads)
     if torch.device(plan.device).type == "cuda":  # the peak the records report is this run's
         torch.cuda.reset_peak_memory_stats(plan.device)
-    full = device_warning(plan, s.batch, s.seq, s.moments) if world.is_main else None  # what only it prints
-    if full:
-        run.say(full)
     torch.manual_seed(s.seed)
     checkpoints = Checkpoints(run)
     resumed = checkpoints.resumed()  # the schedule goes on from the checkpoint's
