@@ -15,7 +15,7 @@
 #   30b-layers: the same layers at half depth (24), ZeRO-3 against dp1 x ep4 (no remat), 20 steps.
 #   peer30b: the same 24 layers (vocab 151936, 2 x 4096 tokens a GPU, aux loss 1e-3) as a bare step
 #     beside the compiled FSDP2 peer (benchmarks/vs_peer.py): fmoe compiled, ZeRO-3 and dp1 x ep4.
-#   nvshmem: whether torch's NVSHMEM symmetric memory (all_to_all_vdev_2d) is there.
+#   nvshmem: torch's NVSHMEM 2-D all-to-all against today's exchange (benchmarks/symm_exchange_probe.py).
 # Each job is a fresh process with its own cold Triton and inductor caches; logs in $OUT; a table
 # of every job's summary line last (tokens/s a GPU: the job's median over its logged windows).
 # LIMIT=S: the seconds each full-depth 30B job may take (default 420; keep the device call's own limit above it, or
@@ -48,7 +48,9 @@ job() {  # job NAME LIMIT_S COMMAND...: run with fresh caches, log $OUT/NAME.log
   pkill -9 -f -- "--out $runs/$name( |$)" && sleep 5  # a worker that outlived its torchrun still holds its GPU's memory
   local trace="$runs/$name/trace-step${PROFILE}-rank0.json.gz"
   if [ -n "$PROFILE" ] && [ -f "$trace" ]; then  # where rank 0's GPU waited in that step, into the job's log
-    python benchmarks/trace_gaps.py "$trace" --top 12 2>&1 | tee -a "$OUT/$name.log" | head -30
+    # whole into the log first: a head on a tee's pipe would cut the log short too
+    python benchmarks/trace_gaps.py "$trace" --top 12 >> "$OUT/$name.log" 2>&1
+    sed -n '/GPU span/,$p' "$OUT/$name.log" | head -70
   fi
   local done_line; done_line=$(grep -h "^done in" "$OUT/$name.log" | tail -1)
   echo "| $name | exit $code, $(( $(date +%s) - start )) s | ${done_line:-no summary: $(tail -2 "$OUT/$name.log" | tr '\n' ' ' | cut -c1-300)} |" \
@@ -90,12 +92,8 @@ for part in "$@"; do
         --seq 4096 --batch 2 --aux-loss 1e-3 --peers compiled --fmoe-compile only --fmoe-graph off \
         --meshes dp "dp1ep$ranks+tokens" 2>&1 | tee "$OUT/peer30b.log" | grep -v "^W1\|Warning\|warn(" | tail -12) ;;
     nvshmem)
-      python - <<'EOF' 2>&1 | tee "$OUT/nvshmem.log"
-import torch, torch.distributed._symmetric_memory as symm
-print("torch", torch.__version__, "nvshmem available:", symm.is_nvshmem_available(),
-      "all_to_all_vdev_2d:", hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"))
-EOF
-      ;;
+      NVSHMEM_SYMMETRIC_SIZE=4G timeout 150 torchrun --standalone --nproc-per-node "$ranks" \
+        benchmarks/symm_exchange_probe.py 2>&1 | grep -v "^W1\|warn" | tee "$OUT/nvshmem.log" ;;
     *) echo "unknown part $part (zero3 dp1ep 30b 30b-ep 30b-dp2 30b-layers peer30b nvshmem)"; exit 2 ;;
   esac
 done

@@ -7,7 +7,9 @@ An idle gap is time between two kernels (memcpy and memset included) on the GPU.
 gap is charged to what the host was doing when it launched the kernel that ends the gap:
 the fmoe program action (``fmoe forward layers.N.attn``: the executor names its actions
 while a profiler records; layer numbers and microbatches folded) and the innermost CPU
-op. Also prints the host time spent in each kind of action. The profiler's own host
+op. Also prints the host time spent in each kind of action, and the GPU's busy time by
+kind of kernel (GEMMs, attention, collectives, Triton, copies, the rest) with the costliest
+kernels. The profiler's own host
 overhead inflates every host figure; compare the gaps between runs, not with a timed step.
 """
 
@@ -40,6 +42,31 @@ class Spans:
             if e["ts"] + e.get("dur", 0) >= ts:
                 return e
         return None
+
+
+KERNEL_KINDS = (("collective", r"nccl"), ("attention", r"flash|fmha|attention|cudnn"),
+                ("gemm", r"gemm|cutlass|xmma|nvjet|wgmma"), ("triton", r"^triton"),
+                ("copy/memset", r"memcpy|memset"))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, low)), "other (aten)")
+
+
+def busy_by_kind(kernels: list, top: int) -> None:
+    """Kernel time by kind and the costliest kernels (overlapping streams both count)."""
+    kinds, names = collections.Counter(), collections.Counter()
+    for k in kernels:
+        kinds[kernel_kind(k["name"])] += k["dur"]
+        names[k["name"][:70]] += k["dur"]
+    total = sum(kinds.values())
+    print(f"GPU ms by kind of kernel ({total / 1e3:.1f} ms in all; streams overlap):")
+    for name, us in kinds.most_common():
+        print(f"  {us / 1e3:8.2f}  {100 * us / total:4.1f}%  {name}")
+    print("GPU ms, the costliest kernels:")
+    for name, us in names.most_common(top):
+        print(f"  {us / 1e3:8.2f}  {name}")
 
 
 def analyse(path: str, top: int, min_gap_us: float = 5.0) -> None:
@@ -82,6 +109,7 @@ def analyse(path: str, top: int, min_gap_us: float = 5.0) -> None:
     print("host ms per kind of action (count):")
     for name, us in host.most_common(top):
         print(f"  {us / 1e3:8.2f}  x{count[name]:3d}  {name}")
+    busy_by_kind(kernels, top)
 
 
 def main():
