@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from .backends import bound_backend
 from .config import Plan
 from .comm.collectives import Group
 from .comm.mesh import Mesh, mesh_for
+from .layers.fp8 import GEMMS
 from .layers.nodes import Kernels
 from .layers.context_parallel import ContextParallel
 from .layers.parallel import Parallel
@@ -28,8 +31,8 @@ from .params import ParamTable
 from .schedule.actions import Action, Backward
 from .schedule.compiled import kernels_for
 from .schedule.pipeline import crossing_peers
-from .schedule.program import build_program, double_buffer_slots, max_live_units, node_uses
-from .shard.spec import ShardSpec, shard_spec
+from .schedule.program import Scheduling, build_program, double_buffer_slots, max_live_units, node_uses
+from .shard.spec import Sharding, ShardSpec, shard_spec
 
 
 @dataclass(frozen=True)
@@ -199,14 +202,42 @@ def resolve(plan: Plan) -> Setup:
     """
     stage = plan.dims.stage(Group.world().rank) if plan.pp > 1 else 0
     pure = resolve_stage(plan, stage)
-    return Setup(plan, pure.spec, pure.train, pure.eval, kernels_for(plan), pure.execution, stage)
+    return Setup(plan, pure.spec, pure.train, pure.eval, plan_kernels(plan), pure.execution, stage)
+
+
+def plan_kernels(plan: Plan) -> Kernels:
+    """The Kernels a step under ``plan`` runs unless told otherwise (``kernels_for``): compiled
+    or eager, ``Plan.remat='selective'``'s policy, ``Plan.fp8``'s products and the expert
+    backend (looked up here, once: ``fmoe.runtime`` checked it is loaded)."""
+    return kernels_for(plan.compile, plan.remat_mode.selected_kernels, GEMMS[plan.fp8],
+                       bound_backend(plan.expert_backend))
 
 
 @functools.lru_cache(maxsize=256)
 def resolve_stage(plan: Plan, stage: int = 0) -> StagePlan:
     """The pure part of resolving ``plan`` for pipeline stage ``stage`` (the whole step
     without pipeline parallelism): its ShardSpec and Programs (cached per plan and stage)."""
-    return StagePlan(plan, stage, shard_spec(plan))
+    spec = shard_spec(plan.model, plan.dims, Sharding(plan.sharding), plan.stages, plan.unit_groups,
+                      plan.compute_dtype, plan.fp8 == "tensorwise")
+    return StagePlan(plan, stage, spec)
+
+
+def scheduling(plan: Plan) -> Scheduling:
+    """What ``plan``'s programs depend on of it, read once."""
+    return Scheduling(plan.model, plan.microbatches, plan.schedule_mode, plan.delay_wgrad,
+                      plan.remat_mode.whole_layers, plan.pp, plan.stages, plan.prefetch,
+                      plan.gather_buffers_mode.two_slots)
+
+
+def norm_layout(plan: Plan) -> tuple[int, Callable[[], tuple] | None]:
+    """What the gradient norm of trees shaped like ``fmoe.init(plan)`` needs
+    (``fmoe.optim.grad_norm_fn`` builds its NormFn of it): the ranks the trees are split
+    over, and on several a function giving the ShardSpec (cached) and the mesh, whose
+    groups are looked up at each call (as ``fmoe.step`` does; a process group must exist
+    by then) and never held: ``destroy_process_group()`` frees them."""
+    if plan.world == 1:
+        return 1, None
+    return plan.world, lambda: (resolve_stage(plan, 0).spec, mesh_for(plan))
 
 
 def stage_program(plan: Plan, stage: int, train: bool) -> Program:
@@ -216,9 +247,10 @@ def stage_program(plan: Plan, stage: int, train: bool) -> Program:
 
 
 def _program(plan: Plan, spec: ShardSpec, stage: int, train: bool) -> Program:
-    uses = node_uses(plan, spec, train, stage)
-    actions = build_program(plan, spec, uses)
-    return Program(actions, double_buffer_slots(plan, spec, actions), max_live_units(plan, spec, uses), train)
+    how = scheduling(plan)
+    uses = node_uses(how, spec, train, stage)
+    actions = build_program(how, spec, uses)
+    return Program(actions, double_buffer_slots(how, spec, actions), max_live_units(how, spec, uses), train)
 
 
 def check_memory(setup: Setup) -> None:

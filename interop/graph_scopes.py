@@ -14,7 +14,8 @@ from fmoe import Plan
 from fmoe.backends import bound_backend
 from fmoe.layers import expert_mlp
 from fmoe.layers.fp8 import GEMMS
-from fmoe.schedule import Kernels, kernels_for
+from fmoe.resolve import plan_kernels
+from fmoe.schedule import Kernels
 from fmoe.step import prepare_step, run_step
 
 from .capturable import check_capturable
@@ -27,7 +28,7 @@ def _scope_kernels(plan: Plan) -> Kernels:
     """The kernels a graphed scope replays: the plan's own (compiled under
     ``Plan.compile``), without ``Plan.remat='selective'``'s policy, which a graph
     does not take (it keeps what it saves in its own pool)."""
-    return kernels_for(plan.replace(remat="none"))
+    return plan_kernels(plan.replace(remat="none"))
 
 
 def _attn_flat(p_layer: dict, attn, site: tuple, cfg, window: int, tp):
@@ -110,7 +111,7 @@ class _ScopeGraphs:
             chosen["dispatch"] = functools.partial(self._dispatch, replayed.dispatch)
         if "experts" in self.scopes:
             chosen["experts"] = functools.partial(self._experts, bound_backend(self.plan.expert_backend))
-        return kernels_for(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
+        return plan_kernels(self.plan)._replace(**chosen)  # the scopes not graphed: as the plan says
 
     def _dispatch(self, dispatcher, site, indices_TK, num_experts, pad_multiple=0, capacity=None):
         # A site may build more than one permutation (tokens travelling: of (token, rank)

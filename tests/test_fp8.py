@@ -261,7 +261,7 @@ def test_the_dense_products_weights_are_the_linear_leaves():
 def test_the_plans_kernels_run_attention_the_shared_expert_and_the_tensorwise_head_in_fp8(recipe):
     from fmoe.layers import attention_half, cast_for_compute, dense_mlp
     from fmoe.layers.loss import cross_entropy_sum
-    from fmoe.schedule import kernels_for
+    from fmoe.resolve import plan_kernels
     from fmoe.layers.loss import head_loss_sum
 
     cfg = fmoe.ModelConfig(vocab=64, dim=64, layers=1, heads=4, experts=4, topk=2, ffn=32, shared_ffn=32)
@@ -269,7 +269,7 @@ def test_the_plans_kernels_run_attention_the_shared_expert_and_the_tensorwise_he
     params = cast_for_compute(fmoe.init(fmoe.Plan(model=cfg), seed=0), torch.bfloat16)
     p = params["layers"][0]
     h = torch.randn(2, 16, 64).bfloat16()
-    kernels, gemms = kernels_for(plan), GEMMS[recipe]
+    kernels, gemms = plan_kernels(plan), GEMMS[recipe]
     assert gemms.name == recipe
     got_h, got_x = kernels.attn((0, 0), p, h, cfg)
     want_h, want_x = attention_half(p, h, cfg, gemms=gemms)

@@ -9,6 +9,7 @@ from fmoe.layers import DeferredWgrad, expert_mlp, make_dispatch, permute
 from fmoe.params import named_leaves
 from fmoe.resolve import resolve
 from fmoe.schedule import Land, Node, Reduce, Release, Wgrad, execute
+from fmoe.resolve import scheduling
 from fmoe.schedule.program import schedule_ops
 from fmoe.shard import LifecycleError
 
@@ -60,7 +61,7 @@ def test_dense_layers_under_1f1b_delayed_wgrad_and_remat_are_bitwise_the_standar
 
 def test_a_dense_layer_is_one_node_run_under_the_other_microbatchs_exchange():
     p = fmoe.Plan(model=DENSE_CFG, microbatches=2, schedule="1f1b_overlap")
-    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(p)]
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(scheduling(p))]
     assert [op for op in ops if op[0] == 0 and "layers.0" in op[2]] == [
         (0, "forward", "layers.0.dense"), (0, "backward", "layers.0.dense")]
     b_moe = ops.index((0, "backward", "layers.3.combine"))  # its all-to-all under f's dense layer 1
@@ -71,7 +72,8 @@ def test_a_dense_layer_is_one_node_run_under_the_other_microbatchs_exchange():
 
 
 def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
-    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(plan(schedule="1f1b_overlap", delay_wgrad=True))]
+    woven = scheduling(plan(schedule="1f1b_overlap", delay_wgrad=True))
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(woven)]
     start = ops.index((0, "backward", "layers.1.combine"))
     assert ops[start:start + 9] == [
         (0, "backward", "layers.1.combine"), (1, "forward", "layers.0.attn"), (1, "forward", "layers.0.dispatch"),
@@ -79,12 +81,13 @@ def test_1f1b_weaves_forward_of_the_next_microbatch_into_the_backward():
         (0, "wgrad", "layers.1.experts"), (1, "forward", "layers.0.combine"), (0, "backward", "layers.1.attn")]
     assert ops[:ops.index((1, "forward", "embed"))] == [op for op in ops if op[0] == 0 and op[1] in ("forward", "land")]
     one = plan(schedule="1f1b_overlap").replace(microbatches=1)
-    assert schedule_ops(one) == schedule_ops(one.replace(schedule="standard"))
+    assert schedule_ops(scheduling(one)) == schedule_ops(scheduling(one.replace(schedule="standard")))
 
 
 @pytest.mark.parametrize("schedule", ["standard", "1f1b_overlap"])
 def test_each_combine_lands_right_before_its_output_is_read(schedule):
-    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(plan(schedule=schedule, delay_wgrad=True))]
+    how = scheduling(plan(schedule=schedule, delay_wgrad=True))
+    ops = [(mb, run.op, str(node)) for mb, run, node in schedule_ops(how)]
     for mb in range(3):
         for i, reader in ((0, "layers.1.attn"), (1, "head")):
             land = ops.index((mb, "land", f"layers.{i}.combine"))

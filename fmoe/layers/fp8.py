@@ -5,7 +5,7 @@ q/k/v and output projections, the shared expert) and a grouped one (each expert'
 segment times its ``[D, N]`` slice, whose input gradient is a grouped product too).
 ``Gemms`` holds the function for each, and the layer functions take it as an argument,
 so which products run in FP8 is a value a reader can see (``GEMMS[plan.fp8]``), bound
-into the schedule's ``Kernels`` by ``kernels_for(plan)``.
+into the schedule's ``Kernels`` by ``fmoe.resolve.plan_kernels(plan)``.
 
 The FP8 recipe (``ROWWISE``): before each product both operands are cast to
 ``float8_e4m3fn`` with one fp32 scale per row of the left operand and per column of

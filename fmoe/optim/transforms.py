@@ -19,7 +19,6 @@ those ranks; without a plan, or on one rank, it is a local sum and imports neith
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -124,23 +123,12 @@ class NormFn:
 def grad_norm_fn(plan=None) -> NormFn:
     """The NormFn of trees shaped like ``fmoe.init(plan)``: on several ranks the squared
     norms of the parts each rank holds alone (shards, its experts) are summed over the
-    ranks that split them, so every rank gets the norm of the whole model; the plan's
-    shard spec is looked up once, at the first call, its groups at each (as ``fmoe.step``
-    does; a process group must exist by then). No plan, or one rank: a local sum."""
+    ranks that split them, so every rank gets the norm of the whole model. No plan, or
+    one rank: a local sum. The plan is read once, by ``fmoe.resolve.norm_layout``."""
     if plan is None:
         return NormFn(None)
-    if plan.world == 1:
-        return NormFn(1)
-
-    @functools.cache
-    def spec():
-        from ..resolve import resolve_stage  # a single-rank norm needs no plan resolved
-        return resolve_stage(plan, 0).spec
-
-    def layout():  # the groups looked up at each call, never held: destroy_process_group() frees them
-        from ..comm.mesh import mesh_for
-        return spec(), mesh_for(plan)
-    return NormFn(plan.world, layout)
+    from ..resolve import norm_layout  # the plan is resolved above the optimizer
+    return NormFn(*norm_layout(plan))
 
 
 def global_norm(tree, plan=None) -> torch.Tensor:

@@ -38,12 +38,11 @@ import functools
 
 import torch
 
-from ..backends import ExpertBackend, bound_backend
-from ..config import Plan
+from ..backends import ExpertBackend
 from ..layers.attention import attention_half
 from ..layers.dispatch import make_dispatch
 from ..layers.experts import activation, dense_mlp, experts_with, fused_activation, torch_activation
-from ..layers.fp8 import GEMMS, PLAIN, Gemms
+from ..layers.fp8 import PLAIN, Gemms
 from ..layers.loss import cross_entropy_sum, head_loss_sum
 from ..layers.nodes import Kernels, at_any_site, bound_kernels, logits_loss
 from ..layers.router import route
@@ -150,12 +149,10 @@ def eager_kernels(selective_remat: bool = False, gemms: Gemms = PLAIN,
     return selective_kernels(kernels, isinstance(backend, ExpertBackend)) if selective_remat else kernels
 
 
-def kernels_for(plan: Plan) -> Kernels:
-    """The Kernels a step under ``plan`` runs unless told otherwise: compiled or eager,
-    under ``Plan.remat='selective'``'s policy or not, with ``Plan.fp8``'s products and
-    the expert backend (looked up here, once: ``fmoe.runtime`` checked it is loaded)."""
-    selective_remat, gemms = plan.remat_mode.selected_kernels, GEMMS[plan.fp8]
-    backend = bound_backend(plan.expert_backend)
-    if plan.compile:
+def kernels_for(compile: bool, selective_remat: bool, gemms: Gemms, backend: str | ExpertBackend) -> Kernels:
+    """The Kernels a step runs unless told otherwise: compiled or eager, under
+    ``Plan.remat='selective'``'s policy or not, with ``gemms`` (``Plan.fp8``'s products) and
+    the expert backend bound in (``fmoe.resolve.plan_kernels`` reads them from a plan)."""
+    if compile:
         return compiled_kernels(selective_remat, gemms, backend)
     return eager_kernels(selective_remat, gemms, backend)

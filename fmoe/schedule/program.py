@@ -2,7 +2,8 @@
 
 The program is a pure function of the plan, built once (``fmoe.resolve``) before
 anything runs, so the checks that guard execution can run on it ahead of time, and a
-test can hand the executor a deliberately wrong one.
+test can hand the executor a deliberately wrong one. The builders take ``Scheduling``,
+what a program depends on of its plan, read from the plan once by ``fmoe.resolve``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
-from ..config import ModelConfig, Plan
+from ..config import ModelConfig
 from ..config_fields import Schedule
 from ..layers.nodes import Kind, layer_kinds
 from ..shard.spec import ShardSpec
@@ -18,6 +19,47 @@ from .actions import (STREAM, STREAM_GRADIENT, Action, Backward, Forward, Gather
                       Release, Send, Wait, Wgrad)
 
 EMBED, HEAD = Node(Kind.EMBED), Node(Kind.HEAD)
+
+
+class Scheduling(NamedTuple):
+    """What a step's program depends on of its plan (``fmoe.resolve.scheduling`` reads it).
+
+    Attributes:
+        model: the ModelConfig.
+        microbatches: ``Plan.microbatches``.
+        schedule: ``Plan.schedule`` (the Schedule a training step's order is, with more than
+            one microbatch).
+        delay_wgrad: ``Plan.delay_wgrad``.
+        remat_layers: ``Plan.remat='full'``: each layer recomputed before its backward.
+        pp: the pipeline ranks (``Plan.pp``).
+        stages: the members of each of the ``pp * virtual_stages`` stages in forward order;
+            stage ``k`` runs on pipeline rank ``k % pp``.
+        prefetch: ``Plan.prefetch``: units gathered ahead under ZeRO-3.
+        two_slots: ``Plan.gather_buffers='double'``.
+    """
+
+    model: ModelConfig
+    microbatches: int
+    schedule: Schedule
+    delay_wgrad: bool
+    remat_layers: bool
+    pp: int
+    stages: tuple
+    prefetch: int
+    two_slots: bool
+
+    def chunks(self, stage: int) -> tuple:
+        """The members of each chunk pipeline rank ``stage`` holds (one per virtual stage)."""
+        return self.stages[stage::self.pp]
+
+    @property
+    def order(self) -> "Order":
+        """The training step's order (one microbatch has one: ``standard``'s)."""
+        return ORDERS[self.schedule if self.microbatches > 1 else Schedule.STANDARD]
+
+    @property
+    def backward(self) -> tuple:
+        return _backward(self.model, self.delay_wgrad, self.remat_layers)
 
 
 def layer_nodes(cfg: ModelConfig, layer: int) -> tuple[Node, ...]:
@@ -75,20 +117,19 @@ class _Chunk(NamedTuple):
     last: bool
 
 
-def _chunks(plan: Plan, stage: int) -> list[_Chunk]:
-    cfg, P = plan.model, plan.pp
-    forward, backward = _forward(cfg), _backward(cfg, plan.delay_wgrad, plan.remat_mode.whole_layers)
+def _chunks(how: Scheduling, stage: int) -> list[_Chunk]:
+    forward, P = _forward(how.model), how.pp
     out = []
-    for v, members in enumerate(plan.stage_chunks(stage)):
+    for v, members in enumerate(how.chunks(stage)):
         k, held = v * P + stage, set(members)
         out.append(_Chunk([(run, n) for run, n in forward if n.member in held],
-                          [(run, n) for run, n in backward if n.member in held],
+                          [(run, n) for run, n in how.backward if n.member in held],
                           [int(m.split(".")[1]) for m in members if m.startswith("layers.")],
-                          k == 0, k == len(plan.stages) - 1))
+                          k == 0, k == len(how.stages) - 1))
     return out
 
 
-def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node]]:
+def _pipeline(how: Scheduling, train: bool, stage: int) -> list[tuple[int, type, Node]]:
     """Stage ``stage``'s part of a pipeline-parallel step (``Plan.pp > 1``), 1F1B: its
     nodes of each microbatch, the stream received from the stage before and sent to the
     one after (its gradient the other way). ``P - stage - 1`` warm-up forwards, then one
@@ -101,8 +142,8 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
     reversed; ``2 (P - stage - 1) + (V - 1) P`` warm-up forwards. Each chunk runs its
     microbatches in order, so the arithmetic is the single process's either way. Under
     ``Plan.delay_wgrad`` a backward sends its gradient before its experts' weight GEMMs."""
-    M, P = plan.microbatches, plan.pp
-    chunks = _chunks(plan, stage)
+    M, P = how.microbatches, how.pp
+    chunks = _chunks(how, stage)
     V = len(chunks)
 
     def fwd(mb, v):
@@ -125,15 +166,14 @@ def _pipeline(plan: Plan, train: bool, stage: int) -> list[tuple[int, type, Node
     backwards = [(mb, V - 1 - v) for mb, v in forwards]
     if not train:
         return [op for mb, v in forwards for op in fwd(mb, v)]
-    order = ORDERS[plan.schedule_mode if M > 1 else Schedule.STANDARD]
-    return order.pipeline(plan, stage, chunks, forwards, backwards, fwd, bwd)
+    return how.order.pipeline(how, stage, chunks, forwards, backwards, fwd, bwd)
 
 
-def _one_f_one_b_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
+def _one_f_one_b_pipeline(how: Scheduling, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
     """Stage ``stage``'s part under ``standard``: ``P - stage - 1`` warm-up forwards
     (interleaved: ``2 (P - stage - 1) + (V - 1) P``), then one forward and one backward
     in turn, then the remaining backwards."""
-    P, V = plan.pp, len(chunks)
+    P, V = how.pp, len(chunks)
     warm = min(P - stage - 1 if V == 1 else 2 * (P - stage - 1) + (V - 1) * P, len(forwards))
     ops = [op for mb, v in forwards[:warm] for op in fwd(mb, v)]
     for i in range(len(forwards) - warm):
@@ -141,7 +181,7 @@ def _one_f_one_b_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, 
     return ops + [op for mb, v in backwards[len(forwards) - warm:] for op in bwd(mb, v)]
 
 
-def _overlapped_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
+def _overlapped_pipeline(how: Scheduling, stage: int, chunks: list, forwards: list, backwards: list, fwd, bwd) -> list:
     """Stage ``stage``'s part under ``1f1b_overlap``: forwards and backwards woven in pairs
     (``_woven``). A pair needs its backward's gradient when it starts, so stage ``s``
     pairs the forward of microbatch ``f`` with the backward of ``f - (2 (P - s) - 1)``,
@@ -150,7 +190,7 @@ def _overlapped_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, b
     flight on stage ``s`` (``P - s`` under plain 1F1B). The last stage pairs ``f`` with
     ``f - 1``, as ``1f1b_overlap`` does without stages. Interleaved (``V`` chunks), the
     same with ``(V - 1) P`` more warm-up forwards, counted in chunk runs."""
-    P, V = plan.pp, len(chunks)
+    P, V = how.pp, len(chunks)
     warm = min(P - stage + (V - 1) * P, len(forwards))
     lag = P - 1 - stage  # pairs that hold a forward alone while the backwards are on their way
     ops = [op for mb, v in forwards[:warm] for op in fwd(mb, v)]
@@ -160,19 +200,19 @@ def _overlapped_pipeline(plan: Plan, stage: int, chunks: list, forwards: list, b
             ops += fwd(*forwards[warm + i])
         else:
             (f, vf), (b, vb) = forwards[warm + i], backwards[done]
-            ops += _woven(plan, f, chunks[vf], b, chunks[vb])
+            ops += _woven(how, f, chunks[vf], b, chunks[vb])
             done += 1
     return ops + [op for mb, v in backwards[done:] for op in bwd(mb, v)]
 
 
-def _woven(plan: Plan, f: int, forward: _Chunk, b: int, backward: _Chunk) -> list[tuple[int, type, Node]]:
+def _woven(how: Scheduling, f: int, forward: _Chunk, b: int, backward: _Chunk) -> list[tuple[int, type, Node]]:
     """Under ``1f1b_overlap``, a stage's steady-state pair: the forward of microbatch
     ``f`` through chunk ``forward`` woven into the backward of ``b`` through chunk
     ``backward`` layer by layer (``_overlapped_layers``: each all-to-all under the other
     microbatch's compute), as ``1f1b_overlap`` weaves them without stages; a chunk with
     more layers than the other runs its extra layers alone. ``f``'s stream is received
     before and sent after, ``b``'s gradient the same."""
-    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat_mode.whole_layers
+    cfg, delay, remat = how.model, how.delay_wgrad, how.remat_layers
     ops = ([] if forward.first else [(f, Recv, STREAM)]) + ([] if backward.last else [(b, Recv, STREAM_GRADIENT)])
     ops += ([(f, Forward, EMBED)] if forward.first else []) + ([(b, Backward, HEAD)] if backward.last else [])
     fl, bl = forward.layers, backward.layers[::-1]
@@ -182,7 +222,8 @@ def _woven(plan: Plan, f: int, forward: _Chunk, b: int, backward: _Chunk) -> lis
     ops += [(f, Forward, node) for i in fl[len(bl):] for node in layer_nodes(cfg, i)]
     ops += [(b, run, node) for i in bl[len(fl):] for run, node in _layer_backward(cfg, i, delay, remat)]
     ops += ([(f, Forward, HEAD)] if forward.last else []) + ([(b, Backward, EMBED)] if backward.first else [])
-    return ops + ([] if forward.last else [(f, Send, STREAM)]) + ([] if backward.first else [(b, Send, STREAM_GRADIENT)])
+    sends = ([] if forward.last else [(f, Send, STREAM)]) + ([] if backward.first else [(b, Send, STREAM_GRADIENT)])
+    return ops + sends
 
 
 def _overlapped_layers(cfg: ModelConfig, fwd_layer: int, bwd_layer: int, delay_wgrad: bool, remat: bool) -> list:
@@ -241,7 +282,7 @@ def _with_landings(ops: list) -> list:
     return out
 
 
-def schedule_ops(plan: Plan, train: bool = True, stage: int = 0) -> list[tuple[int, type, Node]]:
+def schedule_ops(how: Scheduling, train: bool = True, stage: int = 0) -> list[tuple[int, type, Node]]:
     """``(mb, action type, node)`` in the order the plan's schedule runs them.
 
     ``standard``: each microbatch's forward, then its backward. ``1f1b_overlap``:
@@ -253,27 +294,25 @@ def schedule_ops(plan: Plan, train: bool = True, stage: int = 0) -> list[tuple[i
     ``Recompute`` of each layer before its backward. Under pipeline parallelism, stage
     ``stage``'s part (``_pipeline``).
     """
-    return _with_landings(_pipeline(plan, train, stage) if plan.pp > 1 else _schedule(plan, train))
+    return _with_landings(_pipeline(how, train, stage) if how.pp > 1 else _schedule(how, train))
 
 
-def _schedule(plan: Plan, train: bool) -> list[tuple[int, type, Node]]:
+def _schedule(how: Scheduling, train: bool) -> list[tuple[int, type, Node]]:
     if not train:
-        return [(mb, run, node) for mb in range(plan.microbatches) for run, node in _forward(plan.model)]
-    return ORDERS[plan.schedule_mode if plan.microbatches > 1 else Schedule.STANDARD].single(plan)
+        return [(mb, run, node) for mb in range(how.microbatches) for run, node in _forward(how.model)]
+    return how.order.single(how)
 
 
-def _standard(plan: Plan) -> list[tuple[int, type, Node]]:
+def _standard(how: Scheduling) -> list[tuple[int, type, Node]]:
     """Each microbatch's forward, then its backward."""
-    cfg, delay, remat = plan.model, plan.delay_wgrad, plan.remat_mode.whole_layers
-    return [(mb, run, node) for mb in range(plan.microbatches)
-            for run, node in _forward(cfg) + _backward(cfg, delay, remat)]
+    return [(mb, run, node) for mb in range(how.microbatches) for run, node in _forward(how.model) + how.backward]
 
 
-def _overlapped(plan: Plan) -> list[tuple[int, type, Node]]:
+def _overlapped(how: Scheduling) -> list[tuple[int, type, Node]]:
     """Microbatch 0's forward; then the forward of each next microbatch woven into the
     backward of the one before, layer by layer (``_overlapped_layers``); then the last
     backward alone."""
-    cfg, M, delay, remat = plan.model, plan.microbatches, plan.delay_wgrad, plan.remat_mode.whole_layers
+    cfg, M, delay, remat = how.model, how.microbatches, how.delay_wgrad, how.remat_layers
     L = cfg.layers
     ops = [(0, run, node) for run, node in _forward(cfg)]
     for f in range(1, M):
@@ -283,12 +322,12 @@ def _overlapped(plan: Plan) -> list[tuple[int, type, Node]]:
             ops += [(f if who == "f" else b, run, node)
                     for who, run, node in _overlapped_layers(cfg, j, L - 1 - j, delay, remat)]
         ops += [(f, Forward, HEAD), (b, Backward, EMBED)]
-    return ops + [(M - 1, run, node) for run, node in _backward(cfg, delay, remat)]
+    return ops + [(M - 1, run, node) for run, node in how.backward]
 
 
 class Order(NamedTuple):
     """How a schedule orders a training step's node runs: with no pipeline stages
-    (``single(plan)``), and a pipeline stage's part (``pipeline(plan, stage, chunks,
+    (``single(scheduling)``), and a pipeline stage's part (``pipeline(scheduling, stage, chunks,
     forwards, backwards, fwd, bwd)``: its chunk runs in the rank's order and how to run
     one forward or backward, ``_pipeline``'s)."""
 
@@ -302,14 +341,14 @@ ORDERS = {Schedule.STANDARD: Order(_standard, _one_f_one_b_pipeline),
           Schedule.OVERLAP: Order(_overlapped, _overlapped_pipeline)}
 
 
-def node_uses(plan: Plan, spec: ShardSpec, train: bool = True, stage: int = 0) -> list[Use]:
+def node_uses(how: Scheduling, spec: ShardSpec, train: bool = True, stage: int = 0) -> list[Use]:
     """The schedule's node runs (of pipeline stage ``stage``) with each node's FSDP unit
     (None for exchanges and transfers)."""
     return [Use(mb, run, node, None if run in (Send, Recv) or node.is_comm else spec.unit_of_member(node.member).name)
-            for mb, run, node in schedule_ops(plan, train, stage)]
+            for mb, run, node in schedule_ops(how, train, stage)]
 
 
-def max_live_units(plan: Plan, spec: ShardSpec, uses: list[Use]) -> int:
+def max_live_units(how: Scheduling, spec: ShardSpec, uses: list[Use]) -> int:
     """ZeRO-3 holds the units in use plus ``prefetch`` more; the others hold all units
     for the step. In use at once: one unit, two while ``1f1b_overlap`` weaves two
     microbatches, one more where a unit's use spans the others' (tied embeddings put
@@ -321,7 +360,7 @@ def max_live_units(plan: Plan, spec: ShardSpec, uses: list[Use]) -> int:
     for _, change in edges:  # at one position, closings (-1) sort before openings
         open_now += change
         most = max(most, open_now)
-    return plan.prefetch + most
+    return how.prefetch + most
 
 
 def _spans(uses: list[Use]) -> list[tuple[int, int, str]]:
@@ -347,7 +386,7 @@ def _spans(uses: list[Use]) -> list[tuple[int, int, str]]:
     return sorted(merged)
 
 
-def build_program(plan: Plan, spec: ShardSpec, uses: list[Use]) -> tuple[Action, ...]:
+def build_program(how: Scheduling, spec: ShardSpec, uses: list[Use]) -> tuple[Action, ...]:
     """The plan's node runs (``node_uses``) with every lifecycle transition.
 
     ``optim_grads_params`` gathers a unit before its span of use (``prefetch`` spans
@@ -356,7 +395,7 @@ def build_program(plan: Plan, spec: ShardSpec, uses: list[Use]) -> tuple[Action,
     last backward (or delayed wgrad) of a microbatch: every microbatch under
     ZeRO-2/3, only the last under DDP and ZeRO-1.
     """
-    last_mb = plan.microbatches - 1
+    last_mb = how.microbatches - 1
     last_bwd = {}
     for i, u in enumerate(uses):
         if u.run is not Forward and u.unit is not None:
@@ -381,7 +420,7 @@ def build_program(plan: Plan, spec: ShardSpec, uses: list[Use]) -> tuple[Action,
         ending.setdefault(last, []).append(unit)
     for i, u in enumerate(uses):
         if i in starting:
-            for *_, unit in spans[starting[i]:starting[i] + 1 + plan.prefetch]:
+            for *_, unit in spans[starting[i]:starting[i] + 1 + how.prefetch]:
                 gather(unit)
         if u.unit is not None and u.unit not in waited:
             program.append(Wait(u.unit))
@@ -399,13 +438,13 @@ def build_program(plan: Plan, spec: ShardSpec, uses: list[Use]) -> tuple[Action,
     return tuple(program)
 
 
-def double_buffer_slots(plan: Plan, spec: ShardSpec, program) -> dict | None:
+def double_buffer_slots(how: Scheduling, spec: ShardSpec, program) -> dict | None:
     """Under ``gather_buffers='double'``, a fixed slot (0 or 1) per unit.
 
     Slots alternate in order of first gather; ValueError (before anything runs) if
     the program would ever need both live units in one slot.
     """
-    if not plan.gather_buffers_mode.two_slots or not any(size > 1 for size in spec.sizes.values()):
+    if not how.two_slots or not any(size > 1 for size in spec.sizes.values()):
         return None
     slots, live = {}, set()
     for a in program:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import Plan
+from ..model_config import ModelConfig
 from ..parallel_dims import ParallelDims
 from ..params import Domain, Leaf, ParamTable, param_table
 from ..units import unit_name
@@ -277,28 +277,37 @@ def group_key(leaf: Leaf, domain: Domain, compute_dtype: torch.dtype, gathers_fp
 
 
 @functools.lru_cache(maxsize=64)
-def shard_spec(plan: Plan) -> ShardSpec:
-    """The layout of ``plan``'s parameters (pure, cached per plan; ``fmoe.resolve`` asks)."""
-    table, dims = param_table(plan.model), plan.dims
-    sharding = Sharding(plan.sharding)
+def shard_spec(model: ModelConfig, dims: ParallelDims, sharding: Sharding, stages: tuple, unit_groups: tuple,
+               compute_dtype: torch.dtype, fp8_tensorwise: bool) -> ShardSpec:
+    """The layout of a plan's parameters (pure, cached; ``fmoe.resolve`` reads the arguments
+    from the plan).
+
+    Arguments:
+        model: the ModelConfig; ``dims``: the parallel degrees; ``sharding``: the strategy.
+        stages: the members of each pipeline stage in forward order (``Plan.stages``).
+        unit_groups: the members of each FSDP unit (``Plan.unit_groups``).
+        compute_dtype: the dtype the products run in.
+        fp8_tensorwise: ``Plan.fp8='tensorwise'``: the dense products' weights are gathered
+            in FP8 where they are sharded.
+    """
+    table = param_table(model)
     if sharding is Sharding.NO_SHARD:
         sizes = {Domain.DENSE: 1, Domain.TENSOR: 1, Domain.EXPERT: 1}
     else:  # world, the ranks of one tensor-parallel slice, edp
         sizes = {Domain.DENSE: dims.stage_size, Domain.TENSOR: dims.stage_size // dims.tp, Domain.EXPERT: dims.edp}
-    fp8 = plan.fp8 == "tensorwise" and sizes[Domain.DENSE] > 1
-    ep = plan.ep
-    units, stage_of = [], {m: s % plan.pp for s, members in enumerate(plan.stages) for m in members}
-    for members in plan.unit_groups:
+    fp8 = fp8_tensorwise and sizes[Domain.DENSE] > 1
+    ep = dims.ep
+    units, stage_of = [], {m: s % dims.pp for s, members in enumerate(stages) for m in members}
+    for members in unit_groups:
         by_key: dict = {}
         for leaf in table.leaves:
             if leaf.member in members:
                 shape = _local_full_shape(leaf, leaf.shape, ep, dims.etp if leaf.domain == Domain.EXPERT else dims.tp)
-                key = group_key(leaf, placement(leaf, dims), plan.compute_dtype, fp8)
+                key = group_key(leaf, placement(leaf, dims), compute_dtype, fp8)
                 by_key.setdefault(key, []).append((leaf.path, shape))
         groups = {key: make_layout(named, sizes[key.domain]) for key, named in sorted(by_key.items())}
         units.append(UnitSpec(unit_name(members), members, groups, stage_of[members[0]]))
-    return ShardSpec(tuple(units), sizes, plan.model.experts // ep, ep, sharding, plan.compute_dtype, fp8, table,
-                     dims)
+    return ShardSpec(tuple(units), sizes, model.experts // ep, ep, sharding, compute_dtype, fp8, table, dims)
 
 
 def local_leaf(flat: torch.Tensor, layout: FlatLayout, index: int, rank: int, sharded: bool) -> torch.Tensor:
