@@ -1,30 +1,25 @@
 """GPT-OSS's attention features: sinks (one learned logit per head, an extra softmax
 column with no value) and sliding-window layers, against transformers' eager GPT-OSS
-attention and the plain reference, through the model, the schedule and decoding."""
+attention and the plain reference. Through the model, the schedules, decoding and compile
+with the other features: ``test_model_features.py``."""
 
 import dataclasses
 import functools
 import importlib
 import types
 
-import optree
 import pytest
 import torch
 
 import fmoe
-from fmoe import layers
-from fmoe.batch import IGNORE
-from fmoe.layers import attend, block_masks, documents, forward
+from fmoe.layers import attend, block_masks, documents
 from fmoe.trainer.options import model_config, parse_layers, resolved
 
 from . import reference as ref
-from .test_generate import decoded_logits
-from .test_layers import assert_same_fwd_bwd
-from .test_schedule import assert_same_step
+from .test_model_features import FEATURES
 
 F64 = torch.float64
-CFG = fmoe.ModelConfig(vocab=40, dim=32, layers=3, heads=4, kv_heads=2, experts=4, topk=2, ffn=16,
-                       attn_sinks=True, sliding_window=3, window_layers=(0, 2))
+CFG = FEATURES["sinks_window"]
 
 
 def qkv(B=2, H=4, K=2, S=9, d=8, seed=None, e=None):
@@ -195,46 +190,6 @@ def test_value_heads_narrower_than_query_heads(window, sinks):
     torch.testing.assert_close(rest, got[:, 6:])
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["rows", "packed"])
-def test_model_loss_and_gradients_match_the_reference(segments):
-    params = ref.random_params(CFG)
-    g = torch.Generator().manual_seed(ref.seed_of_this_test())
-    tokens = torch.randint(0, 40, (2, 11), generator=g)
-    seg = (torch.rand(2, 11, generator=g) < 0.2).long().cumsum(1) if segments else None
-    leaves, treedef = optree.tree_flatten(params)
-    targets = tokens[:, 1:]
-    if segments:  # the reference counts a target only inside its input's document
-        targets = targets.masked_fill(seg[:, :-1] != seg[:, 1:], IGNORE)
-
-    def fast(*lv):
-        inputs_seg = None if seg is None else seg[:, :-1]
-        return layers.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, CFG, targets_BS=targets,
-                                  segments_BS=inputs_seg)[0]
-
-    def slow(*lv):
-        return ref.lm_loss_sum(optree.tree_unflatten(treedef, lv), tokens, CFG, segments_BS1=seg)[0]
-
-    assert_same_fwd_bwd(fast, slow, leaves)
-
-
-def test_cached_decode_equals_the_full_forward():
-    params = ref.random_params(CFG, dtype=torch.float32)
-    tokens = torch.randint(0, 40, (2, 9))
-    full, _ = forward(params, tokens, CFG)
-    # decoding goes past the window: the cache keeps the old keys, the mask hides them
-    logits, _ = decoded_logits(params, tokens, CFG, prompt=4)
-    torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
-
-
-def test_1f1b_full_remat_zero3_is_bitwise_the_standard_step():
-    tokens = torch.randint(0, 40, (6, 9))
-    base = fmoe.Plan(model=CFG, microbatches=2, sharding="optim_grads_params")
-    params = fmoe.init(base, seed=0)
-    want = fmoe.step(params, {"tokens": tokens}, base)
-    got = fmoe.step(params, {"tokens": tokens}, base.replace(schedule="1f1b_overlap", remat="full"))
-    assert_same_step(got, want)
-
-
 def test_the_window_and_the_sinks_change_the_loss():
     params = ref.random_params(CFG, dtype=torch.float32)
     tokens = torch.randint(0, 40, (2, 9))
@@ -279,24 +234,6 @@ def test_window_layers_as_a_list_and_as_the_main_jobs_string():
     assert model_config({**fields, "window_layers": "0,2", "dense_layers": ""}) == CFG
     out = resolved({}, fmoe.Plan(model=CFG))
     assert out["window_layers"] == "0,2" and out["sliding_window"] == 3 and out["attn_sinks"] is True
-
-
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_the_compiled_step_matches_the_eager_one(packed):
-    # the compiled attention takes the window as a static argument (no graph break)
-    params = ref.random_params(CFG, dtype=torch.float32)
-    g = torch.Generator().manual_seed(ref.seed_of_this_test())
-    b = {"tokens": torch.randint(0, 40, (4, 13), generator=g)}
-    if packed:
-        b["segments"] = (torch.rand(4, 13, generator=g) < 0.2).long().cumsum(1)
-    plan = fmoe.Plan(model=CFG, microbatches=2)
-    eager = fmoe.step(params, b, plan)
-    compiled = fmoe.step(params, b, plan.replace(compile=True))
-    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-6, atol=1e-6)
-    # fp32 sums reassociated by the compiled kernels: over 60 random batches each leaf
-    # stayed within 6.2e-6 of its largest gradient (the embedding's: 1.6e-6 absolute,
-    # past the fixed 1e-6 this test once allowed, which failed twice)
-    ref.assert_trees_close(compiled.grads, eager.grads, rtol=1e-5, atol_of_scale=2e-5)
 
 
 def test_a_moe_layer_module_of_a_windowed_model_builds_and_runs():
