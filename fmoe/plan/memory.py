@@ -20,6 +20,7 @@ from ..layers.nodes import Kind
 from ..optim.transforms import check_moments
 from ..resolve import resolve_stage, stage_program
 from ..schedule.actions import Backward, Forward, Gather, Reduce, Release, Wgrad
+from ..schedule.program import with_live_units
 from .simulate import _rank_elements, _sizes, busiest_share
 
 PARTS = ("params", "grads", "optimizer", "step copy", "gathered", "grad buffers", "activations")
@@ -59,16 +60,14 @@ def _walk(plan: Plan, spec, stage: int, units: dict, kept) -> tuple[float, float
 
     program = stage_program(plan, stage, True).actions
     backwards = Counter((a.mb, a.node.member) for a in program if isinstance(a, Backward))
-    live, accumulating, in_flight = set(), set(), {}
+    accumulating, in_flight = set(), {}
     gathered = grads = activations = 0.0
     now = {"gathered": 0.0, "grads": 0.0, "activations": 0.0}  # running sums of the three
-    for a in program:
+    for a, live in with_live_units(program):
         match a:
             case Gather(unit) if unit not in live:
-                live.add(unit)
                 now["gathered"] += full(unit, False)
             case Release(unit) if unit in live:
-                live.discard(unit)
                 now["gathered"] -= full(unit, False)
             case Reduce(unit) if unit in accumulating:
                 accumulating.discard(unit)

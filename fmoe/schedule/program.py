@@ -9,7 +9,7 @@ what a program depends on of its plan, read from the plan once by ``fmoe.resolve
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from ..config import ModelConfig
 from ..config_fields import Schedule
@@ -438,6 +438,20 @@ def build_program(how: Scheduling, spec: ShardSpec, uses: list[Use]) -> tuple[Ac
     return tuple(program)
 
 
+def with_live_units(program) -> Iterator[tuple[Action, frozenset]]:
+    """Each action of ``program`` with the units live when it starts: a unit is live from
+    its ``Gather`` to its ``Release`` (gathering or gathered, the ledger's phases other
+    than SHARDED). The slot assignment and the planner's memory walk read it."""
+    live: frozenset = frozenset()
+    for a in program:
+        yield a, live
+        match a:
+            case Gather(unit):
+                live = live | {unit}
+            case Release(unit):
+                live = live - {unit}
+
+
 def double_buffer_slots(how: Scheduling, spec: ShardSpec, program) -> dict | None:
     """Under ``gather_buffers='double'``, a fixed slot (0 or 1) per unit.
 
@@ -446,18 +460,14 @@ def double_buffer_slots(how: Scheduling, spec: ShardSpec, program) -> dict | Non
     """
     if not how.two_slots or not any(size > 1 for size in spec.sizes.values()):
         return None
-    slots, live = {}, set()
-    for a in program:
-        match a:
-            case Gather(unit):
-                slot = slots.setdefault(unit, len(slots) % 2)
-                busy = [u for u in live if slots[u] == slot]
-                if busy:
-                    raise ValueError(
-                        f"Plan.gather_buffers='double' cannot hold this schedule: unit {unit} and {busy[0]} "
-                        "share a slot while both are live (allowed: gather_buffers 'dynamic' or 'persistent', "
-                        "or units that alternate)")
-                live.add(unit)
-            case Release(unit):
-                live.discard(unit)
+    slots: dict = {}
+    for a, live in with_live_units(program):
+        if isinstance(a, Gather):
+            slot = slots.setdefault(a.unit, len(slots) % 2)
+            busy = [u for u in live if slots[u] == slot]
+            if busy:
+                raise ValueError(
+                    f"Plan.gather_buffers='double' cannot hold this schedule: unit {a.unit} and {busy[0]} "
+                    "share a slot while both are live (allowed: gather_buffers 'dynamic' or 'persistent', "
+                    "or units that alternate)")
     return slots
