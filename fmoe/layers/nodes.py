@@ -241,13 +241,13 @@ def moe_forward(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, kernels: Kern
     """
     routed, shared, stats = route_node(p_moe, x_TD, cfg, site, kernels, ep)
     rows, row_probs, ex, capacity = routed.rows_RD, routed.row_probs_R1, routed.exchange, routed.dispatch.capacity
-    if ex is not None:  # the rows this rank's experts compute, from every rank
+    if ex.crosses:  # the rows this rank's experts compute, from every rank
         sending = dispatch(rows, ex, ep, capacity)
         if row_probs is not None:
             row_probs = dispatch(row_probs, ex, ep, capacity).wait()
         rows = sending.wait()
     y = experts_node(p_moe, rows, row_probs, routed, cfg, site, kernels)
-    if ex is not None:
+    if ex.crosses:
         y = combine(y, ex, ep, capacity).wait()
     return moe_output(y, routed.dispatch, output_probs(routed), shared), stats
 

@@ -181,7 +181,7 @@ def _dispatch_forward(run: Run, mb: int, node: Node, weights: dict):
     """Issue the all-to-all of the rows (and their probabilities) to their experts' ranks."""
     layer = run.mbs[mb].layers[node.layer]
     rows, probs, routed = layer.attended["rows"], layer.attended["row_probs"], layer.attended["routed"]
-    if routed.exchange is not None:
+    if routed.exchange.crosses:
         cap = routed.dispatch.capacity
         rows = run.send(to_experts(rows, routed.exchange, run.ep, cap), node, mb)
         probs = None if probs is None else run.send(to_experts(probs, routed.exchange, run.ep, cap), node, mb)
@@ -207,7 +207,7 @@ def _dispatch_backward(run: Run, state, node: Node, mb: int, unit: None):
                                 "the program runs nodes out of order")
     got = layer.grads.pop(Kind.DISPATCH)
     routed = _routing(run, mb, node)
-    if routed.exchange is not None:
+    if routed.exchange.crosses:
         cap = routed.dispatch.capacity
         got = {name: None if g is None else run.send(
                    from_experts(g, routed.exchange, run.ep, cap, "dispatch_grad"), node, mb)
@@ -235,7 +235,7 @@ def _experts_forward(run: Run, mb: int, node: Node, weights: dict):
     if run.remat:
         p = run.layer_tree(weights)["moe"]
         layer.y = experts_node(p, rows, probs, routed, run.cfg, (node.layer, mb), run.kernels).detach()
-        if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
+        if routed.exchange.crosses:  # these rows crossed ranks: kept, never exchanged again
             layer.kept.rows, layer.kept.row_probs = rows.detach(), probs
     else:
         layer.y = run_experts(run, mb, node, weights, rows, probs, routed)
@@ -272,7 +272,7 @@ def _combine_forward(run: Run, mb: int, node: Node, weights: dict):
     y = take(layer, "y", f"forward {node} (microbatch {mb})")
     attended = take(layer, "attended", f"forward {node} (microbatch {mb})")
     routed = attended["routed"]
-    if routed.exchange is not None:
+    if routed.exchange.crosses:
         y = run.send(from_experts(y, routed.exchange, run.ep, routed.dispatch.capacity), node, mb)
     layer.landing = {"y": y, "attended": attended}
     mbf.stream = Stream(node, None)
@@ -286,7 +286,7 @@ def land(run: Run, mb: int, node: Node) -> None:
     landing = take(layer, "landing", f"land {node} (microbatch {mb})")
     y, attended = run.landed(landing["y"]), landing["attended"]
     if run.remat:
-        if attended["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
+        if attended["routed"].exchange.crosses:  # rows back across ranks: kept for the recompute
             layer.kept.y = y.detach()
         h = _combine(run, layer, y, attended, record=False).detach()
     else:
@@ -313,7 +313,7 @@ def _combine_backward(run: Run, state, node: Node, mb: int, unit: None):
     state, got = _backprop(run, state, unit, tape, _take_grad_h(mbf))
     routed = _routing(run, mb, node)
     g_y = got.pop("y")
-    if routed.exchange is not None and g_y is not None:
+    if routed.exchange.crosses and g_y is not None:
         g_y = run.send(to_experts(g_y, routed.exchange, run.ep, routed.dispatch.capacity, "combine_grad"), node, mb)
     layer.grads_for(Kind.EXPERTS)["y"] = g_y
     layer.grads_for(Kind.ATTN).update(got)
@@ -366,7 +366,7 @@ def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable
                     run.mbs[mb].docs, decided=routed)
     objective = router_share(res.stats.aux_loss, res.stats.z_loss, run.cfg, run.router_parts)
     run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, res.outputs, attn_weights, objective, routed))
-    crossed = routed.exchange is not None
+    crossed = routed.exchange.crosses
     rows, probs = (kept.rows, kept.row_probs) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
     y = run_experts(run, mb, experts, weights(experts), leaf(rows, True), leaf(probs, True), routed)
     _combine(run, layer, kept.y if crossed else y.detach(), dict(res.outputs, routed=res.routed))
