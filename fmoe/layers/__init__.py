@@ -19,8 +19,8 @@ from .attention import attention_half
 from .loss import head_loss_sum, head_weight
 from .model import block, cast_for_compute, forward, lm_loss_sum, stack_stats
 from .moe import MoEStats, Routed, moe_experts, moe_output, moe_route
-from .nodes import (EAGER, NODES, Attended, Kernels, Kind, NodeSpec, attn_node, bound_kernels, combine_node,
-                    experts_node, layer_forward, moe, moe_forward, route_node)
+from .nodes import (EAGER, NODES, Attended, Kernels, Kind, Landing, NodeSpec, Sent, attn_node, bound_kernels,
+                    combine_node, dispatch_node, experts_node, land_node, layer_forward, moe, moe_forward, route_node)
 from .norm import rms_norm
 from .router import Routing, route, router_loss, router_share
 from .triton_kernels import fused_kernels_available
@@ -28,13 +28,13 @@ from . import kernel_ops  # noqa: F401  (registers the fmoe:: custom ops the ker
 
 __all__ = [
     "Attended", "DeferredWgrad", "Dispatch", "Documents", "EAGER", "ExpertBackend", "ExpertParallel", "Kernels",
-    "Kind", "MoEStats", "NODES", "NodeSpec", "QUICK_GELU_ALPHA", "Routed", "Routing", "activation",
-    "add_expert_bias", "apply_rope", "attend", "attention", "attention_half", "attn_node", "block",
+    "Kind", "Landing", "MoEStats", "NODES", "NodeSpec", "QUICK_GELU_ALPHA", "Routed", "Routing", "Sent",
+    "activation", "add_expert_bias", "apply_rope", "attend", "attention", "attention_half", "attn_node", "block",
     "bound_kernels", "capacity_rows", "cast_for_compute", "combine", "combine_node", "dense_mlp", "dispatch",
-    "documents", "embed", "expert_mlp", "experts_node", "forward", "from_experts", "fused_kernels_available",
-    "glu_halves", "grouped_matmul", "head_loss_sum", "head_weight", "layer_forward", "lm_loss_sum",
-    "make_dispatch", "moe", "moe_experts", "moe_forward", "moe_output", "moe_route", "permute", "plan_exchange",
-    "project_qkv", "register_expert_backend", "registered_backend", "rms_norm", "rope_tables", "route",
-    "route_node", "router_loss", "router_share", "row_weights", "stack_stats", "static_rows", "to_experts",
-    "unpermute",
+    "dispatch_node", "documents", "embed", "expert_mlp", "experts_node", "forward", "from_experts",
+    "fused_kernels_available", "glu_halves", "grouped_matmul", "head_loss_sum", "head_weight", "land_node",
+    "layer_forward", "lm_loss_sum", "make_dispatch", "moe", "moe_experts", "moe_forward", "moe_output", "moe_route",
+    "permute", "plan_exchange", "project_qkv", "register_expert_backend", "registered_backend", "rms_norm",
+    "rope_tables", "route", "route_node", "router_loss", "router_share", "row_weights", "stack_stats",
+    "static_rows", "to_experts", "unpermute",
 ]

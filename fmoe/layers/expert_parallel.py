@@ -24,6 +24,7 @@ between; ``dispatch`` and ``combine`` wrap them for plain autograd (``moe``).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -95,12 +96,23 @@ class Arrivals:
         return self._dispatch
 
 
-class Exchange(NamedTuple):
-    """How one layer's rows travel: split sizes and the source-major <-> expert-major
-    permutation of the received rows (dropless; None with a static capacity), and their
-    local-expert ``segments``; when tokens travel, ``arrivals`` instead of the last three
-    (``local``: the received tokens' Dispatch to this rank's experts)."""
+class Crossing(enum.Enum):
+    """How an MoE layer's rows reach their experts: which variant an Exchange is."""
 
+    NONE = "none"  # every expert on this rank (no expert parallelism, or ep=1): nothing crosses
+    ROWS = "rows"  # dropless: a row per (token, expert), split sizes read on the host
+    CAPACITY = "capacity"  # static capacity: equal blocks of C rows, nothing read on the host
+    TOKENS = "tokens"  # Plan.ep_exchange='tokens': a token once per rank holding any of its experts
+
+
+class Exchange(NamedTuple):
+    """How one layer's rows travel (``crossing``): split sizes and the source-major <->
+    expert-major permutation of the received rows (``ROWS``; None under ``CAPACITY``),
+    and their local-expert ``segments``; under ``TOKENS``, ``arrivals`` instead of the
+    last three (``local``: the received tokens' Dispatch to this rank's experts). Under
+    ``NONE`` (``LOCAL``) every field but ``crossing`` is None."""
+
+    crossing: Crossing
     send_splits: list | None
     recv_splits: list | None
     order: torch.Tensor | None
@@ -109,8 +121,17 @@ class Exchange(NamedTuple):
     arrivals: Arrivals | None = None
 
     @property
+    def crosses(self) -> bool:
+        """Whether rows leave this rank (every variant but ``NONE``)."""
+        return self.crossing is not Crossing.NONE
+
+    @property
     def local(self) -> Dispatch | None:
-        return None if self.arrivals is None else self.arrivals.dispatch
+        return self.arrivals.dispatch if self.crossing is Crossing.TOKENS else None
+
+
+LOCAL = Exchange(Crossing.NONE, None, None, None, None, None)
+"""The Exchange of a layer whose experts are all on this rank."""
 
 
 def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel, bound: int = 0) -> Exchange:
@@ -126,7 +147,7 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     device = rows_E.device
     if capacity is not None:
         rows = torch.full((El,), P * capacity, dtype=torch.long, device=device)
-        return Exchange(None, None, None, None, segments_of(rows, El * P * capacity, P * capacity))
+        return Exchange(Crossing.CAPACITY, None, None, None, None, segments_of(rows, El * P * capacity, P * capacity))
     send_counts = rows_E.view(P, El)
     recv_counts = torch.empty_like(send_counts)
     t0 = now()
@@ -139,11 +160,11 @@ def plan_exchange(rows_E: torch.Tensor, capacity: int | None, ep: ExpertParallel
     total = sum(recv_splits)
     if early is None or total > bound:
         order, inverse = expert_major(recv_counts, total)
-        return Exchange(send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
+        return Exchange(Crossing.ROWS, send_splits, recv_splits, order, inverse, segments_of(recv_counts.sum(0), total))
     (order, inverse), segments = early
     # copies, not views: the exchange is kept for the backward, and the bound may be
     # several times the rows that came (ep x at ep ranks under uniform routing)
-    return Exchange(send_splits, recv_splits, order[:total].clone(), inverse[:total].clone(),
+    return Exchange(Crossing.ROWS, send_splits, recv_splits, order[:total].clone(), inverse[:total].clone(),
                     segments._replace(row_expert_R=segments.row_expert_R[:total].clone()))
 
 
@@ -193,7 +214,8 @@ def plan_token_exchange(indices_TK: torch.Tensor, ep: ExpertParallel,
     ep.group.all_to_all(arrived_NK[:received], slots_SK[:sent], recv_splits, send_splits).wait()
     ep.events.append(Event("all_to_all", None, None, -1, t0, now(), sent * K * 4, "slots"))
     arrivals = Arrivals(arrived_NK, received, sum(recv_rows), El, dispatcher)
-    return without_missing(unheld, sent, P), Exchange(send_splits, recv_splits, None, None, None, arrivals)
+    return without_missing(unheld, sent, P), Exchange(Crossing.TOKENS, send_splits, recv_splits, None, None, None,
+                                                      arrivals)
 
 
 def expert_major(counts_PE: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,14 +277,20 @@ def to_experts(x_RD: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: i
 
     Used for the forward dispatch and, as its adjoint, for the combine's backward.
     """
+    return _exchange(x_RD, ex.send_splits, ex.recv_splits, ep.group, _expert_major(ex, ep, capacity), purpose)
+
+
+def _expert_major(ex: Exchange, ep: ExpertParallel, capacity: int | None):
+    """How the rows landing on an expert rank are put in the grouped GEMMs' order."""
     P, El = ep.group.size, ep.experts_per_rank
-    if ex.order is None and capacity is None:  # tokens: the receiver's Dispatch orders their rows
-        finish = lambda y: y  # noqa: E731
-    elif capacity is None:
-        finish = lambda y: y.index_select(0, ex.order)  # noqa: E731
-    else:
-        finish = lambda y: y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)  # noqa: E731
-    return _exchange(x_RD, ex.send_splits, ex.recv_splits, ep.group, finish, purpose)
+    match ex.crossing:
+        case Crossing.ROWS:
+            return lambda y: y.index_select(0, ex.order)
+        case Crossing.CAPACITY:
+            return lambda y: y.view(P, El, capacity, -1).transpose(0, 1).reshape(El * P * capacity, -1)
+        case Crossing.TOKENS:  # the receiver's Dispatch orders their rows
+            return lambda y: y
+    raise ValueError(f"{ex.crossing}: no row crosses ranks")
 
 
 def from_experts(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None,
@@ -272,12 +300,21 @@ def from_experts(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capaci
 
     Used for the forward combine and, as its adjoint, for the dispatch's backward.
     """
-    if capacity is None:
-        y = y_local if ex.inverse is None else y_local.index_select(0, ex.inverse)
-    else:
-        P, El = ep.group.size, ep.experts_per_rank
-        y = y_local.view(El, P, capacity, -1).transpose(0, 1).reshape(P * El * capacity, -1)
-    return _exchange(y, ex.recv_splits, ex.send_splits, ep.group, lambda rows: rows, purpose)
+    return _exchange(_source_major(y_local, ex, ep, capacity), ex.recv_splits, ex.send_splits, ep.group,
+                     lambda rows: rows, purpose)
+
+
+def _source_major(y_local: torch.Tensor, ex: Exchange, ep: ExpertParallel, capacity: int | None) -> torch.Tensor:
+    """An expert rank's rows in the order they go back to their ranks (``_expert_major``'s inverse)."""
+    P, El = ep.group.size, ep.experts_per_rank
+    match ex.crossing:
+        case Crossing.ROWS:
+            return y_local.index_select(0, ex.inverse)
+        case Crossing.CAPACITY:
+            return y_local.view(El, P, capacity, -1).transpose(0, 1).reshape(P * El * capacity, -1)
+        case Crossing.TOKENS:  # a token's rows already summed, in the order its Dispatch received them
+            return y_local
+    raise ValueError(f"{ex.crossing}: no row crosses ranks")
 
 
 class _Landed(torch.autograd.Function):

@@ -8,7 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from .dispatch import Dispatch, capacity_rows, make_dispatch, permute, row_weights, unpermute
-from .expert_parallel import Exchange, ExpertParallel, plan_exchange, plan_token_exchange
+from .expert_parallel import LOCAL, Crossing, Exchange, ExpertParallel, plan_exchange, plan_token_exchange
 from .experts import DeferredWgrad, expert_mlp
 from .router import Routing, route
 
@@ -45,12 +45,10 @@ class Routed(NamedTuple):
             ``activation``), else None; when tokens travel, ``[S, K]`` each sent token's
             probabilities (applied on the experts' rank, whatever the placement).
         probs_TK: ``[T, K]`` router probabilities (applied at unpermute under placement
-            ``output``, unless tokens travel).
+            ``output``, unless tokens travel: ``output_probs``).
         dispatch: where each assignment went (the Dispatch; when tokens travel, where
             each (token, rank) pair went).
-        exchange: how rows travel between expert ranks (None without expert parallelism).
-        segments: the row segments of the experts this rank computes (None when
-            tokens travel: ``local`` has them).
+        exchange: how rows travel between expert ranks (``LOCAL`` when none leaves).
         routing: the router's Routing (for the statistics).
     """
 
@@ -58,28 +56,39 @@ class Routed(NamedTuple):
     row_probs_R1: torch.Tensor | None
     probs_TK: torch.Tensor
     dispatch: Dispatch
-    exchange: Exchange | None
-    segments: object
+    exchange: Exchange
     routing: Routing
 
     @property
     def tokens_travel(self) -> bool:
         """Whether tokens, not rows, cross ranks (``Plan.ep_exchange='tokens'``)."""
-        return _tokens_travel(self.exchange)
+        return self.exchange.crossing is Crossing.TOKENS
 
     @property
     def local(self) -> Dispatch | None:
         """When tokens travel: the received tokens' Dispatch to this rank's experts
         (built on first use)."""
-        return None if self.exchange is None else self.exchange.local
+        return self.exchange.local
+
+    @property
+    def segments(self):
+        """The row segments of the experts this rank computes (None when tokens travel:
+        ``local`` has them)."""
+        match self.exchange.crossing:
+            case Crossing.NONE:
+                return self.dispatch
+            case Crossing.TOKENS:
+                return None
+        return self.exchange.segments
 
 
-def _tokens_travel(ex: Exchange | None) -> bool:
-    return ex is not None and ex.arrivals is not None
-
-
-def _crosses_ranks(ep: ExpertParallel | None) -> bool:
-    return ep is not None and ep.group.size > 1
+def crossing(ep: ExpertParallel | None, cfg: ModelConfig) -> Crossing:
+    """How a layer's rows reach their experts under ``ep``."""
+    if ep is None or ep.group.size == 1:
+        return Crossing.NONE
+    if ep.tokens:
+        return Crossing.TOKENS
+    return Crossing.CAPACITY if cfg.capacity_factor else Crossing.ROWS
 
 
 def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel | None = None,
@@ -94,33 +103,31 @@ def moe_route(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, ep: ExpertParallel 
     the host again; the router still runs, for its differentiable probabilities."""
     T, K = x_TD.shape[0], cfg.topk
     r = router(p, x_TD, cfg)
-    ex = None
+    how = crossing(ep, cfg)
+    ex = LOCAL
     if decided is not None:
-        d, ex, segments = decided.dispatch, decided.exchange, decided.segments
-    elif _crosses_ranks(ep) and ep.tokens:
+        d, ex = decided.dispatch, decided.exchange
+    elif how is Crossing.TOKENS:
         if cfg.capacity_factor or cfg.pad_multiple:  # a Plan refuses these when it is built
             raise ValueError(f"ExpertParallel.tokens sends tokens under dropless routing only: needs "
                              f"capacity_factor=0 and pad_multiple=0, not {cfg.capacity_factor} and "
                              f"{cfg.pad_multiple}")
         d, ex = plan_token_exchange(r.indices_TK, ep, dispatcher)
-        segments = None
     else:
         capacity = capacity_rows(T, K, cfg.experts, cfg.capacity_factor, cfg.pad_multiple) \
             if cfg.capacity_factor else None
-        d = segments = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
+        d = dispatcher(r.indices_TK, cfg.experts, 0 if capacity else cfg.pad_multiple, capacity)
     rows_RD = permute(x_TD, d)
-    tokens_travel = _tokens_travel(ex)
-    if tokens_travel:
+    if how is Crossing.TOKENS:
         row_probs_R1 = permute(r.probs_TK, d)
     else:
         row_probs_R1 = row_weights(r.probs_TK, d)[:, None] if cfg.prob_placement == "activation" else None
-    if decided is None and not tokens_travel and _crosses_ranks(ep):
+    if decided is None and how in (Crossing.ROWS, Crossing.CAPACITY):
         # Planned after the permute: the GPU has the rows' gather to run while the host
         # waits for the split sizes.
         bound = ep.group.size * T * min(K, ep.experts_per_rank) if cfg.pad_multiple == 0 else 0
         ex = plan_exchange(d.rows_E, d.capacity, ep, bound)
-        segments = ex.segments
-    return Routed(rows_RD, row_probs_R1, r.probs_TK, d, ex, segments, r)
+    return Routed(rows_RD, row_probs_R1, r.probs_TK, d, ex, r)
 
 
 def moe_experts(p: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
@@ -159,7 +166,7 @@ def moe_stats(routed: Routed, dim: int, dtype: torch.dtype) -> MoEStats:
     """The layer's MoEStats (no host sync)."""
     d, r = routed.dispatch, routed.routing
     sent = torch.zeros((), dtype=torch.long, device=d.pos_TK.device)
-    if routed.exchange is not None:
+    if routed.exchange.crosses:
         sent = sent + 2 * d.num_rows * dim * torch.empty((), dtype=dtype).element_size()
         if routed.tokens_travel:  # each token's probabilities and its int32 expert slots
             sent = sent + d.num_rows * routed.row_probs_R1.shape[1] * (routed.row_probs_R1.element_size() + 4)

@@ -1,15 +1,20 @@
 """A layer's nodes as pure functions, and the one place the MoE layer is composed.
 
 A step is split into nodes: ``embed``, then per MoE layer ``attn`` (norm, attention,
-residual, the MoE's norm, router, permute, the exchange plan and the shared expert),
-``dispatch`` (rows to their experts' ranks), ``experts`` (the grouped MLPs) and
-``combine`` (rows back, unpermute and the residual add), or per dense layer one
-``dense`` node (attention and the MLP, each with its norm and residual), then ``head``. ``NODES``
-names each kind once: what it reads and writes, and whether it computes with its
-member's weights (the exchanges hold none). The schedule's executor runs these
-functions one node at a time under its own autograd boundaries (``fmoe.schedule``);
-``layer_forward`` runs the same functions in order under plain autograd, for
-``block`` and ``forward`` (``FMoEModule``, generation, the references' tests).
+residual, the MoE's norm, router, permute, the exchange plan and the shared expert:
+``attn_node -> Attended``), ``dispatch`` (rows to their experts' ranks: ``dispatch_node
+-> Sent``), ``experts`` (the grouped MLPs: ``experts_node -> y``) and ``combine`` (rows
+back: ``combine_node -> Landing``; then unpermute and the residual add, ``land_node``),
+or per dense layer one ``dense`` node (attention and the MLP, each with its norm and
+residual), then ``head``. Each MoE node also takes the layer's ``Routed`` plan, whose
+``Exchange.crossing`` says whether and how rows cross ranks. ``NODES`` names each kind
+once, and whether it computes with its member's weights (the exchanges hold none).
+
+The schedule's executor runs these functions one node at a time under its own autograd
+boundaries (``fmoe.schedule``), an exchange's rows in flight until a later node needs
+them; ``layer_forward`` (and ``moe_forward``, the MoE alone) runs the same functions in
+order under plain autograd, each exchange waited for at once, for ``block`` and
+``forward`` (``FMoEModule``, generation, the references' tests).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import enum
 import functools
 from typing import Callable, NamedTuple
 
+import optree
 import torch
 
 from ..backends import ExpertBackend, bound_backend
@@ -26,7 +32,7 @@ from .attention import KVSlot, attention_half
 from .block_masks import Documents
 from .dispatch import make_dispatch
 from .embedding import embed
-from .expert_parallel import ExpertParallel, combine, dispatch
+from .expert_parallel import ExpertParallel, InFlight, combine, dispatch
 from .experts import DeferredWgrad, dense_mlp, experts_with
 from .fp8 import PLAIN, Gemms
 from .loss import cross_entropy_sum, head_loss_sum
@@ -53,28 +59,22 @@ class NodeSpec(NamedTuple):
 
     Attributes:
         kind: the Kind.
-        reads: the values it takes, ``producer.value`` (``stream``: the residual
-            stream ``h`` the previous node left).
-        writes: the values it hands on.
         weights: whether it computes with its member's weights (an exchange does not,
             and belongs to no FSDP unit).
     """
 
     kind: Kind
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
     weights: bool = True
 
 
 NODES = {spec.kind: spec for spec in (
-    NodeSpec(Kind.EMBED, ("batch.tokens",), ("h",)),
-    NodeSpec(Kind.ATTN, ("stream.h",), ("h", "probs_TK", "rows", "row_probs", "shared", "routed")),
-    NodeSpec(Kind.DISPATCH, ("attn.rows", "attn.row_probs", "attn.routed"), ("rows", "row_probs"), weights=False),
-    NodeSpec(Kind.EXPERTS, ("dispatch.rows", "dispatch.row_probs", "attn.routed"), ("y",)),
-    NodeSpec(Kind.COMBINE, ("experts.y", "attn.h", "attn.probs_TK", "attn.shared", "attn.routed"), ("h",),
-             weights=False),
-    NodeSpec(Kind.DENSE, ("stream.h",), ("h",)),
-    NodeSpec(Kind.HEAD, ("stream.h", "batch.targets"), ("ce_sum",)),
+    NodeSpec(Kind.EMBED),
+    NodeSpec(Kind.ATTN),
+    NodeSpec(Kind.DISPATCH, weights=False),
+    NodeSpec(Kind.EXPERTS),
+    NodeSpec(Kind.COMBINE, weights=False),
+    NodeSpec(Kind.DENSE),
+    NodeSpec(Kind.HEAD),
 )}
 """Every node kind in forward order of a step (a layer runs the four MoE kinds or ``dense``)."""
 
@@ -172,12 +172,40 @@ def _head_loss(gemms: Gemms):
 
 
 class Attended(NamedTuple):
-    """What ``attn`` hands on: differentiable ``outputs`` (``h``, ``probs_TK``, ``rows``,
-    ``row_probs``, ``shared``; absent ones None), the Routed plan and the layer's MoEStats."""
+    """What ``attn`` hands on (each differentiable; absent ones None).
 
-    outputs: dict
-    routed: Routed
-    stats: MoEStats
+    Attributes:
+        h: ``[B, S, D]`` the stream after attention, to which ``land`` adds the MoE's
+            output (None for the MoE alone, ``moe_forward``: no residual).
+        probs_TK: the probabilities the unpermute applies (``output_probs``), or None.
+        rows: the routed rows leaving for their experts (``Routed.rows_RD``).
+        row_probs: the probabilities travelling with them (``Routed.row_probs_R1``).
+        shared: ``[T, D]`` the shared expert's output.
+    """
+
+    h: torch.Tensor | None
+    probs_TK: torch.Tensor | None
+    rows: torch.Tensor
+    row_probs: torch.Tensor | None
+    shared: torch.Tensor | None
+
+
+class Sent(NamedTuple):
+    """What ``dispatch`` hands on: the experts' inputs, on the experts' rank or in
+    flight there (``rows``, and ``row_probs`` or None)."""
+
+    rows: object
+    row_probs: object
+
+
+class Landing(NamedTuple):
+    """What ``combine`` hands on: the experts' output ``y`` (on its tokens' rank or in
+    flight there) and what ``land`` adds to it (``Attended``'s fields of those names)."""
+
+    y: object
+    h: torch.Tensor | None
+    probs_TK: torch.Tensor | None
+    shared: torch.Tensor | None
 
 
 def embed_node(p: dict, inputs_BS: torch.Tensor, kernels: Kernels = EAGER, mb: int = 0) -> torch.Tensor:
@@ -185,30 +213,26 @@ def embed_node(p: dict, inputs_BS: torch.Tensor, kernels: Kernels = EAGER, mb: i
 
 
 def route_node(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
-               ep: ExpertParallel | None = None, decided: Routed | None = None):
+               ep: ExpertParallel | None = None, decided: Routed | None = None,
+               h_BSD: torch.Tensor | None = None) -> tuple[Attended, Routed, MoEStats]:
     """The MoE up to the rows leaving for their experts: router, permute, the exchange
     plan, and the shared expert. ``decided``: the routing of the forward a recompute
-    re-runs.
-
-    Returns:
-        ``(routed, shared_TD or None, stats)``.
+    re-runs; ``h_BSD``: the stream ``x_TD`` was normalised from (the residual), or None.
     """
     routed = moe_route(p_moe, x_TD, cfg, ep, functools.partial(kernels.router, site),
                        functools.partial(kernels.dispatch, site), decided)
     shared = kernels.shared(site, p_moe["shared"], x_TD, cfg) if "shared" in p_moe else None
-    return routed, shared, moe_stats(routed, x_TD.shape[1], x_TD.dtype)
+    attended = Attended(h_BSD, output_probs(routed), routed.rows_RD, routed.row_probs_R1, shared)
+    return attended, routed, moe_stats(routed, x_TD.shape[1], x_TD.dtype)
 
 
 def attn_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
               ep: ExpertParallel | None = None, docs: Documents | None = None,
-              decided: Routed | None = None) -> Attended:
+              decided: Routed | None = None) -> tuple[Attended, Routed, MoEStats]:
     """Attention half of a layer (``p``: its subtree), then ``route_node``; ``docs``: the
     microbatch's packed documents."""
     h_BSD, x_TD = kernels.attn(site, p, h_BSD, cfg, docs, cfg.layer_window(site[0]))
-    routed, shared, stats = route_node(p["moe"], x_TD, cfg, site, kernels, ep, decided)
-    outputs = {"h": h_BSD, "probs_TK": routed.probs_TK, "rows": routed.rows_RD,
-               "row_probs": routed.row_probs_R1, "shared": shared}
-    return Attended(outputs, routed, stats)
+    return route_node(p["moe"], x_TD, cfg, site, kernels, ep, decided, h_BSD)
 
 
 def dense_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
@@ -217,39 +241,71 @@ def dense_node(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, site: tuple, kern
     return layer_forward(p, h_BSD, cfg, kernels, docs=docs, site=site)[0]
 
 
-def experts_node(p_moe: dict, rows_RD: torch.Tensor, row_probs_R1: torch.Tensor | None, routed: Routed,
-                 cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
+def dispatch_node(attended: Attended, routed: Routed, ep: ExpertParallel | None, send=dispatch) -> Sent:
+    """The rows (and their probabilities) to their experts' ranks, when they leave this
+    one. ``send``: ``(x, exchange, ep, capacity) -> rows in flight``, ``dispatch``
+    (differentiable) or the executor's ``to_experts``."""
+    sent = Sent(attended.rows, attended.row_probs)
+    if not routed.exchange.crosses:
+        return sent
+    return optree.tree_map(lambda x: send(x, routed.exchange, ep, routed.dispatch.capacity), sent)
+
+
+def experts_node(p_moe: dict, sent: Sent, routed: Routed, cfg: ModelConfig, site: tuple, kernels: Kernels = EAGER,
                  deferred: DeferredWgrad | None = None) -> torch.Tensor:
-    """The grouped expert MLPs of a layer on the rows this rank computes."""
-    return moe_experts(p_moe, rows_RD, row_probs_R1, routed, cfg, deferred, functools.partial(kernels.experts, site))
+    """The grouped expert MLPs of a layer on the rows this rank computes (landed)."""
+    return moe_experts(p_moe, sent.rows, sent.row_probs, routed, cfg, deferred,
+                       functools.partial(kernels.experts, site))
 
 
-def combine_node(y_RD: torch.Tensor, h_BSD: torch.Tensor, probs_TK: torch.Tensor | None,
-                 shared_TD: torch.Tensor | None, routed: Routed) -> torch.Tensor:
+def combine_node(y_RD: torch.Tensor, attended: Attended, routed: Routed, ep: ExpertParallel | None,
+                 send=combine) -> Landing:
+    """The experts' rows back to their tokens' ranks, when they left them. ``send``:
+    ``(y, exchange, ep, capacity) -> rows in flight``, ``combine`` (differentiable) or
+    the executor's ``from_experts``."""
+    if routed.exchange.crosses:
+        y_RD = send(y_RD, routed.exchange, ep, routed.dispatch.capacity)
+    return Landing(y_RD, attended.h, attended.probs_TK, attended.shared)
+
+
+def unpermute_node(landing: Landing, routed: Routed) -> torch.Tensor:
+    """The MoE's output once its rows are back: ``unpermute(y) (+ shared)``, ``[T, D]``."""
+    return moe_output(landing.y, routed.dispatch, landing.probs_TK, landing.shared)
+
+
+def land_node(landing: Landing, routed: Routed) -> torch.Tensor:
     """The layer's output once its rows are back: ``h + unpermute(y) (+ shared)``."""
-    return h_BSD + moe_output(y_RD, routed.dispatch, probs_TK, shared_TD).view_as(h_BSD)
+    return landing.h + unpermute_node(landing, routed).view_as(landing.h)
+
+
+def _waited(x):
+    """``x``, or its rows once landed if it is in flight (``InFlight``)."""
+    return x.wait() if isinstance(x, InFlight) else x
+
+
+def through_experts(p_moe: dict, attended: Attended, routed: Routed, cfg: ModelConfig, site: tuple,
+                    kernels: Kernels = EAGER, ep: ExpertParallel | None = None) -> Landing:
+    """``dispatch_node``, ``experts_node`` and ``combine_node`` in order under plain
+    autograd, each exchange waited for at once (its backward is the reverse exchange)."""
+    sent = dispatch_node(attended, routed, ep)
+    # probabilities waited first: the backward runs the reverse exchanges latest-landed
+    # first, so the rows' gradient goes back (and is summed into x's) first, as it always was
+    row_probs = _waited(sent.row_probs)
+    y_RD = experts_node(p_moe, Sent(_waited(sent.rows), row_probs), routed, cfg, site, kernels)
+    landing = combine_node(y_RD, attended, routed, ep)
+    return landing._replace(y=_waited(landing.y))
 
 
 def moe_forward(p_moe: dict, x_TD: torch.Tensor, cfg: ModelConfig, kernels: Kernels = EAGER,
                 ep: ExpertParallel | None = None, site: tuple = (0, 0)):
-    """The MoE nodes in order under plain autograd (``route_node``, the exchange, the
-    experts, the exchange back, unpermute + shared), each exchange waited for at once
-    (its backward is the reverse exchange). No residual.
+    """The MoE nodes in order under plain autograd (``route_node``, ``through_experts``,
+    ``unpermute_node``). No residual.
 
     Returns:
         ``(y_TD, MoEStats)``.
     """
-    routed, shared, stats = route_node(p_moe, x_TD, cfg, site, kernels, ep)
-    rows, row_probs, ex, capacity = routed.rows_RD, routed.row_probs_R1, routed.exchange, routed.dispatch.capacity
-    if ex is not None:  # the rows this rank's experts compute, from every rank
-        sending = dispatch(rows, ex, ep, capacity)
-        if row_probs is not None:
-            row_probs = dispatch(row_probs, ex, ep, capacity).wait()
-        rows = sending.wait()
-    y = experts_node(p_moe, rows, row_probs, routed, cfg, site, kernels)
-    if ex is not None:
-        y = combine(y, ex, ep, capacity).wait()
-    return moe_output(y, routed.dispatch, output_probs(routed), shared), stats
+    attended, routed, stats = route_node(p_moe, x_TD, cfg, site, kernels, ep)
+    return unpermute_node(through_experts(p_moe, attended, routed, cfg, site, kernels, ep), routed), stats
 
 
 def moe(p: dict, x_TD: torch.Tensor, cfg: ModelConfig, backend: str = "torch", ep: ExpertParallel | None = None,
@@ -295,5 +351,5 @@ def layer_forward(p: dict, h_BSD: torch.Tensor, cfg: ModelConfig, kernels: Kerne
         h_BSD, x_TD = attention_half(p, h_BSD, cfg, docs, window, kv, gemms)
     if "mlp" in p:
         return h_BSD + kernels.shared(site, p["mlp"], x_TD, cfg).view_as(h_BSD), None
-    y_TD, stats = moe_forward(p["moe"], x_TD, cfg, kernels, ep, site)
-    return h_BSD + y_TD.view_as(h_BSD), stats
+    attended, routed, stats = route_node(p["moe"], x_TD, cfg, site, kernels, ep, h_BSD=h_BSD)
+    return land_node(through_experts(p["moe"], attended, routed, cfg, site, kernels, ep), routed), stats

@@ -4,7 +4,8 @@ A ``MicrobatchFlow`` holds the microbatch's rows, the residual stream ``h`` betw
 nodes (``embed``, each ``Land`` and each ``dense`` leave it, the next ``attn``, ``dense`` or
 ``head`` takes it)
 and its gradient on the way back, and per layer a ``LayerFlow``: what its nodes hand
-each other forward (``attended`` -> ``sent`` -> ``y`` -> ``landing``), the autograd
+each other forward (the records of ``fmoe.layers.nodes``: ``Attended`` -> ``Sent`` ->
+``y`` -> ``Landing``, beside the layer's ``Routed`` plan), the autograd
 ``Tape`` of each node until its backward, and the gradients of each node's outputs
 until that node's backward takes them. Every slot is written by one action and taken
 by a later one (``take``), which raises if the program runs them out of order.
@@ -22,14 +23,15 @@ from ..layers.block_masks import Documents
 from ..layers.experts import DeferredWgrad
 from ..layers.fp8 import Fp8Weight
 from ..layers.moe import Routed
+from ..layers.nodes import Attended, Landing, Sent
 from ..shard.lifecycle import LifecycleError
 from .actions import Node
 
 
 @dataclass
 class Tape:
-    """A node's autograd record, kept for its backward: detached ``inputs`` (by name),
-    differentiable ``outputs`` (by name), its weight leaves and an optional scalar
+    """A node's autograd record, kept for its backward: detached ``inputs`` (by name: a
+    record's fields, ``_asdict()``), differentiable ``outputs`` (by name), its weight leaves and an optional scalar
     ``objective``; an ``attn`` tape's ``routed`` (its layer's exchange backwards read
     it); an ``experts`` tape's held-back weight GEMMs (``Plan.delay_wgrad``), which stay
     recorded after the backward until the ``Wgrad`` action runs them."""
@@ -67,8 +69,7 @@ class Kept:
 
     h: torch.Tensor
     routed: Routed | None
-    rows: torch.Tensor | None = None
-    row_probs: torch.Tensor | None = None
+    sent: Sent | None = None
     y: torch.Tensor | None = None
 
 
@@ -77,20 +78,22 @@ class LayerFlow:
     """One layer of one microbatch.
 
     Attributes:
-        attended: ``attn``'s outputs and ``routed``, read by ``dispatch`` and ``experts``,
-            taken by ``combine``.
+        attended: ``attn``'s outputs, read by ``dispatch``, taken by ``combine``.
+        routed: the layer's routing and exchange plan, left by ``attn``, read by
+            ``dispatch``, ``experts`` and ``combine``, taken by its ``Land``.
         sent: ``dispatch``'s rows (and probabilities), in flight until ``experts`` takes them.
         y: ``experts``' output, taken by ``combine``.
-        landing: ``combine``'s rows in flight and ``attended``, taken by its ``Land``.
+        landing: ``combine``'s rows in flight and what the ``Land`` adds to them, taken by it.
         kept: ``Plan.remat='full'``: what the layer's ``Recompute`` takes.
         tapes: ``{Kind: Tape}`` waiting for their backward.
         grads: ``{Kind: {output: gradient, or a Transfer in flight}}`` for that backward.
     """
 
-    attended: dict | None = None
-    sent: dict | None = None
+    attended: Attended | None = None
+    routed: Routed | None = None
+    sent: Sent | None = None
     y: torch.Tensor | None = None
-    landing: dict | None = None
+    landing: Landing | None = None
     kept: Kept | None = None
     tapes: dict = field(default_factory=dict)
     grads: dict = field(default_factory=dict)
@@ -149,6 +152,11 @@ def leaf(x, train: bool):
     if x is None:
         return None
     return x.detach().requires_grad_(train and x.is_floating_point())
+
+
+def leaves(record, train: bool):
+    """Each field of ``record`` (a NamedTuple of tensors or None) as ``leaf``."""
+    return type(record)(*(leaf(x, train) for x in record))
 
 
 def weight_leaf(w, train: bool):

@@ -21,13 +21,14 @@ import torch
 
 from ..layers.expert_parallel import ExpertParallel, Transfer, from_experts, to_experts
 from ..layers.experts import DeferredWgrad
-from ..layers.nodes import (NODES, Kernels, Kind, NodeSpec, attn_node, combine_node, dense_node, embed_node,
-                            experts_node)
+from ..layers.moe import Routed
+from ..layers.nodes import (NODES, Attended, Kernels, Kind, Landing, NodeSpec, Sent, attn_node, combine_node,
+                            dense_node, dispatch_node, embed_node, experts_node, land_node)
 from ..layers.router import router_share
 from ..params import ParamTable
 from ..shard import lifecycle as lc
 from .actions import Node
-from .flow import Kept, LayerFlow, MicrobatchFlow, Stream, Tape, detached, leaf, take, take_tape
+from .flow import Kept, LayerFlow, MicrobatchFlow, Stream, Tape, detached, leaf, leaves, take, take_tape
 
 
 @dataclass
@@ -150,20 +151,32 @@ def _embed_backward(run: Run, state, node: Node, mb: int, unit: str):
     return state
 
 
+def _attend(run: Run, mb: int, node: Node, weights: dict, h: torch.Tensor, decided: Routed | None = None):
+    """``attn_node`` on the stream ``h``, and its router losses' share of the objective.
+
+    Returns:
+        ``(Attended, Routed, MoEStats, objective or None)``.
+    """
+    attended, routed, stats = attn_node(run.layer_tree(weights), h, run.cfg, (node.layer, mb), run.kernels,
+                                        run.ep, run.mbs[mb].docs, decided)
+    return attended, routed, stats, router_share(stats.aux_loss, stats.z_loss, run.cfg, run.router_parts)
+
+
+def _attn_tape(h: torch.Tensor, attended: Attended, weights: dict, objective, routed: Routed) -> Tape:
+    return Tape({"h": h}, attended._asdict(), weights, objective, routed)
+
+
 def _attn_forward(run: Run, mb: int, node: Node, weights: dict):
-    mbf = run.mbs[mb]
+    layer = run.mbs[mb].layers[node.layer]
     h = _take_stream(run, mb, node)
-    result = attn_node(run.layer_tree(weights), h, run.cfg, (node.layer, mb), run.kernels, run.ep, mbf.docs)
-    stats = result.stats
-    objective = router_share(stats.aux_loss, stats.z_loss, run.cfg, run.router_parts)
-    layer = mbf.layers[node.layer]
+    attended, routed, stats, objective = _attend(run, mb, node, weights, h)
     if run.remat:  # kept: the input and the routing; the rows go on as an output and a recompute makes them again
-        result, objective = detached(result), None if objective is None else objective.detach()
-        layer.kept = Kept(h.detach(), result.routed._replace(rows_RD=None))
+        attended, routed, stats, objective = detached((attended, routed, stats, objective))
+        layer.kept = Kept(h.detach(), routed._replace(rows_RD=None))
     else:
-        run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, result.outputs, weights, objective, result.routed))
-    layer.attended = dict(result.outputs, routed=result.routed)
-    run.stats.setdefault(mb, {})[node.layer] = result.stats
+        run.save(layer.tapes, Kind.ATTN, _attn_tape(h, attended, weights, objective, routed))
+    layer.attended, layer.routed = attended, routed
+    run.stats.setdefault(mb, {})[node.layer] = stats
     if objective is not None:
         run.objective += objective.detach()
 
@@ -177,15 +190,16 @@ def _attn_backward(run: Run, state, node: Node, mb: int, unit: str):
     return state
 
 
+def _sending(run: Run, node: Node, mb: int, way: Callable) -> Callable:
+    """``way`` (``to_experts`` or ``from_experts``) as a node function's ``send``: the
+    Transfer is left in flight, tagged with ``node`` for the trace."""
+    return lambda *args: run.send(way(*args), node, mb)
+
+
 def _dispatch_forward(run: Run, mb: int, node: Node, weights: dict):
     """Issue the all-to-all of the rows (and their probabilities) to their experts' ranks."""
     layer = run.mbs[mb].layers[node.layer]
-    rows, probs, routed = layer.attended["rows"], layer.attended["row_probs"], layer.attended["routed"]
-    if routed.exchange is not None:
-        cap = routed.dispatch.capacity
-        rows = run.send(to_experts(rows, routed.exchange, run.ep, cap), node, mb)
-        probs = None if probs is None else run.send(to_experts(probs, routed.exchange, run.ep, cap), node, mb)
-    layer.sent = {"rows": rows, "row_probs": probs}
+    layer.sent = dispatch_node(layer.attended, layer.routed, run.ep, _sending(run, node, mb, to_experts))
 
 
 def _routing(run: Run, mb: int, node: Node):
@@ -207,7 +221,7 @@ def _dispatch_backward(run: Run, state, node: Node, mb: int, unit: None):
                                 "the program runs nodes out of order")
     got = layer.grads.pop(Kind.DISPATCH)
     routed = _routing(run, mb, node)
-    if routed.exchange is not None:
+    if routed.exchange.crosses:
         cap = routed.dispatch.capacity
         got = {name: None if g is None else run.send(
                    from_experts(g, routed.exchange, run.ep, cap, "dispatch_grad"), node, mb)
@@ -216,29 +230,28 @@ def _dispatch_backward(run: Run, state, node: Node, mb: int, unit: None):
     return state
 
 
-def run_experts(run: Run, mb: int, node: Node, weights: dict, rows, probs, routed) -> torch.Tensor:
-    """The experts' forward under autograd, its Tape kept for the backward."""
+def run_experts(run: Run, mb: int, node: Node, weights: dict, sent: Sent, routed: Routed) -> torch.Tensor:
+    """The experts' forward under autograd (``sent``: landed leaves), its Tape kept for the backward."""
     deferred = DeferredWgrad() if run.train and run.delay_wgrad else None
     p = run.layer_tree(weights)["moe"]
-    y = experts_node(p, rows, probs, routed, run.cfg, (node.layer, mb), run.kernels, deferred)
+    y = experts_node(p, sent, routed, run.cfg, (node.layer, mb), run.kernels, deferred)
     wgrad = None if deferred is None else (deferred, {id(w): path for path, w in weights.items()})
-    run.save(run.mbs[mb].layers[node.layer].tapes, Kind.EXPERTS,
-             Tape({"rows": rows, "row_probs": probs}, {"y": y}, weights, wgrad=wgrad))
+    run.save(run.mbs[mb].layers[node.layer].tapes, Kind.EXPERTS, Tape(sent._asdict(), {"y": y}, weights, wgrad=wgrad))
     return y
 
 
 def _experts_forward(run: Run, mb: int, node: Node, weights: dict):
     layer = run.mbs[mb].layers[node.layer]
     sent = take(layer, "sent", f"forward {node} (microbatch {mb})")
-    routed = layer.attended["routed"]
-    rows, probs = leaf(run.landed(sent["rows"]), run.train), leaf(run.landed(sent["row_probs"]), run.train)
+    routed = layer.routed
+    sent = leaves(Sent(*map(run.landed, sent)), run.train)
     if run.remat:
         p = run.layer_tree(weights)["moe"]
-        layer.y = experts_node(p, rows, probs, routed, run.cfg, (node.layer, mb), run.kernels).detach()
-        if routed.exchange is not None:  # these rows crossed ranks: kept, never exchanged again
-            layer.kept.rows, layer.kept.row_probs = rows.detach(), probs
+        layer.y = experts_node(p, sent, routed, run.cfg, (node.layer, mb), run.kernels).detach()
+        if routed.exchange.crosses:  # these rows crossed ranks: kept, never exchanged again
+            layer.kept.sent = detached(sent)
     else:
-        layer.y = run_experts(run, mb, node, weights, rows, probs, routed)
+        layer.y = run_experts(run, mb, node, weights, sent, routed)
 
 
 def _experts_backward(run: Run, state, node: Node, mb: int, unit: str):
@@ -271,10 +284,7 @@ def _combine_forward(run: Run, mb: int, node: Node, weights: dict):
     layer = mbf.layers[node.layer]
     y = take(layer, "y", f"forward {node} (microbatch {mb})")
     attended = take(layer, "attended", f"forward {node} (microbatch {mb})")
-    routed = attended["routed"]
-    if routed.exchange is not None:
-        y = run.send(from_experts(y, routed.exchange, run.ep, routed.dispatch.capacity), node, mb)
-    layer.landing = {"y": y, "attended": attended}
+    layer.landing = combine_node(y, attended, layer.routed, run.ep, _sending(run, node, mb, from_experts))
     mbf.stream = Stream(node, None)
 
 
@@ -284,24 +294,23 @@ def land(run: Run, mb: int, node: Node) -> None:
     mbf = run.mbs[mb]
     layer = mbf.layers[node.layer]
     landing = take(layer, "landing", f"land {node} (microbatch {mb})")
-    y, attended = run.landed(landing["y"]), landing["attended"]
+    routed = take(layer, "routed", f"land {node} (microbatch {mb})")
+    landing = landing._replace(y=run.landed(landing.y))
     if run.remat:
-        if attended["routed"].exchange is not None:  # rows back across ranks: kept for the recompute
-            layer.kept.y = y.detach()
-        h = _combine(run, layer, y, attended, record=False).detach()
+        if routed.exchange.crosses:  # rows back across ranks: kept for the recompute
+            layer.kept.y = landing.y.detach()
+        h = _land(run, layer, landing, routed, record=False).detach()
     else:
-        h = _combine(run, layer, y, attended)
+        h = _land(run, layer, landing, routed)
     mbf.stream = Stream(node, h)
 
 
-def _combine(run: Run, layer: LayerFlow, y: torch.Tensor, attended: dict, record: bool = True) -> torch.Tensor:
-    inputs = {"y": leaf(y, run.train)}
-    inputs.update({name: leaf(attended[name], run.train) for name in ("h", "probs_TK", "shared")})
-    routed = attended["routed"]
-    probs = inputs["probs_TK"] if routed.row_probs_R1 is None else None
-    h = combine_node(inputs["y"], inputs["h"], probs, inputs["shared"], routed)
+def _land(run: Run, layer: LayerFlow, landing: Landing, routed: Routed, record: bool = True) -> torch.Tensor:
+    """``land_node`` on leaves of ``landing``, its Tape kept when ``record``."""
+    inputs = leaves(landing, run.train)
+    h = land_node(inputs, routed)
     if record:
-        run.save(layer.tapes, Kind.COMBINE, Tape(inputs, {"h": h}, {}))
+        run.save(layer.tapes, Kind.COMBINE, Tape(inputs._asdict(), {"h": h}, {}))
     return h
 
 
@@ -313,7 +322,7 @@ def _combine_backward(run: Run, state, node: Node, mb: int, unit: None):
     state, got = _backprop(run, state, unit, tape, _take_grad_h(mbf))
     routed = _routing(run, mb, node)
     g_y = got.pop("y")
-    if routed.exchange is not None and g_y is not None:
+    if routed.exchange.crosses and g_y is not None:
         g_y = run.send(to_experts(g_y, routed.exchange, run.ep, routed.dispatch.capacity, "combine_grad"), node, mb)
     layer.grads_for(Kind.EXPERTS)["y"] = g_y
     layer.grads_for(Kind.ATTN).update(got)
@@ -347,6 +356,13 @@ def _recompute_dense(run: Run, node: Node, mb: int, kept: Kept, weights: Callabl
     run.save(run.mbs[mb].layers[node.layer].tapes, Kind.DENSE, Tape({"h": h}, {"h": out}, w))
 
 
+def _replay(kept) -> Callable:
+    """A node function's ``send`` that hands back, in order, what crossed ranks in the
+    forward (``kept``), so a recompute exchanges nothing again."""
+    values = iter(kept or ())
+    return lambda *args: next(values)
+
+
 def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable):
     """``Plan.remat='full'``: re-run layer ``node``'s attn, experts and combine (a dense
     layer: its ``dense`` node) from what its forward kept, under autograd this time, leaving the Tapes its backward actions
@@ -358,18 +374,13 @@ def recompute(run: Run, state, node: Node, mb: int, unit: str, weights: Callable
     kept = take(layer, "kept", f"recompute {node} (microbatch {mb})")
     if run.cfg.is_dense(node.layer):
         return _recompute_dense(run, node, mb, kept, weights)
-    routed = kept.routed
     attn, experts = node.sibling(Kind.ATTN), node.sibling(Kind.EXPERTS)
-    h = leaf(kept.h, True)
-    attn_weights = weights(attn)
-    res = attn_node(run.layer_tree(attn_weights), h, run.cfg, (node.layer, mb), run.kernels, run.ep,
-                    run.mbs[mb].docs, decided=routed)
-    objective = router_share(res.stats.aux_loss, res.stats.z_loss, run.cfg, run.router_parts)
-    run.save(layer.tapes, Kind.ATTN, Tape({"h": h}, res.outputs, attn_weights, objective, routed))
-    crossed = routed.exchange is not None
-    rows, probs = (kept.rows, kept.row_probs) if crossed else (res.outputs["rows"], res.outputs["row_probs"])
-    y = run_experts(run, mb, experts, weights(experts), leaf(rows, True), leaf(probs, True), routed)
-    _combine(run, layer, kept.y if crossed else y.detach(), dict(res.outputs, routed=res.routed))
+    h, attn_weights = leaf(kept.h, True), weights(attn)
+    attended, routed, _, objective = _attend(run, mb, attn, attn_weights, h, decided=kept.routed)
+    run.save(layer.tapes, Kind.ATTN, _attn_tape(h, attended, attn_weights, objective, kept.routed))
+    sent = dispatch_node(attended, routed, run.ep, _replay(kept.sent))
+    y = run_experts(run, mb, experts, weights(experts), leaves(sent, True), routed)
+    _land(run, layer, combine_node(y, attended, routed, run.ep, _replay([kept.y])), routed)
 
 
 def _head_forward(run: Run, mb: int, node: Node, weights: dict):
