@@ -285,6 +285,8 @@ def _combine_forward(run: Run, mb: int, node: Node, weights: dict):
     y = take(layer, "y", f"forward {node} (microbatch {mb})")
     attended = take(layer, "attended", f"forward {node} (microbatch {mb})")
     layer.landing = combine_node(y, attended, layer.routed, run.ep, _sending(run, node, mb, from_experts))
+    # the Land needs the routing, not the rows sent: freed here, as attn's outputs are
+    layer.routed = layer.routed._replace(rows_RD=None)
     mbf.stream = Stream(node, None)
 
 
