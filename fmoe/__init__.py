@@ -4,6 +4,7 @@ from . import layers
 from .batch import local_batch
 from .checkpoint import Checkpoint, load, save
 from .config import ModelConfig, Plan
+from .lora_spec import LoRA
 from .optim import (
     Optimizer,
     Transform,
@@ -25,15 +26,15 @@ from .gather import gather_full
 from .comm.trace import export_chrome_trace
 from .step import StepOutput, eval_loss, step
 
-from . import hf  # noqa: E402  (builds on everything above)
+from . import hf, lora  # noqa: E402  (build on everything above)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Checkpoint", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
+    "Checkpoint", "LoRA", "ModelConfig", "Optimizer", "Plan", "StepOutput", "Transform", "active_param_count", "adamw",
     "apply_if_finite", "chain", "clip_by_global_norm", "eval_loss", "export_chrome_trace", "gather_full",
     "global_norm", "glu_from_interleaved", "glu_to_interleaved", "hf", "init", "last_grad_norm", "layers", "load",
-    "local_batch",
+    "local_batch", "lora",
     "optimizer",
     "param_shapes", "save", "scale_by_adam", "skipped_steps", "step", "train_flops_per_token",
     "update_expert_bias", "warmup_cosine",

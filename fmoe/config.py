@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .checks import check_bool, check_int, fail
+from .lora_spec import LoRA
 from .config_fields import (ACTIVATIONS, CHOICES, DTYPES, EP_EXCHANGES, FP8S, GATHER_BUFFERS, GLU_ACTIVATIONS,
                             PAD_MULTIPLES, PROB_PLACEMENTS, QK_NORMS, REMATS, ROPE_SCALINGS, SCHEDULES, SCORE_FUNCS,
                             SHARDINGS, EpExchange, GatherBuffers, Remat, Schedule, _check_choices, choices,
@@ -123,6 +124,9 @@ class Plan:
             ``torch`` expert backend, GEMM widths that are multiples of 16 (the
             vocabulary too under ``tensorwise``) and a Hopper GPU (compute capability
             9.x); refused elsewhere.
+        lora: ``fmoe.LoRA(rank, alpha, targets)``: train low-rank adapters on the frozen
+            params (``fmoe.lora``; ``fmoe.step(adapters, batch, plan, base=params)``), or
+            None. This version trains them on one process.
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -150,6 +154,7 @@ class Plan:
     pp_layout: tuple | None = None
     virtual_stages: int = 1
     ep_exchange: str = "rows"
+    lora: LoRA | None = None
 
     def __post_init__(self):
         own = "Plan"
@@ -177,6 +182,8 @@ class Plan:
                  f"model.capacity_factor=0 and model.pad_multiple=0 (they are {self.model.capacity_factor} and "
                  f"{self.model.pad_multiple}), or ep_exchange='rows'")
         check_parallel(self.dims, self.model)
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            fail(f"{own}.lora", self.lora, "must be None or a fmoe.LoRA(rank, alpha, targets)")
         if self.virtual_stages > 1 and self.pp == 1:
             fail(f"{own}.virtual_stages", self.virtual_stages, "interleaves pipeline stages: needs Plan.pp > 1 "
                                                                "(or virtual_stages=1)")

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import optree
 import torch
 
+from . import lora
 from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
 from .comm.collectives import Group
@@ -157,7 +158,7 @@ def global_targets(checked: Batch, mesh) -> int:
     return total
 
 
-def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
+def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None, base: dict | None = None) -> StepOutput:
     """Loss, gradients and metrics of one batch under ``plan``.
 
     Each rank passes its own slice of the global batch. The slice is split into
@@ -178,12 +179,32 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None) 
         kernels: the functions inside the layer nodes (``interop.cuda_graph`` passes
             CUDA-graphed ones); by default the pure functions, compiled when
             ``plan.compile`` is set.
+        base: under ``plan.lora``, the frozen params the adapters adapt; ``params``
+            are then the adapters (``fmoe.lora.init``), and the grads theirs.
 
     Returns:
         A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
-        holds the step's Events. Nothing in ``params`` is modified.
+        holds the step's Events. Nothing in ``params`` (or ``base``) is modified.
     """
+    if base is not None or plan.lora is not None:
+        return _adapter_step(params, batch, plan, kernels, base)
     return run_step(params, prepare_step(params, batch, plan), plan, kernels)
+
+
+def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | None, base: dict | None) -> StepOutput:
+    """``step`` under ``plan.lora``: the step of the merged params, its gradients carried to
+    the adapters (``fmoe.lora.adapter_grads``); every input checked before any compute."""
+    if plan.lora is None:
+        raise ValueError("fmoe.step: base= holds the frozen params of adapters, but Plan.lora is None: give "
+                         "the plan a fmoe.LoRA(rank, alpha, targets), or pass the params without base=")
+    if base is None:
+        raise ValueError("fmoe.step: Plan.lora trains adapters on frozen params: pass them as base= "
+                         "(fmoe.step(adapters, batch, plan, base=params))")
+    plain = plan.replace(lora=None)
+    lora.check_adapters(adapters, plan)
+    check_inputs(base, batch, plain)
+    out, grads = lora.adapter_grads(base, adapters, plan, lambda merged: step(merged, batch, plain, kernels))
+    return out._replace(grads=grads)
 
 
 def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | None = None) -> StepOutput:

@@ -47,7 +47,9 @@ def _field_type(field) -> type:
 
 
 MODEL_FIELDS = {f.name: _field_type(f) for f in dataclasses.fields(ModelConfig)}
-PLAN_FIELDS = {f.name: _field_type(f) for f in dataclasses.fields(Plan) if f.name != "model"}
+# Plan fields the main job does not set (yet): the model has its own, the adapters none
+NOT_SETTINGS = ("model", "lora")
+PLAN_FIELDS = {f.name: _field_type(f) for f in dataclasses.fields(Plan) if f.name not in NOT_SETTINGS}
 KNOWN = {**RUN_FIELDS, **MODEL_FIELDS, **PLAN_FIELDS}
 
 
@@ -159,7 +161,7 @@ def _defaults() -> dict:
     """Every setting's value before ``--config`` and the flags: the fields' defaults,
     then the ``cpu`` preset."""
     settings = {**{f.name: f.default for f in dataclasses.fields(ModelConfig)},
-                **{f.name: f.default for f in dataclasses.fields(Plan) if f.name != "model"}, **RUN_DEFAULTS}
+                **{f.name: f.default for f in dataclasses.fields(Plan) if f.name not in NOT_SETTINGS}, **RUN_DEFAULTS}
     settings.update(dict.fromkeys(MEMBER_GROUPS, ""))
     settings.update(dict.fromkeys(LAYER_LISTS, ""))
     settings.update(read_toml("cpu")[0])

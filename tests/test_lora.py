@@ -1,0 +1,188 @@
+"""Low-rank adapters (``fmoe.lora``, ``Plan.lora``): their layout, the merged weights against
+the formula, the adapter step's loss and gradients against a float64 reference of the adapted
+model, and every refusal naming its field."""
+
+import math
+
+import optree
+import pytest
+import torch
+
+import fmoe
+from fmoe.params import named_leaves
+
+from . import reference as ref
+from .test_schedule import assert_same_step
+
+F64 = torch.float64
+# every kind of adapted matrix at once: fused qkv columns, out, per-expert fc1/fc2, the shared
+# expert, and a dense layer's MLP
+CFG = fmoe.ModelConfig(vocab=40, dim=32, layers=3, heads=4, kv_heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
+                       dense_layers=(0,), dense_ffn=24)
+EVERY = fmoe.LoRA(rank=3, alpha=6.0, targets=("q", "k", "v", "out", "experts", "shared", "mlp"))
+MLA = fmoe.ModelConfig(vocab=40, dim=32, layers=2, heads=4, head_size=12, kv_lora_rank=16, q_lora_rank=8,
+                       rope_head_dim=4, v_head_size=6, experts=4, topk=2, ffn=16)
+
+
+def random_adapters(plan, seed: int, dtype=torch.float32):
+    """``fmoe.lora.init``'s layout with every ``a`` and ``b`` random (a fresh ``b`` is zero)."""
+    g = torch.Generator().manual_seed(seed)
+    return optree.tree_map(lambda t: torch.randn(t.shape, generator=g, dtype=dtype) * 0.3,
+                           fmoe.lora.init(plan, seed=seed))
+
+
+def merged_by_formula(base, adapters, plan):
+    """Each adapted matrix ``W + (alpha / r) a @ b`` written out per target, in float64."""
+    lora, out = plan.lora, optree.tree_map(lambda t: t.clone(), base)
+    qkv_sizes = {"q": CFG.heads * CFG.head_dim, "k": CFG.num_kv_heads * CFG.head_dim}
+    for i, layer in enumerate(adapters["layers"]):
+        p = out["layers"][i]
+        for name, ad in layer.get("attn", {}).items():
+            delta = lora.scale * ad["a"] @ ad["b"]
+            if name in ("q", "k", "v"):
+                start = {"q": 0, "k": qkv_sizes["q"], "v": qkv_sizes["q"] + qkv_sizes["k"]}[name]
+                p["attn"]["qkv"][:, start:start + delta.shape[1]] += delta
+            else:
+                p["attn"][name] += delta
+        for group in ("experts", "shared"):
+            for fc, ad in layer.get("moe", {}).get(group, {}).items():
+                p["moe"][group][fc] += lora.scale * torch.einsum("...ir,...ro->...io", ad["a"], ad["b"])
+        for fc, ad in layer.get("mlp", {}).items():
+            p["mlp"][fc] += lora.scale * ad["a"] @ ad["b"]
+    return out
+
+
+def test_the_adapters_are_laid_out_as_the_design_says():
+    plan = fmoe.Plan(model=CFG, lora=EVERY)
+    adapters = fmoe.lora.init(plan, seed=0)
+    shapes = {path: tuple(t.shape) for path, t in named_leaves(adapters).items()}
+    D, r, qd, kvd = 32, 3, 4 * 8, 2 * 8
+    assert shapes["layers.0.mlp.fc1.a"] == (D, r) and shapes["layers.0.mlp.fc1.b"] == (r, 2 * 24)
+    assert shapes["layers.0.mlp.fc2.a"] == (24, r) and shapes["layers.0.mlp.fc2.b"] == (r, D)
+    assert "layers.0.moe" not in "".join(shapes)  # a dense layer has no experts to adapt
+    assert shapes["layers.1.attn.q.b"] == (r, qd) and shapes["layers.1.attn.k.b"] == (r, kvd)
+    assert shapes["layers.1.attn.v.a"] == (D, r) and shapes["layers.1.attn.out.a"] == (qd, r)
+    assert shapes["layers.2.moe.experts.fc1.a"] == (4, D, r) and shapes["layers.2.moe.experts.fc1.b"] == (4, r, 32)
+    assert shapes["layers.2.moe.experts.fc2.a"] == (4, 16, r) and shapes["layers.2.moe.experts.fc2.b"] == (4, r, D)
+    assert shapes["layers.2.moe.shared.fc1.b"] == (r, 16) and shapes["layers.2.moe.shared.fc2.a"] == (8, r)
+    leaves = named_leaves(adapters)
+    assert all(not t.any() for p, t in leaves.items() if p.endswith(".b"))
+    assert all(t.abs().max() <= 1 / math.sqrt(t.shape[-2]) and t.std() > 0 for p, t in leaves.items()
+               if p.endswith(".a"))
+    again = fmoe.lora.init(plan, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(adapters), optree.tree_leaves(again)))
+    assert not torch.equal(fmoe.lora.init(plan, seed=1)["layers"][1]["attn"]["q"]["a"], adapters["layers"][1]["attn"]["q"]["a"])
+
+
+def test_latent_attention_adapts_its_projections_by_their_names():
+    plan = fmoe.Plan(model=MLA, lora=fmoe.LoRA(rank=2, alpha=2.0, targets=("q_down", "q_up", "kv_down", "kv_up", "out")))
+    shapes = {p: tuple(t.shape) for p, t in named_leaves(fmoe.lora.init(plan)).items()}
+    assert shapes["layers.0.attn.q_down.a"] == (32, 2) and shapes["layers.0.attn.q_up.b"] == (2, 48)
+    assert shapes["layers.1.attn.kv_down.b"] == (2, 20) and shapes["layers.1.attn.kv_up.a"] == (16, 2)
+
+
+def test_merge_is_the_formula_and_fresh_adapters_change_nothing():
+    plan = fmoe.Plan(model=CFG, lora=EVERY)
+    base = ref.random_params(CFG, seed=ref.seed_of_this_test())
+    adapters = random_adapters(plan, seed=1, dtype=F64)
+    merged = fmoe.lora.merge(base, adapters, plan)
+    ref.assert_trees_close(merged, merged_by_formula(base, adapters, plan), rtol=1e-12, atol=1e-12)
+    fresh = optree.tree_map(lambda t: t.double(), fmoe.lora.init(plan, seed=2))
+    ref.assert_trees_equal(fmoe.lora.merge(base, fresh, plan), base)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_adapter_step_matches_the_float64_adapted_model(packed):
+    plan = fmoe.Plan(model=CFG, lora=EVERY, microbatches=2)
+    base = ref.random_params(CFG, seed=ref.seed_of_this_test(), dtype=torch.float32)
+    adapters = random_adapters(plan, seed=3)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, CFG.vocab, (4, 10), generator=g)
+    batch = {"tokens": tokens}
+    seg = None
+    if packed:
+        seg = (torch.rand(4, 10, generator=g) < 0.2).long().cumsum(1)
+        batch["segments"] = seg
+    before = optree.tree_map(torch.clone, base)
+    out = fmoe.step(adapters, batch, plan, base=base)
+    ref.assert_trees_equal(base, before)  # the base is never written
+
+    base64 = optree.tree_map(lambda t: t.double(), base)
+    leaves, treedef = optree.tree_flatten(optree.tree_map(lambda t: t.double().requires_grad_(True), adapters))
+    merged = merged_by_formula(base64, optree.tree_unflatten(treedef, leaves), plan)
+    counted = tokens[:, 1:].numel() if seg is None else int((seg[:, :-1] == seg[:, 1:]).sum())
+    loss = ref.lm_loss_sum(merged, tokens, CFG, segments_BS1=seg)[0] / counted
+    want = optree.tree_unflatten(treedef, list(torch.autograd.grad(loss, leaves)))
+    torch.testing.assert_close(out.loss.double(), loss.detach(), rtol=1e-5, atol=1e-6)
+    assert optree.tree_structure(out.grads) == optree.tree_structure(adapters)
+    ref.assert_trees_close(out.grads, optree.tree_map(torch.Tensor.float, want), rtol=1e-4, atol=1e-5)
+
+
+def test_the_adapter_step_is_bitwise_the_same_under_the_overlap_schedule_and_remat():
+    plan = fmoe.Plan(model=CFG, lora=EVERY, microbatches=2)
+    base = ref.random_params(CFG, seed=5, dtype=torch.float32)
+    adapters = random_adapters(plan, seed=6)
+    batch = {"tokens": torch.randint(0, CFG.vocab, (4, 9), generator=torch.Generator().manual_seed(7))}
+    want = fmoe.step(adapters, batch, plan, base=base)
+    for changes in (dict(schedule="1f1b_overlap", remat="full"), dict(schedule="1f1b_overlap", delay_wgrad=True)):
+        assert_same_step(fmoe.step(adapters, batch, plan.replace(**changes), base=base), want)
+
+
+def test_sgd_on_the_adapters_lowers_the_loss_and_leaves_the_base():
+    plan = fmoe.Plan(model=CFG, lora=EVERY)
+    base = ref.random_params(CFG, seed=8, dtype=torch.float32)
+    adapters = fmoe.lora.init(plan, seed=9)
+    batch = {"tokens": torch.randint(0, CFG.vocab, (4, 9), generator=torch.Generator().manual_seed(10))}
+    first = fmoe.step(adapters, batch, plan, base=base)
+    for _ in range(5):
+        out = fmoe.step(adapters, batch, plan, base=base)
+        adapters = optree.tree_map(lambda w, g: w - 0.5 * g, adapters, out.grads)
+    assert fmoe.step(adapters, batch, plan, base=base).loss < first.loss
+    plain = fmoe.step(base, batch, plan.replace(lora=None))
+    assert torch.equal(first.loss, plain.loss)  # fresh adapters: b is zero, the base model's loss
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(rank=0), "LoRA.rank"), (dict(rank=2.0), "LoRA.rank"), (dict(rank=True), "LoRA.rank"),
+    (dict(alpha=0.0), "LoRA.alpha"), (dict(alpha=math.inf), "LoRA.alpha"), (dict(alpha="8"), "LoRA.alpha"),
+    (dict(targets=("q", "wq")), "LoRA.targets"), (dict(targets=("q", "q")), "LoRA.targets"),
+    (dict(targets=()), "LoRA.targets"), (dict(targets="q"), "LoRA.targets"),
+])
+def test_bad_adapter_settings_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=f"{field}="):
+        fmoe.LoRA(**changes)
+
+
+@pytest.mark.parametrize("cfg, targets, missing", [
+    (CFG.replace(shared_ffn=0), ("q", "shared"), "'shared'"),
+    (CFG.replace(dense_layers=(), dense_ffn=0), ("mlp",), "'mlp'"),
+    (CFG, ("q_down",), "'q_down'"),
+    (MLA, ("k", "v"), "'k', 'v'"),
+])
+def test_a_target_the_model_does_not_have_is_refused_before_any_compute(cfg, targets, missing):
+    plan = fmoe.Plan(model=cfg, lora=fmoe.LoRA(rank=2, targets=targets))
+    with pytest.raises(ValueError, match=f"LoRA.targets=.*has no {missing}"):
+        fmoe.lora.init(plan)
+
+
+def test_the_step_refuses_what_it_cannot_run_naming_the_field():
+    plan = fmoe.Plan(model=CFG, lora=EVERY)
+    base = ref.random_params(CFG, seed=0, dtype=torch.float32)
+    adapters = fmoe.lora.init(plan)
+    batch = {"tokens": torch.randint(0, CFG.vocab, (2, 9))}
+    with pytest.raises(ValueError, match="pass them as base="):
+        fmoe.step(adapters, batch, plan)
+    with pytest.raises(ValueError, match="Plan.lora is None"):
+        fmoe.step(adapters, batch, plan.replace(lora=None), base=base)
+    with pytest.raises(ValueError, match="Plan.lora="):
+        fmoe.Plan(model=CFG, lora={"rank": 4})
+    with pytest.raises(ValueError, match="Plan.lora=.*one process"):
+        fmoe.lora.init(plan.replace(dp=2))
+    missing = optree.tree_map(lambda t: t, adapters)
+    del missing["layers"][1]["attn"]["k"]
+    with pytest.raises(ValueError, match="no adapter at layers.1.attn.k"):
+        fmoe.step(missing, batch, plan, base=base)
+    wrong = optree.tree_map(lambda t: t, adapters)
+    wrong["layers"][1]["attn"]["q"]["a"] = torch.zeros(32, 5)
+    with pytest.raises(ValueError, match=r"layers.1.attn.q.a is \(32, 5\): expected \(32, 3\)"):
+        fmoe.step(wrong, batch, plan, base=base)
