@@ -191,15 +191,19 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None, 
     return run_step(params, prepare_step(params, batch, plan), plan, kernels)
 
 
-def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | None, base: dict | None) -> StepOutput:
-    """``step`` under ``plan.lora``: the step of the merged params, its gradients carried to
-    the adapters (``fmoe.lora.adapter_grads``); every input checked before any compute."""
+def _check_adapter_call(plan: Plan, base: dict | None) -> None:
     if plan.lora is None:
         raise ValueError("fmoe.step: base= holds the frozen params of adapters, but Plan.lora is None: give "
                          "the plan a fmoe.LoRA(rank, alpha, targets), or pass the params without base=")
     if base is None:
         raise ValueError("fmoe.step: Plan.lora trains adapters on frozen params: pass them as base= "
                          "(fmoe.step(adapters, batch, plan, base=params))")
+
+
+def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | None, base: dict | None) -> StepOutput:
+    """``step`` under ``plan.lora``: the step of the merged params, its gradients carried to
+    the adapters (``fmoe.lora.adapter_grads``); every input checked before any compute."""
+    _check_adapter_call(plan, base)
     plain = plan.replace(lora=None)
     lora.check_adapters(adapters, plan)
     check_inputs(base, batch, plain)
@@ -243,15 +247,21 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
 
 
 @torch.no_grad()
-def eval_loss(params: dict, batch: dict, plan: Plan) -> torch.Tensor:
+def eval_loss(params: dict, batch: dict, plan: Plan, base: dict | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of the global batch, without gradients.
 
-    Arguments and validation are those of ``step`` (each rank passes its rows);
+    Arguments and validation are those of ``step`` (each rank passes its rows; under
+    ``plan.lora``, ``params`` are the adapters and ``base`` the frozen params);
     microbatches bound the memory.
 
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
+    if base is not None or plan.lora is not None:
+        _check_adapter_call(plan, base)
+        with torch.no_grad():
+            merged = lora.merge(base, params, plan)
+        return eval_loss(merged, batch, plan.replace(lora=None))
     prepared = prepare_step(params, batch, plan, train=False)
     run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.total, prepared.program)
     return _sum_over_ranks(prepared.setup.mesh.world, run.ce_sum.clone()) / prepared.total

@@ -71,11 +71,13 @@ def test_the_adapters_are_laid_out_as_the_design_says():
                if p.endswith(".a"))
     again = fmoe.lora.init(plan, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(adapters), optree.tree_leaves(again)))
-    assert not torch.equal(fmoe.lora.init(plan, seed=1)["layers"][1]["attn"]["q"]["a"], adapters["layers"][1]["attn"]["q"]["a"])
+    other = fmoe.lora.init(plan, seed=1)
+    assert not torch.equal(other["layers"][1]["attn"]["q"]["a"], adapters["layers"][1]["attn"]["q"]["a"])
 
 
 def test_latent_attention_adapts_its_projections_by_their_names():
-    plan = fmoe.Plan(model=MLA, lora=fmoe.LoRA(rank=2, alpha=2.0, targets=("q_down", "q_up", "kv_down", "kv_up", "out")))
+    latent = fmoe.LoRA(rank=2, alpha=2.0, targets=("q_down", "q_up", "kv_down", "kv_up", "out"))
+    plan = fmoe.Plan(model=MLA, lora=latent)
     shapes = {p: tuple(t.shape) for p, t in named_leaves(fmoe.lora.init(plan)).items()}
     assert shapes["layers.0.attn.q_down.a"] == (32, 2) and shapes["layers.0.attn.q_up.b"] == (2, 48)
     assert shapes["layers.1.attn.kv_down.b"] == (2, 20) and shapes["layers.1.attn.kv_up.a"] == (16, 2)
@@ -140,6 +142,11 @@ def test_sgd_on_the_adapters_lowers_the_loss_and_leaves_the_base():
     assert fmoe.step(adapters, batch, plan, base=base).loss < first.loss
     plain = fmoe.step(base, batch, plan.replace(lora=None))
     assert torch.equal(first.loss, plain.loss)  # fresh adapters: b is zero, the base model's loss
+    merged = fmoe.lora.merge(base, adapters, plan)
+    assert torch.equal(fmoe.eval_loss(adapters, batch, plan, base=base),
+                       fmoe.eval_loss(merged, batch, plan.replace(lora=None)))
+    with pytest.raises(ValueError, match="pass them as base="):
+        fmoe.eval_loss(adapters, batch, plan)
 
 
 @pytest.mark.parametrize("changes, field", [
