@@ -97,7 +97,7 @@ def _layer_sites(target: str, i: int, shapes: dict, table) -> list[Site]:
     return [Site(("layers", i, "attn", target), path, None, shapes[path])] if path in shapes else []
 
 
-def of(plan) -> LoRA:
+def plan_lora(plan) -> LoRA:
     """``plan.lora``, or ValueError naming ``Plan.lora`` when it has none."""
     if plan.lora is None:
         fail("Plan.lora", None, "adapters need a fmoe.LoRA(rank, alpha, targets) on the plan")
@@ -111,7 +111,7 @@ def init(plan, seed: int = 0) -> dict:
     Returns:
         ``{"layers": [{...}, ...]}``, one dict per layer (empty where nothing is adapted).
     """
-    lora = of(plan)
+    lora = plan_lora(plan)
     _one_process(plan)
     g = torch.Generator().manual_seed(seed)
     tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
@@ -148,20 +148,19 @@ def _dotted(keys: tuple) -> str:
 def check_adapters(adapters, plan) -> tuple[Site, ...]:
     """The plan's Sites; ValueError unless ``adapters`` holds exactly their ``a`` and ``b``,
     shaped ``[..., in, r]`` and ``[..., r, out]``."""
-    lora = of(plan)
+    lora = plan_lora(plan)
     todo = sites(lora, plan.model)
-    want = {}
+    expected = set()
     for site in todo:
-        a, b = _get(adapters, site.adapter, "adapters")
         *lead, n_in, n_out = site.shape
-        want[f"{_dotted(site.adapter)}.a"], want[f"{_dotted(site.adapter)}.b"] = \
-            (*lead, n_in, lora.rank), (*lead, lora.rank, n_out)
-        for name, t, shape in (("a", a, (*lead, n_in, lora.rank)), ("b", b, (*lead, lora.rank, n_out))):
+        for name, t, shape in zip("ab", _get(adapters, site.adapter, "adapters"),
+                                  ((*lead, n_in, lora.rank), (*lead, lora.rank, n_out))):
+            expected.add(f"{_dotted(site.adapter)}.{name}")
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"adapters {_dotted(site.adapter)}.{name} is {got}: expected {shape} "
                                  f"(LoRA.rank={lora.rank})")
-    extra = sorted(set(named_leaves(adapters)) - set(want))
+    extra = sorted(set(named_leaves(adapters)) - expected)
     if extra:
         raise ValueError(f"adapters hold {extra[0]}, which the plan's LoRA does not adapt "
                          f"(LoRA.targets={lora.targets})")
@@ -172,8 +171,14 @@ def merge(base: dict, adapters: dict, plan) -> dict:
     """Plain params: each adapted matrix ``W + (alpha / rank) * a @ b`` (its columns, for
     ``q``, ``k``, ``v``), every other leaf ``base``'s own. Differentiable in both; neither
     is written."""
-    lora, todo = of(plan), check_adapters(adapters, plan)
+    lora, todo = plan_lora(plan), check_adapters(adapters, plan)
     named = named_leaves(base)
+    table = param_table(plan.model)
+    for site in todo:
+        if site.param not in named or tuple(named[site.param].shape) != table[site.param].shape:
+            got = tuple(named[site.param].shape) if site.param in named else "missing"
+            raise ValueError(f"base {site.param} is {got}: merge takes the full params "
+                             f"{table[site.param].shape} (fmoe.gather_full(params, plan) on several ranks)")
     deltas: dict = {}
     for site in todo:
         a, b = _get(adapters, site.adapter, "adapters")

@@ -189,6 +189,10 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
     del missing["layers"][1]["attn"]["k"]
     with pytest.raises(ValueError, match="no adapter at layers.1.attn.k"):
         fmoe.step(missing, batch, plan, base=base)
+    cut = optree.tree_map(lambda t: t, base)
+    cut["layers"][1]["attn"]["qkv"] = cut["layers"][1]["attn"]["qkv"][:16]
+    with pytest.raises(ValueError, match=r"base layers.1.attn.qkv is \(16, 64\): merge takes the full params"):
+        fmoe.lora.merge(cut, adapters, plan)
     wrong = optree.tree_map(lambda t: t, adapters)
     wrong["layers"][1]["attn"]["q"]["a"] = torch.zeros(32, 5)
     with pytest.raises(ValueError, match=r"layers.1.attn.q.a is \(32, 5\): expected \(32, 3\)"):
