@@ -9,6 +9,7 @@ import torch
 
 from . import lora
 from .batch import Batch, no_counted_target, read_batch
+from .checks import fail
 from .config import Plan
 from .comm.collectives import Group
 from .layers.fp8 import GEMMS
@@ -135,6 +136,9 @@ class Prepared(NamedTuple):
 def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
     """``step``'s validation (ValueErrors before any collective), its Setup and program,
     and the global target count (on several ranks one small all-reduce and host read)."""
+    if plan.lora is not None:  # adapters run through fmoe.step's merged weights only, so far
+        fail("Plan.lora", plan.lora, "adapters train through fmoe.step(adapters, batch, plan, base=params) and "
+             "fmoe.eval_loss only in this version (not a CUDA-graphed step or an nn.Module)")
     checked, setup = _checked(params, batch, plan)
     total = global_targets(checked, setup.mesh)
     divisor = torch.tensor(float(total), device=checked.tokens.device)
@@ -259,9 +263,7 @@ def eval_loss(params: dict, batch: dict, plan: Plan, base: dict | None = None) -
     """
     if base is not None or plan.lora is not None:
         _check_adapter_call(plan, base)
-        with torch.no_grad():
-            merged = lora.merge(base, params, plan)
-        return eval_loss(merged, batch, plan.replace(lora=None))
+        return eval_loss(lora.merge(base, params, plan), batch, plan.replace(lora=None))
     prepared = prepare_step(params, batch, plan, train=False)
     run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.total, prepared.program)
     return _sum_over_ranks(prepared.setup.mesh.world, run.ce_sum.clone()) / prepared.total

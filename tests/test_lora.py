@@ -10,6 +10,7 @@ import torch
 
 import fmoe
 from fmoe.params import named_leaves
+from fmoe.step import prepare_step
 
 from . import reference as ref
 from .test_schedule import assert_same_step
@@ -183,6 +184,8 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
         fmoe.step(adapters, batch, plan.replace(lora=None), base=base)
     with pytest.raises(ValueError, match="Plan.lora="):
         fmoe.Plan(model=CFG, lora={"rank": 4})
+    with pytest.raises(ValueError, match="Plan.lora=.*not a CUDA-graphed step"):
+        prepare_step(adapters, batch, plan)  # what interop's graphed step and modules run
     with pytest.raises(ValueError, match="Plan.lora=.*one process"):
         fmoe.lora.init(plan.replace(dp=2))
     missing = optree.tree_map(lambda t: t, adapters)
