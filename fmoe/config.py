@@ -126,7 +126,8 @@ class Plan:
             9.x); refused elsewhere.
         lora: ``fmoe.LoRA(rank, alpha, targets)``: train low-rank adapters on the frozen
             params (``fmoe.lora``; ``fmoe.step(adapters, batch, plan, base=params)``), or
-            None. This version trains them on one process.
+            None. This version trains them on one process or on data-parallel replicas
+            (``sharding='no_shard'``, ``dp`` only).
     """
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)

@@ -15,7 +15,8 @@ same path in the adapter tree, and the layer computes ``x @ W + (alpha / r) * (x
 A target applies in every layer that holds its matrix; a target no layer holds is refused.
 ``b`` starts at zero, so a fresh adapter leaves the model as it was.
 
-This version trains the adapters on one process, through the merged weights: the step runs
+This version trains the adapters on one process or on data-parallel replicas (every rank
+holding the full params), through the merged weights: the step runs
 on ``merge(base, adapters)`` and each adapted matrix's gradient ``g`` reaches its adapter by
 the chain rule (``a``: ``scale * g @ b.T``, ``b``: ``scale * a.T @ g``). The base is never
 written and holds no gradient after the step; its weight gradients are still computed, so
@@ -106,13 +107,14 @@ def plan_lora(plan) -> LoRA:
 
 def init(plan, seed: int = 0) -> dict:
     """Fresh adapters for ``plan.lora`` on ``plan.device``: each ``a`` uniform in
-    ``+-1/sqrt(in)`` (PEFT's default draw), each ``b`` zero; fp32, deterministic per ``seed``.
+    ``+-1/sqrt(in)`` (PEFT's default draw), each ``b`` zero; fp32, deterministic per ``seed``
+    (the same on every rank: each holds them whole).
 
     Returns:
         ``{"layers": [{...}, ...]}``, one dict per layer (empty where nothing is adapted).
     """
     lora = plan_lora(plan)
-    _one_process(plan)
+    _full_params_on_every_rank(plan)
     g = torch.Generator().manual_seed(seed)
     tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
     for site in sites(lora, plan.model):
@@ -195,17 +197,21 @@ def merge(base: dict, adapters: dict, plan) -> dict:
     return optree.tree_unflatten(treedef, merged)
 
 
-def _one_process(plan) -> None:
-    if plan.world > 1:
-        fail("Plan.lora", plan.lora, f"adapters train on one process in this version (the plan needs "
-             f"{plan.world} ranks): run the plan with every degree 1")
+def _full_params_on_every_rank(plan) -> None:
+    """Adapters go through the merged weights, so each rank must hold the full params:
+    data-parallel replicas (``sharding='no_shard'``), no other degree, in this version."""
+    split = {name: getattr(plan, name) for name in ("ep", "tp", "etp", "cp", "pp") if getattr(plan, name) > 1}
+    if plan.world > 1 and (plan.sharding != "no_shard" or split):
+        held = f"sharding={plan.sharding!r}" + "".join(f", {k}={v}" for k, v in split.items())
+        fail("Plan.lora", plan.lora, f"adapters train on one process or data-parallel replicas in this version: "
+             f"sharding='no_shard' with dp only (the plan has {held})")
 
 
 def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]:
     """``step(merged_params) -> StepOutput`` run on ``merge(base, adapters, plan)``, and the
     adapters' gradients from its gradients of the merged matrices (the chain rule through
     ``merge``). Returns ``(the step's output, grads shaped like adapters)``."""
-    _one_process(plan)
+    _full_params_on_every_rank(plan)
     a_leaves, a_def = optree.tree_flatten(adapters)
     held = [t.detach().requires_grad_(True) for t in a_leaves]
     with torch.enable_grad():

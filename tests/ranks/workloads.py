@@ -687,3 +687,19 @@ def finetune_configs(rank, world, dp, ep):
         step = fmoe.step(params, mine, plan)
         out[name] = {"loss": step.loss, "tokens": step.metrics["tokens"], "grads": fmoe.gather_full(step.grads, plan)}
     return out
+
+
+def lora_configs(rank, world):
+    """Adapters on data-parallel replicas (``sharding='no_shard'``): each rank's loss and
+    adapter gradients for its rows of one global batch."""
+    from ..test_lora import CFG, EVERY, lora_batch, random_adapters
+    plan = fmoe.Plan(model=CFG, lora=EVERY, dp=world, microbatches=2)
+    base = ref_params_fp32(CFG)
+    adapters = random_adapters(plan, seed=3)
+    out = fmoe.step(adapters, fmoe.local_batch(lora_batch(), plan, rank), plan, base=base)
+    return {"loss": out.loss, "grads": out.grads}
+
+
+def ref_params_fp32(cfg):
+    from ..reference import random_params
+    return random_params(cfg, seed=11, dtype=torch.float32)
