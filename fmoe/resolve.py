@@ -67,6 +67,7 @@ class StagePlan:
         plan, stage: the Plan and the pipeline stage.
         spec: the ShardSpec.
         train, eval: the Programs of a training step and of a forward-only one.
+        scheduling: what those Programs read of the plan (``Scheduling``).
         execution: what the executor reads of the plan (``Execution``).
     """
 
@@ -76,11 +77,15 @@ class StagePlan:
 
     @functools.cached_property
     def train(self) -> Program:
-        return _program(self.plan, self.spec, self.stage, True)
+        return _program(self.scheduling, self.spec, self.stage, True)
 
     @functools.cached_property
     def eval(self) -> Program:
-        return _program(self.plan, self.spec, self.stage, False)
+        return _program(self.scheduling, self.spec, self.stage, False)
+
+    @functools.cached_property
+    def scheduling(self) -> "Scheduling":
+        return scheduling(self.plan)
 
     @functools.cached_property
     def execution(self) -> "Execution":
@@ -246,8 +251,7 @@ def stage_program(plan: Plan, stage: int, train: bool) -> Program:
     return resolve_stage(plan, stage).program(train)
 
 
-def _program(plan: Plan, spec: ShardSpec, stage: int, train: bool) -> Program:
-    how = scheduling(plan)
+def _program(how: Scheduling, spec: ShardSpec, stage: int, train: bool) -> Program:
     uses = node_uses(how, spec, train, stage)
     actions = build_program(how, spec, uses)
     return Program(actions, double_buffer_slots(how, spec, actions), max_live_units(how, spec, uses), train)

@@ -209,8 +209,7 @@ def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | No
     the adapters (``fmoe.lora.adapter_grads``); every input checked before any compute."""
     _check_adapter_call(plan, base)
     plain = plan.replace(lora=None)
-    lora.check_adapters(adapters, plan)
-    check_inputs(base, batch, plain)
+    check_inputs(base, batch, plain)  # the adapters are checked by the merge, before its products
     out, grads = lora.adapter_grads(base, adapters, plan, lambda merged: step(merged, batch, plain, kernels))
     return out._replace(grads=grads)
 
