@@ -37,7 +37,8 @@ from .lora_spec import TARGETS, LoRA
 from .model_config import ModelConfig
 from .params import named_leaves, param_table
 
-__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "check_adapters", "init", "merge", "sites"]
+__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "check_plan", "from_named", "init", "merge",
+           "pairs", "sites"]
 
 _QKV = {"q": 0, "k": 1, "v": 2}  # the target's part of the fused attn.qkv columns
 _PAIRS = {"experts": ("moe", "experts"), "shared": ("moe", "shared"), "mlp": ("mlp",)}  # fc1 and fc2 each
@@ -114,13 +115,13 @@ def init(plan, seed: int = 0) -> dict:
         ``{"layers": [{...}, ...]}``, one dict per layer (empty where nothing is adapted).
     """
     lora = plan_lora(plan)
-    _full_params_on_every_rank(plan)
+    check_plan(plan)
     g = torch.Generator().manual_seed(seed)
     tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
     for site in sites(lora, plan.model):
-        *lead, n_in, n_out = site.shape
-        a = (torch.rand(*lead, n_in, lora.rank, generator=g) * 2 - 1) / math.sqrt(n_in)
-        b = torch.zeros(*lead, lora.rank, n_out)
+        a_shape, b_shape = _ab_shapes(site, lora.rank)
+        a = (torch.rand(*a_shape, generator=g) * 2 - 1) / math.sqrt(a_shape[-2])
+        b = torch.zeros(*b_shape)
         _put(tree, site.adapter, {"a": a.to(plan.device), "b": b.to(plan.device)})
     return tree
 
@@ -143,6 +144,16 @@ def _get(tree: dict, keys: tuple, what: str):
                          "adapts: build the adapters with fmoe.lora.init(plan)") from None
 
 
+def from_named(named: dict, plan) -> dict:
+    """The adapter tree of ``plan.lora`` from its leaves by dotted name
+    (``{"layers.0.attn.q.a": tensor, ...}``, as ``fmoe.params.named_leaves`` names them)."""
+    tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
+    for site in sites(plan_lora(plan), plan.model):
+        name = _dotted(site.adapter)
+        _put(tree, site.adapter, {"a": named[f"{name}.a"], "b": named[f"{name}.b"]})
+    return tree
+
+
 def _dotted(keys: tuple) -> str:
     return ".".join(map(str, keys))
 
@@ -152,38 +163,52 @@ def check_adapters(adapters, plan) -> tuple[Site, ...]:
     shaped ``[..., in, r]`` and ``[..., r, out]``."""
     lora = plan_lora(plan)
     todo = sites(lora, plan.model)
-    expected = set()
     for site in todo:
-        *lead, n_in, n_out = site.shape
-        for name, t, shape in zip("ab", _get(adapters, site.adapter, "adapters"),
-                                  ((*lead, n_in, lora.rank), (*lead, lora.rank, n_out))):
-            expected.add(f"{_dotted(site.adapter)}.{name}")
+        for name, t, shape in zip("ab", _get(adapters, site.adapter, "adapters"), _ab_shapes(site, lora.rank)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"adapters {_dotted(site.adapter)}.{name} is {got}: expected {shape} "
                                  f"(LoRA.rank={lora.rank})")
-    extra = sorted(set(named_leaves(adapters)) - expected)
+    extra = sorted(set(named_leaves(adapters)) - set(adapter_shapes(plan)))
     if extra:
         raise ValueError(f"adapters hold {extra[0]}, which the plan's LoRA does not adapt "
                          f"(LoRA.targets={lora.targets})")
     return todo
 
 
+def _ab_shapes(site: Site, rank: int) -> tuple[tuple, tuple]:
+    *lead, n_in, n_out = site.shape
+    return (*lead, n_in, rank), (*lead, rank, n_out)
+
+
+def adapter_shapes(plan) -> dict:
+    """``{dotted name: shape}`` of every leaf of ``plan.lora``'s adapters
+    (``layers.0.attn.q.a``, as ``fmoe.params.named_leaves`` names them)."""
+    lora = plan_lora(plan)
+    return {f"{_dotted(site.adapter)}.{name}": shape for site in sites(lora, plan.model)
+            for name, shape in zip("ab", _ab_shapes(site, lora.rank))}
+
+
+def pairs(adapters: dict, plan) -> list[tuple[Site, torch.Tensor, torch.Tensor]]:
+    """Each of the plan's Sites with its adapter's ``a`` and ``b``, once
+    ``check_adapters`` has passed them."""
+    return [(site, *_get(adapters, site.adapter, "adapters")) for site in check_adapters(adapters, plan)]
+
+
 def merge(base: dict, adapters: dict, plan) -> dict:
     """Plain params: each adapted matrix ``W + (alpha / rank) * a @ b`` (its columns, for
     ``q``, ``k``, ``v``), every other leaf ``base``'s own. Differentiable in both; neither
     is written."""
-    lora, todo = plan_lora(plan), check_adapters(adapters, plan)
+    lora, todo = plan_lora(plan), pairs(adapters, plan)
     named = named_leaves(base)
     table = param_table(plan.model)
-    for site in todo:
+    for site, _, _ in todo:
         if site.param not in named or tuple(named[site.param].shape) != table[site.param].shape:
             got = tuple(named[site.param].shape) if site.param in named else "missing"
             raise ValueError(f"base {site.param} is {got}: merge takes the full params "
                              f"{table[site.param].shape} (fmoe.gather_full(params, plan) on several ranks)")
     deltas: dict = {}
-    for site in todo:
-        a, b = _get(adapters, site.adapter, "adapters")
+    for site, a, b in todo:
         delta = lora.scale * torch.matmul(a, b)
         if site.columns is not None:
             whole = deltas.get(site.param, named[site.param].new_zeros(named[site.param].shape))
@@ -197,7 +222,7 @@ def merge(base: dict, adapters: dict, plan) -> dict:
     return optree.tree_unflatten(treedef, merged)
 
 
-def _full_params_on_every_rank(plan) -> None:
+def check_plan(plan) -> None:
     """Adapters go through the merged weights, so each rank must hold the full params:
     data-parallel replicas (``sharding='no_shard'``), no other degree, in this version."""
     split = {name: getattr(plan, name) for name in ("ep", "tp", "etp", "cp", "pp") if getattr(plan, name) > 1}
@@ -211,7 +236,7 @@ def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]
     """``step(merged_params) -> StepOutput`` run on ``merge(base, adapters, plan)``, and the
     adapters' gradients from its gradients of the merged matrices (the chain rule through
     ``merge``). Returns ``(the step's output, grads shaped like adapters)``."""
-    _full_params_on_every_rank(plan)
+    check_plan(plan)
     a_leaves, a_def = optree.tree_flatten(adapters)
     held = [t.detach().requires_grad_(True) for t in a_leaves]
     with torch.enable_grad():

@@ -239,8 +239,10 @@ def norm_layout(plan: Plan) -> tuple[int, Callable[[], tuple] | None]:
     (``fmoe.optim.grad_norm_fn`` builds its NormFn of it): the ranks the trees are split
     over, and on several a function giving the ShardSpec (cached) and the mesh, whose
     groups are looked up at each call (as ``fmoe.step`` does; a process group must exist
-    by then) and never held: ``destroy_process_group()`` frees them."""
-    if plan.world == 1:
+    by then) and never held: ``destroy_process_group()`` frees them. Under ``plan.lora``
+    the trees are adapters, whole on every rank in this version: one rank's norm is the
+    norm."""
+    if plan.world == 1 or plan.lora is not None:
         return 1, None
     return plan.world, lambda: (resolve_stage(plan, 0).spec, mesh_for(plan))
 

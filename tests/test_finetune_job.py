@@ -6,6 +6,7 @@ import json
 import shutil
 
 import numpy as np
+import optree
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from fmoe.data.chat import prepare_chat
 from fmoe.hf.export import main as export_main
 from fmoe.train import main as train_main
 
+from .reference import assert_trees_equal
 from .test_chat_data import CHATML, make_tokenizer, varied_chats, write_chats
 
 
@@ -118,3 +120,80 @@ def test_the_readmes_fine_tuning_example_runs(tmp_path, monkeypatch):
                           "--no-progress", "--sample-tokens", "0", "--out", "runs/sft"])
     assert summary["heldout_loss"] < summary["unigram"]  # the answers' pattern is learned from the start
     assert "seq = 256" in (tmp_path / "runs" / "sft" / "settings.toml").read_text()
+
+
+def prepared(tmp_path, hf, chats):
+    data = tmp_path / "sft"
+    prepare_chat([chats], data, seq=15, tokenizer=hf / "tokenizer.json", quiet=True)
+    return data
+
+
+def lora_args(hf, data, out, *more):
+    return list(map(str, ["--init-from-hf", hf, "--data", data, "--batch", 4, "--eval-every", 4, "--eval-batches", 1,
+                          "--log-every", 1, "--no-progress", "--sample-tokens", 0, "--lr", 2e-2, "--lora-rank", 4,
+                          "--lora-alpha", 8, "--out", out, *more]))
+
+
+def test_a_lora_run_trains_only_adapters_resumes_bit_for_bit_and_exports_a_peft_adapter(tmp_path, hf_chat):
+    """--lora-rank on a chat fine-tune: the frozen model's loss at step 1 (every b is zero),
+    adapters alone in the checkpoint, a stopped and resumed run equal to one that ran
+    through, and both exports: the merged model and the PEFT adapter, each computing
+    fmoe's logits in transformers."""
+    transformers, hf, chats = hf_chat
+    peft = pytest.importorskip("peft")
+    data = tmp_path / "sft"
+    prepare_chat([chats], data, seq=63, tokenizer=hf / "tokenizer.json", quiet=True)
+    through, split = tmp_path / "through", tmp_path / "split"
+    summary = train_main(lora_args(hf, data, through, "--steps", 4))
+    assert summary["steps"] == 4
+    train_main(lora_args(hf, data, split, "--steps", 4, "--stop-after", 2))
+    train_main(["--resume", "--out", str(split), "--no-progress"])  # its flags from the run's settings.toml
+    a, b = fmoe.load(through / "checkpoint"), fmoe.load(split / "checkpoint")
+    assert_trees_equal(a.params, b.params, "adapters")
+    assert_trees_equal(a.opt_state, b.opt_state, "optimizer state")
+    lora = fmoe.LoRA(rank=4, alpha=8.0, targets=("q", "k", "v", "out", "experts"))
+    plan = fmoe.Plan(model=fmoe.hf.config(hf), lora=lora)
+    assert fmoe.checkpoint.read_lora(through / "checkpoint") == lora
+    fmoe.lora.check_adapters(a.params, plan)  # the adapters, nothing of the base
+    assert all(t.abs().max() > 0 for t in optree.tree_leaves(a.params))  # every b moved off zero
+
+    base = fmoe.hf.load(hf, fmoe.Plan(model=plan.model))
+    corpus = fmoe.data.open_corpus(data)
+    first = fmoe.data.train_batch(corpus, 4, 63, seed=0, step=1)
+    logged = records(through)
+    assert logged[0]["loss"] == pytest.approx(float(fmoe.eval_loss(base, first, fmoe.Plan(model=plan.model))),
+                                              rel=1e-5)
+    tokens = first["tokens"][:2, :40]
+    with torch.no_grad():
+        want = fmoe.layers.forward(fmoe.lora.merge(base, a.params, plan), tokens, plan.model)[0]
+    export_main(["export", str(through / "checkpoint"), "--out", str(tmp_path / "merged"), "--dtype", "float32"])
+    export_main(["export", str(through / "checkpoint"), "--out", str(tmp_path / "adapter"), "--adapter"])
+    with torch.no_grad():
+        merged = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(tokens).logits, want, rtol=1e-4, atol=2e-5)
+        model = transformers.Qwen3MoeForCausalLM.from_pretrained(hf).eval()
+        adapted = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapted(tokens).logits, want, rtol=1e-4, atol=2e-5)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(hf)
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--lora-rank", "4", "--no-init"], r"--lora-rank=4 is invalid: adapters train on a released model: give "
+                                        r"--init-from-hf DIR"),
+    (["--lora-targets", "q,wq"], r"--lora-targets='q,wq' is invalid: comma-separated names, each once, from q, k"),
+    (["--lora-targets", "q,shared"], r"--lora-targets='q,shared' is invalid: .*this model has no 'shared' to adapt"),
+    (["--lora-alpha", "-1"], r"--lora-alpha=-1.0 is invalid: must be a finite number >= 0"),
+    (["--expert-bias-rate", "0.01"], r"--expert-bias-rate=0.01 is invalid: the base model stays frozen"),
+])
+def test_lora_flags_are_refused_naming_the_flag_before_any_work(tmp_path, hf_chat, flags, error):
+    _, hf, chats = hf_chat
+    run = tmp_path / "run"
+    base = ["--out", str(run), "--steps", "2", "--batch", "4"]
+    if "--no-init" in flags:  # the embedded corpus of bytes, no Hugging Face model
+        flags = [f for f in flags if f != "--no-init"] + ["--seq", "16"]
+    else:
+        base += ["--init-from-hf", str(hf), "--lora-rank", "4", "--data", str(prepared(tmp_path, hf, chats))]
+    with pytest.raises(SystemExit, match=error):
+        train_main(base + flags)
+    assert not run.exists()

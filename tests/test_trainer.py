@@ -318,10 +318,10 @@ def test_log_every_reads_the_device_only_on_logged_steps(tmp_path, monkeypatch):
         marks.append(args[4])
         return _real(*args)
 
-    def stepping(*args, _real=loop.step):  # fmoe.step's own checks are the bare loop's too
+    def stepping(*args, _real=loop.step, **kwargs):  # fmoe.step's own checks are the bare loop's too
         inside[0] = True
         try:
-            return _real(*args)
+            return _real(*args, **kwargs)
         finally:
             inside[0] = False
 

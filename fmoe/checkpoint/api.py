@@ -24,8 +24,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .. import optim
-from ..config import ModelConfig, Plan
+from .. import lora, optim
+from ..config import LoRA, ModelConfig, Plan
 from ..comm.collectives import Group
 from ..params import flat_shapes, named_leaves
 from ..resolve import resolve
@@ -89,21 +89,28 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or not 0 <= step < 2**63:
         raise ValueError(f"save: step={step!r} is invalid: must be an int in 0..{2**63 - 1}")
     check_runtime(plan)
-    check_params(params, plan)
     path = Path(path)
     world = Group.world()
     spec = resolve(plan).spec
     shapes = spec.table.shapes()
     local = spec.local_shapes(world.rank)
     tensors = {}
-    for p, leaf in named_leaves(params).items():
-        tensors["params." + p] = BoxedTensor(shapes[p], torch.float32,
-                                             local_boxes(p, shapes[p], leaf.detach().cpu(), spec, world.rank))
     meta: dict = {"format": FORMAT_VERSION, "model": dataclasses.asdict(plan.model), "step": int(step),
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
+    if plan.lora is not None:  # the adapters and their state, each whole on every rank; the base is not saved
+        lora.check_plan(plan)
+        lora.check_adapters(params, plan)
+        for p, t in named_leaves(params).items():
+            tensors["adapters." + p] = BoxedTensor(t.shape, torch.float32, [((0,) * t.dim(), t.detach().cpu())])
+        meta["lora"] = dataclasses.asdict(plan.lora)
+    else:
+        check_params(params, plan)
+        for p, leaf in named_leaves(params).items():
+            tensors["params." + p] = BoxedTensor(shapes[p], torch.float32,
+                                                 local_boxes(p, shapes[p], leaf.detach().cpu(), spec, world.rank))
     if opt_state is not None:
         leaves, mirrors = {}, {}
-        meta["opt_state"] = encode(opt_state, "opt_state", leaves, mirrors, spec.table)
+        meta["opt_state"] = encode(opt_state, "opt_state", leaves, mirrors, None if plan.lora else spec.table)
         for key, t in leaves.items():
             p = mirrors.get(key)
             t = t.cpu()
@@ -202,6 +209,12 @@ def read_config(path) -> ModelConfig:
     return ModelConfig(**_saved_config(meta["model"]))
 
 
+def read_lora(path) -> LoRA | None:
+    """The LoRA of the adapters a checkpoint holds, or None for a model's params (reads
+    only its ``fmoe.json``)."""
+    return _saved_lora(read_meta(path)[1])
+
+
 def read_meta(path) -> tuple[Path, dict]:
     """The checkpoint directory and its parsed ``fmoe.json`` (ValueError if unreadable)."""
     path = checkpoint_dir(Path(path))
@@ -219,9 +232,16 @@ def _validate(path: Path, meta: dict, plan: Plan, verify: bool, world: Group) ->
     if diff:
         raise ValueError(f"{path}: model config differs from Plan.model: " + "; ".join(diff))
     stored = meta["dcp"]["tensors"]
-    shapes = flat_shapes(plan.model)
-    expected = {"params." + p: s for p, s in shapes.items()}
-    expected.update({k: shapes[p] for k, p in meta["opt_params"].items()})
+    saved_lora = _saved_lora(meta)
+    if saved_lora != plan.lora:
+        raise ValueError(f"{path}: the checkpoint holds {_what(saved_lora)}, and Plan.lora={plan.lora!r} asks for "
+                         f"{_what(plan.lora)}")
+    if plan.lora is not None:
+        expected = {"adapters." + p: s for p, s in lora.adapter_shapes(plan).items()}
+    else:
+        shapes = flat_shapes(plan.model)
+        expected = {"params." + p: s for p, s in shapes.items()}
+        expected.update({k: shapes[p] for k, p in meta["opt_params"].items()})
     for key in meta["tensor_keys"]:
         if key not in stored:
             raise ValueError(f"{path}: missing tensor {key!r}")
@@ -232,6 +252,15 @@ def _validate(path: Path, meta: dict, plan: Plan, verify: bool, world: Group) ->
             raise ValueError(f"{path}: {key!r} has shape {stored[key]['size']}, Plan.model needs {list(shape)}")
     check_files(path, meta["dcp"]["storage"], meta.get("checksums") if verify else None,
                 world if world.size > 1 else None, plan.device)
+
+
+def _saved_lora(meta: dict) -> LoRA | None:
+    saved = meta.get("lora")
+    return None if saved is None else LoRA(**{**saved, "targets": tuple(saved["targets"])})
+
+
+def _what(adapters: LoRA | None) -> str:
+    return "the model's params" if adapters is None else f"adapters ({adapters!r})"
 
 
 def load(path, plan: Plan | None = None, verify: bool = True) -> Checkpoint:
@@ -262,8 +291,9 @@ def load(path, plan: Plan | None = None, verify: bool = True) -> Checkpoint:
 
 def _load_whole(path, verify: bool) -> Checkpoint:
     """``load(path)``: the full pytrees, read by this process alone."""
-    cfg = read_config(path)
-    return _read(path, Plan(model=cfg), verify, Group(1, 0, None))  # one rank: every tensor whole
+    path, meta = read_meta(path)
+    plan = Plan(model=ModelConfig(**_saved_config(meta["model"])), lora=_saved_lora(meta))
+    return _read(path, plan, verify, Group(1, 0, None))  # one rank: every tensor whole
 
 
 def _read(path, plan: Plan, verify: bool, world: Group) -> Checkpoint:
@@ -290,7 +320,11 @@ def _read(path, plan: Plan, verify: bool, world: Group) -> Checkpoint:
         dcp.load({}, storage_reader=JsonMetadataReader(str(path), metadata_from_json(meta["dcp"])),
                  planner=BoxLoadPlanner(dest), no_dist=world.size == 1)
     values = {k: (v if k == "rng" else v.to(plan.device)) for k, v in values.items()}
-    params = spec.table.unflatten(values["params." + p] for p in shapes)
+    if plan.lora is not None:
+        params = lora.from_named({k[len("adapters."):]: v for k, v in values.items() if k.startswith("adapters.")},
+                                 plan)
+    else:
+        params = spec.table.unflatten(values["params." + p] for p in shapes)
     # a state saved by an older fmoe is brought to the current form here, once
     opt_state = None if meta["opt_state"] is None else optim.migrate_state(decode(meta["opt_state"], values))
     return Checkpoint(params, opt_state, meta["step"], meta["extra"], values.get("rng"),

@@ -3,6 +3,7 @@
     python -m fmoe.hf export runs/mine/checkpoint --out hf/mine             # bf16 safetensors
     python -m fmoe.hf export runs/ft/checkpoint --out hf/ft --source ~/models/Qwen3-30B-A3B
     python -m fmoe.hf export runs/mine/checkpoint --out hf/mine --overwrite # replace an earlier export
+    python -m fmoe.hf export runs/lora/checkpoint --out hf/lora --adapter   # a PEFT adapter (--lora-rank runs)
 
 Writes ``config.json`` and safetensors (``fmoe.hf.save``), the tokenizer and a
 ``generation_config.json``, so ``AutoModelForCausalLM.from_pretrained`` and
@@ -32,10 +33,13 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint import load, read_config
+from ..checkpoint import load, read_config, read_lora
 from ..checkpoint.files import write_atomically
 from ..config import ModelConfig, Plan
+from ..lora import merge
+from .adapter import CONFIG_FILE as ADAPTER_CONFIG, save_adapter
 from .api import _architecture_diff, _read_config_json, config, save
+from .api import load as load_hf
 from .export_folder import check_out, staged_folder
 from .export_tokenizer import choose_tokenizer
 from .families import family_of
@@ -52,9 +56,15 @@ def run_source(checkpoint: Path) -> Path | None:
     return Path(source) if source else None
 
 
-def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16", overwrite: bool = False,
+           adapter: bool = False) -> Path:
     """Write the fmoe checkpoint ``checkpoint`` as a Hugging Face directory ``out``,
     all at once: nothing of it appears in ``out`` until it is complete.
+
+    A checkpoint of adapters (a ``--lora-rank`` run's) is written as its base model (the
+    ``source``) with the adapters merged, or with ``adapter`` as a PEFT adapter folder
+    (``fmoe.hf.save_adapter``) that ``peft.PeftModel.from_pretrained`` loads onto the
+    source model.
 
     Arguments:
         checkpoint: an fmoe checkpoint (``runs/x/checkpoint``).
@@ -66,6 +76,7 @@ def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16"
             else the one the checkpoint's run recorded, else a byte-level one.
         dtype: the weights' dtype in the files, ``bfloat16 | float16 | float32``.
         overwrite: replace an existing non-empty ``out`` (only once the new folder is complete).
+        adapter: write a checkpoint of adapters as a PEFT adapter folder.
 
     Returns:
         ``out`` as a Path.
@@ -84,13 +95,28 @@ def export(checkpoint, out, source=None, tokenizer=None, dtype: str = "bfloat16"
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"--tokenizer {tokenizer}: no such file")
     started_from = run_source(checkpoint)  # protected even when --source names another folder
+    adapters = read_lora(checkpoint)
+    if adapter and adapters is None:
+        raise ValueError(f"--adapter: {checkpoint} holds a whole model, not adapters (a --lora-rank run's "
+                         "checkpoint has them): leave --adapter out")
+    if adapters is not None and source is None:
+        raise ValueError(f"{checkpoint} holds adapters, whose base model the run's settings.toml does not name: "
+                         "pass --source, the Hugging Face folder the run started from")
     target = check_out(out, overwrite, {f"the folder the run started from ({started_from})": started_from,
-                                        f"--source ({source})": source, "the checkpoint": checkpoint})
+                                        f"--source ({source})": source, "the checkpoint": checkpoint},
+                       marker=ADAPTER_CONFIG if adapter else "config.json")
     cfg = read_config(checkpoint)
     if source is not None:
         check_source(source, cfg, where)
-    plan = Plan(model=cfg)
+    plan = Plan(model=cfg, lora=adapters)
     ck = _load(checkpoint, plan)
+    if adapter:
+        with staged_folder(target) as stage:
+            save_adapter(stage, ck.params, plan, source=source)
+        return out
+    if adapters is not None:  # the base with the adapters merged: a plain model from here on
+        ck = ck._replace(params=merge(load_hf(source, plan), ck.params, plan))
+        plan = plan.replace(lora=None)
     shipped = choose_tokenizer(checkpoint, ck.extra, cfg.vocab, source, tokenizer, _eos_id(ck.extra, source))
     with staged_folder(target) as stage:
         save(stage, ck.params, plan, dtype=dtype, source=source)
@@ -172,9 +198,12 @@ def main(argv=None) -> Path:
     ex.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the source's, else the run's, "
                                                       "else UTF-8 bytes)")
     ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ex.add_argument("--adapter", action="store_true", help="a checkpoint of adapters (--lora-rank) as a PEFT "
+                                                           "adapter folder instead of the merged model")
     args = ap.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.source, args.tokenizer, args.dtype, args.overwrite)
+        out = export(args.checkpoint, args.out, args.source, args.tokenizer, args.dtype, args.overwrite,
+                     args.adapter)
     except (ValueError, OSError) as err:
         raise SystemExit(f"fmoe.hf export: {err}") from None
     except KeyboardInterrupt:  # staged_folder has removed what was written

@@ -31,7 +31,7 @@ def _holds(folder: Path, path: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_out(out: Path, overwrite: bool, kept: dict) -> Path:
+def check_out(out: Path, overwrite: bool, kept: dict, marker: str = "config.json") -> Path:
     """The folder the export replaces for ``--out``: ``out`` (a link's target, if a link).
 
     Arguments:
@@ -39,6 +39,8 @@ def check_out(out: Path, overwrite: bool, kept: dict) -> Path:
         overwrite: whether an existing Hugging Face model folder may be replaced.
         kept: ``{what, for messages: folder}`` that ``out`` may never be or hold (the
             source, the checkpoint), compared resolved.
+        marker: the file that makes a folder one the export may replace (a Hugging Face
+            model's ``config.json``, a PEFT adapter's ``adapter_config.json``).
 
     Returns:
         The path to write.
@@ -57,9 +59,10 @@ def check_out(out: Path, overwrite: bool, kept: dict) -> Path:
         if not overwrite:
             raise ValueError(f"--out {out} exists and is not empty; pass --overwrite to replace it (the old folder "
                              "stays whole until the new one is complete)")
-        if not (out / "config.json").is_file():
-            raise ValueError(f"--out {out} holds no config.json, so it is no Hugging Face model folder; refusing to "
-                             "replace it, even with --overwrite")
+        if not (out / marker).is_file():
+            kind = "Hugging Face model" if marker == "config.json" else "PEFT adapter"
+            raise ValueError(f"--out {out} holds no {marker}, so it is no {kind} folder; refusing to replace it, "
+                             "even with --overwrite")
     return resolved if out.is_symlink() else out
 
 

@@ -375,7 +375,7 @@ def copy_transposed(dst_CR: torch.Tensor, src_RC: torch.Tensor) -> None:
         dst_CR[:, r:r + TRANSPOSE_ROWS].copy_(src_RC[r:r + TRANSPOSE_ROWS].t())
 
 
-def _relayout_glu(w: torch.Tensor, from_block: int, to_block: int) -> torch.Tensor:
+def relayout_glu(w: torch.Tensor, from_block: int, to_block: int) -> torch.Tensor:
     """GLU halves along the last axis, from one interleave to another (0: ``[gate | up]``)."""
     if from_block == to_block:
         return w
@@ -411,7 +411,7 @@ def read_local_leaf(files: SafetensorsDir, recipe: Recipe, cfg: ModelConfig, loc
             at = e * per + lo - first
             _read_rows(files, recipe, base + e, lo, hi, local_shape[1:], cfg.experts, block[at:at + hi - lo])
     if recipe.glu:
-        block = _relayout_glu(block, recipe.file_interleave, cfg.glu_interleave)
+        block = relayout_glu(block, recipe.file_interleave, cfg.glu_interleave)
     return block if sharded else block.reshape(local_shape)
 
 
@@ -429,7 +429,7 @@ def to_file_tensors(path: str, full: torch.Tensor, recipe: Recipe, cfg: ModelCon
         The tensors to write, on the CPU, contiguous.
     """
     if recipe.glu:
-        full = _relayout_glu(full, cfg.glu_interleave, recipe.file_interleave)
+        full = relayout_glu(full, cfg.glu_interleave, recipe.file_interleave)
     out = {}
     for e in range(full.shape[0]) if recipe.experts == Experts.SEPARATE else (None,):
         leaf = full[e] if e is not None else full

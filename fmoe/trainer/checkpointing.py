@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .. import hf
+from .. import hf, lora
 from ..checkpoint import Checkpoint, load, save
 from ..checkpoint.files import replace_file
 from ..data import tokenizer_record
@@ -68,13 +68,21 @@ class Checkpoints:
         return ck
 
     def start(self, opt, ck) -> tuple:
-        """``(params, opt_state, first step)``: resumed from ``ck`` (``resumed``'s), or
+        """``(params, opt_state, first step, base)``: resumed from ``ck`` (``resumed``'s), or
         fresh (``drawn``: the line saying how long the draw took), or from a Hugging Face
-        checkpoint."""
+        checkpoint. Under ``--lora-rank`` the params are the adapters (fresh or resumed)
+        and ``base`` the frozen Hugging Face weights; otherwise ``base`` is None."""
         run = self.run
         s = run.settings
+        if run.plan.lora is not None:
+            base = hf.load(s.init_from_hf, run.plan)
+            run.say(f"the frozen base from the Hugging Face checkpoint {s.init_from_hf}")
+            if ck is not None:
+                return ck.params, ck.opt_state, ck.step + 1, base
+            adapters = lora.init(run.plan, seed=s.seed)
+            return adapters, opt.init(adapters), 1, base
         if ck is not None:
-            return ck.params, ck.opt_state, ck.step + 1
+            return ck.params, ck.opt_state, ck.step + 1, None
         if s.init_from_hf:
             params = hf.load(s.init_from_hf, run.plan)
             run.say(f"initialised from the Hugging Face checkpoint {s.init_from_hf}")
@@ -83,7 +91,7 @@ class Checkpoints:
             params = init(run.plan, seed=s.seed)
             self.drawn = (f"initial parameters drawn in {time.perf_counter() - started:.1f}s (seed {s.seed}, "
                           f"{draw_threads()} CPU thread(s) a rank)")
-        return params, opt.init(params), 1
+        return params, opt.init(params), 1, None
 
     def _check_resumable(self, ck) -> None:
         """The checkpoint ``ck`` was trained on this run's data and optimizer switches and

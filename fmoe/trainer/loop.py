@@ -18,6 +18,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
+from .. import lora
 from ..batch import context_chunks
 from ..data import corpus_unigram, heldout_rows, heldout_set, train_batch
 from ..generate import generate, load_tokenizer
@@ -43,8 +44,8 @@ class _Stepper:
     opt_state)``: ``fmoe.step`` and ``update``, eager or with CUDA-graphed scopes, or
     both as one CUDA graph (``--cuda-graph step``), built on the first batch it sees."""
 
-    def __init__(self, run: Run, update: Callable):
-        self.run, self.update, self.call = run, update, None
+    def __init__(self, run: Run, update: Callable, base: dict | None):
+        self.run, self.update, self.base, self.call = run, update, base, None
 
     def __call__(self, params, opt_state, batch):
         if self.call is None:
@@ -69,7 +70,7 @@ class _Stepper:
         kernels = adapters.capture_scopes(params, batch, plan, scopes) if scopes else None
 
         def eager(params, opt_state, batch):
-            out = step(params, batch, plan, kernels)
+            out = step(params, batch, plan, kernels, base=self.base)
             return (out, *self.update(out, params, opt_state))
         return eager
 
@@ -93,6 +94,7 @@ class _Job(NamedTuple):
     """What every step of a run reads, built once by ``_setup``."""
 
     run: Run
+    base: dict | None  # under --lora-rank, the frozen params the adapters (the state's params) adapt
     schedule: Callable[[int], Any]
     opt: Optimizer
     norm_in_state: bool  # the optimizer computes the grad norm and keeps it
@@ -218,7 +220,7 @@ def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
     eval_note = _eval_note(run)
     heldout = [context_chunks(b, plan, world.rank)
                for b in heldout_set(corpus, s.batch, s.seq, s.eval_batches, *row_block(plan, world.rank))]
-    params, opt_state, first = checkpoints.start(opt, resumed)
+    params, opt_state, first, base = checkpoints.start(opt, resumed)
     if world.is_main:  # every check has passed: now the folder changes
         prepare_out(run)
     baseline = corpus_unigram(corpus, plan.model.vocab)
@@ -226,8 +228,8 @@ def _setup(run: Run, watchdog: Watchdog) -> tuple[_Job, _State]:
     for note in (*run.notes, *(line for line in (checkpoints.drawn, eval_note) if line)):
         run.say(note)
     tokens_per_step = s.batch * s.seq
-    job = _Job(run, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
-               checkpoints=checkpoints, stepper=_Stepper(run, _update(run, opt)), first=first,
+    job = _Job(run, base, schedule, opt, norm_in_state=bool(s.clip or s.max_skips), heldout=heldout,
+               checkpoints=checkpoints, stepper=_Stepper(run, _update(run, opt), base), first=first,
                last=min(s.steps, s.stop_after) if s.stop_after else s.steps, baseline=baseline,
                tokens_per_step=tokens_per_step,
                flops_per_step=train_flops_per_token(plan.model, s.seq) * tokens_per_step,
@@ -257,6 +259,11 @@ def _introduce(run: Run, baseline: float) -> None:
     run.say(f"fmoe.train: {n_params / 1e6:.2f}M params, {len(corpus.train)} train / {len(corpus.heldout)} held-out "
             f"tokens from {corpus.source}; {run.world.size} rank(s), dp={plan.dp} ep={plan.ep}{more} "
             f"sharding={plan.sharding} dtype={plan.dtype} device={plan.device}")
+    if plan.lora is not None:
+        adapted = sum(math.prod(shape) for shape in lora.adapter_shapes(plan).values())
+        run.say(f"training adapters of rank {plan.lora.rank} (alpha {plan.lora.alpha:g}) on "
+                f"{', '.join(plan.lora.targets)}: {adapted / 1e6:.3f}M params ({adapted / n_params:.2%} of the "
+                "model's, which stay frozen)")
     if corpus.packed is not None:
         run.say(f"packed rows of {corpus.packed.row} positions: the loss counts the trained targets "
                 "(loss_mask.bin) and attention stays inside each document (segments.bin)")
@@ -369,7 +376,8 @@ def _evaluate(job: _Job, state: _State, step_num: int, record: dict) -> None:
     if step_num % job.run.settings.eval_every != 0 and step_num != job.last:
         return
     job.watchdog.mark(f"the held-out evaluation after step {step_num}")
-    state.heldout_loss = sum(float(eval_loss(state.params, b, job.run.plan)) for b in job.heldout) / len(job.heldout)
+    state.heldout_loss = sum(float(eval_loss(state.params, b, job.run.plan, base=job.base))
+                             for b in job.heldout) / len(job.heldout)
     record["heldout_loss"] = state.heldout_loss
     job.run.say(f"step {step_num:5d}  train {state.train_loss:.4f}  held-out {state.heldout_loss:.4f}  "
                 f"(unigram {job.baseline:.4f})")
@@ -391,7 +399,7 @@ def _finish(job: _Job, state: _State) -> dict:
         run.say(f"fmoe.train: stopped by {state.stopped} after step {state.done}; checkpoint {ckpt}. Continue with "
                 f"the same command and --resume.")
     else:
-        _sample(run, state.params)
+        _sample(run, state.params, job.base)
     # each entry is a logged step's average over the steps since the one before
     median = sorted(state.step_times)[len(state.step_times) // 2] if state.step_times else float("nan")
     peak, train_loss, heldout_loss = job.peak, state.train_loss, state.heldout_loss
@@ -411,22 +419,26 @@ def _finish(job: _Job, state: _State) -> dict:
     return summary
 
 
-def _sample(run: Run, params) -> None:
-    """Generate from a held-out prompt with the trained model (rank 0 prints it)."""
+def _sample(run: Run, params, base: dict | None) -> None:
+    """Generate from a held-out prompt with the trained model (rank 0 prints it); under
+    ``--lora-rank`` the base with the adapters merged."""
     n = run.settings.sample_tokens
     if not n:
         return
+    plan = run.plan.replace(lora=None)
+    if base is not None:
+        params = lora.merge(base, params, run.plan)
     size = 4 * param_count(run.plan.model)
     if size > _SAMPLE_MAX_BYTES:
         run.say(f"sample skipped: the whole model is {size / 2**30:.1f} GiB in fp32; sample from the "
                 "checkpoint with python -m fmoe.generate")
         return
-    full = gather_full(params, run.plan)  # a collective: every rank takes part
+    full = gather_full(params, plan)  # a collective: every rank takes part
     if not run.world.is_main:
         return
-    prompt = torch.as_tensor(run.corpus.heldout[:SAMPLE_PROMPT].astype("int64"), device=run.plan.device)[None]
-    ids = generate(full, prompt, run.plan.model, n, temperature=0.8, top_k=50, seed=run.settings.seed,
-                   eos_id=run.corpus.eos_id, dtype=run.plan.compute_dtype)[0].tolist()
+    prompt = torch.as_tensor(run.corpus.heldout[:SAMPLE_PROMPT].astype("int64"), device=plan.device)[None]
+    ids = generate(full, prompt, plan.model, n, temperature=0.8, top_k=50, seed=run.settings.seed,
+                   eos_id=run.corpus.eos_id, dtype=plan.compute_dtype)[0].tolist()
     try:
         tok = load_tokenizer(run.corpus.tokenizer)
         text = f"{tok.decode(ids[:SAMPLE_PROMPT])!r} -> {tok.decode(ids[SAMPLE_PROMPT:])!r}"

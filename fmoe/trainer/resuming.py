@@ -29,7 +29,9 @@ DATA_KEYS = ("seed", "batch", "seq", "corpus", "heldout_fraction")
 # warmup ...), the eval/log/save cadences, the machine's settings and the plan (dp, ep,
 # sharding, microbatches, schedule ...), since fmoe.load reshards any plan to any plan.
 # ``data`` is not here: its path may change, the checkpoint compares the corpus itself.
-FIXED = (*MODEL_FIELDS, *(key for key in DATA_KEYS if key != "corpus"), "init_from_hf")
+# The adapters' shape (``lora_*``) is fixed too: the checkpoint holds those adapters.
+FIXED = (*MODEL_FIELDS, *(key for key in DATA_KEYS if key != "corpus"), "init_from_hf", "lora_rank", "lora_alpha",
+         "lora_targets")
 
 # Settings of one command, never taken from the run: what it does with the folder, the
 # folder itself (found by --out, and maybe moved since), and where this command stops.

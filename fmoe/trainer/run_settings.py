@@ -16,7 +16,8 @@ TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 _MAX_INT = 2**63 - 1
 _MAX_TIMEOUT_S = 365 * 86400
 _POSITIVE = ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches", "keep")
-_NON_NEGATIVE = ("warmup", "save_every", "stop_after", "profile_step", "seed", "threads", "sample_tokens", "max_skips")
+_NON_NEGATIVE = ("warmup", "save_every", "stop_after", "profile_step", "seed", "threads", "sample_tokens", "max_skips",
+                 "lora_rank")
 
 
 def _option(default, help_: str):
@@ -60,6 +61,12 @@ class RunSettings:
     data: str = _option("", "a directory written by `python -m fmoe.data prepare` (default: the embedded corpus)")
     heldout_fraction: float = _option(0.05, "the tail of the tokens held out for evaluation")
     init_from_hf: str = _option("", "start from this Hugging Face checkpoint directory (fine-tuning)")
+    lora_rank: int = _option(0, "train low-rank adapters of this rank on the --init-from-hf model, which stays "
+                                "frozen (0: train every weight)")
+    lora_alpha: float = _option(0.0, "the adapters' products are scaled by alpha / rank (0: twice --lora-rank)")
+    lora_targets: str = _option("q,k,v,out,experts", "the matrices --lora-rank adapts, comma-separated from q, k, "
+                                                     "v, out, experts, shared, mlp (latent attention: q, q_down, "
+                                                     "q_up, kv_down, kv_up)")
     # logging and evaluation
     log_every: int = _option(1, "read the step's metrics to the host and log them every N steps (and at "
                                 "evaluations, checkpoints and the last step); the steps between queue on the "
@@ -125,7 +132,7 @@ def _check_ranges(s: RunSettings) -> None:
     cores = os.cpu_count() or 1
     if s.threads > cores:
         invalid("threads", s.threads, f"must be an int in 0..{cores} (this machine's cores; 0: torch's default)")
-    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops"):
+    for name in ("lr", "timeout", "clip", "weight_decay", "peak_tflops", "lora_alpha"):
         value, positive = getattr(s, name), name in ("lr", "timeout")
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             invalid(name, value, "must be a finite number " + ("> 0" if positive else ">= 0"))

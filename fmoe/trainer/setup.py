@@ -12,12 +12,13 @@ from typing import Callable, NamedTuple
 
 from tqdm import tqdm
 
-from .. import hf
+from .. import hf, lora
 from ..backends import BUILT_IN, declared_backends, expert_backend_names, registered_backend
 from ..config import ModelConfig, Plan
 from ..data import TokenCorpus, check_corpus, check_packed_seq, check_vocab, embedded_corpus, open_corpus
 from ..data.tokenizer_match import check_model_tokenizer
 from ..generate import kv_cache_bytes
+from ..lora_spec import LoRA
 from ..hf.families import training_fields
 from ..params import param_count
 from ..runtime import check_device_and_backend, device_memory, gib
@@ -94,6 +95,38 @@ def check_paths(s: RunSettings, explicit: set) -> None:
 
 
 _ADAPTERS_NEEDED = "it needs fmoe's adapters: run python -m interop.train with the same settings"
+
+
+def adapters_of(s: RunSettings, cfg: ModelConfig) -> LoRA | None:
+    """``--lora-rank``, ``--lora-alpha``, ``--lora-targets`` as ``Plan.lora`` (None at rank 0),
+    each refused naming its flag: adapters need ``--init-from-hf`` and targets ``cfg`` holds."""
+    if not s.lora_rank:
+        return None
+    if not s.init_from_hf:
+        invalid("lora_rank", s.lora_rank, "adapters train on a released model: give --init-from-hf DIR (or "
+                "--lora-rank 0 to train every weight)")
+    targets = tuple(t.strip() for t in s.lora_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in lora.TARGETS]
+    if not targets or unknown or len(set(targets)) != len(targets):
+        invalid("lora_targets", s.lora_targets, "comma-separated names, each once, from " + ", ".join(lora.TARGETS))
+    adapters = LoRA(rank=s.lora_rank, alpha=s.lora_alpha or 2.0 * s.lora_rank, targets=targets)
+    try:
+        lora.sites(adapters, cfg)
+    except ValueError as err:
+        invalid("lora_targets", s.lora_targets, str(err).split(": ", 1)[-1])
+    return adapters
+
+
+def check_lora_run(s: RunSettings, plan: Plan) -> None:
+    """What a run of adapters cannot do in this version, refused naming the flag: the
+    base is frozen (no expert-bias updates), the step is not CUDA-graphed, every rank
+    holds the whole model (``fmoe.lora.check_plan``)."""
+    if plan.model.expert_bias_rate:
+        invalid("expert_bias_rate", plan.model.expert_bias_rate, "the base model stays frozen under --lora-rank: "
+                "leave it 0")
+    if s.cuda_graph:
+        invalid("cuda_graph", s.cuda_graph, "adapters run eager in this version (--lora-rank): leave it out")
+    lora.check_plan(plan)
 
 
 def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
@@ -211,14 +244,19 @@ def check_memory(s: RunSettings, plan: Plan, world: World) -> None:
     line, instead of in an allocation or the kernel's OOM killer."""
     cfg, have = plan.model, device_memory(plan.device)
     n_params = param_count(cfg)
-    state = 16 * n_params / world.size
+    # every weight trained: params, grads and two moments; adapters (merged weights, this version): the
+    # frozen params and the merged ones' grads, each whole on every rank
+    per_param, over = (16, world.size) if plan.lora is None else (8, 1)
+    state = per_param * n_params / over
     rows = s.batch // world.size
     activations = rows * (s.seq + 1) * 8 + rows // plan.microbatches * s.seq * cfg.dim * 4 * cfg.layers
     if state + activations > have:
         what = ("the model (--dim, --layers, --experts, --ffn, --vocab)" if state >= activations else
                 "the batch (--batch, --seq, --microbatches)")
+        held = (f"16 bytes for params, grads and AdamW state over {world.size} rank(s)" if plan.lora is None else
+                "8 bytes for the frozen params and their gradients through the adapters, on every rank")
         raise ValueError(f"{what} needs at least {gib(state + activations)} per rank ({n_params / 1e9:,.2f}B params "
-                         f"x 16 bytes for params, grads and AdamW state over {world.size} rank(s): {gib(state)}; "
+                         f"x {held}: {gib(state)}; "
                          f"ids and residual stream: {gib(activations)}), but {plan.device} has {gib(have)}")
     cache = kv_cache_bytes(cfg, 1, SAMPLE_PROMPT + s.sample_tokens, plan.compute_dtype)
     if cache > have:
@@ -292,7 +330,7 @@ def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, a
         invalid("cp", fields["cp"], f"context parallelism takes one sequence per row; {corpus.source} is packed "
              "with documents (segments): allowed --cp 1")
     load_expert_backend(fields["expert_backend"], adapters)  # a name its module registers: loaded before the Plan
-    plan = options.plan_for(fields, cfg, dp=dp, device=rank_device(fields["device"], world))
+    plan = options.plan_for(fields, cfg, dp=dp, device=rank_device(fields["device"], world), lora=adapters_of(s, cfg))
     blocks = plan.dp * plan.ep  # the ranks reading rows of their own (fmoe.local_batch)
     if s.batch % (blocks * plan.microbatches):
         invalid("batch", s.batch, f"must split into dp x ep = {blocks} row block(s) x --microbatches="
@@ -303,6 +341,8 @@ def _prepare_locked(s: RunSettings, fields: dict, explicit: set, world: World, a
              f"a chunk's positions: a multiple of {chunks * plan.tp}")
     check_device_and_backend(plan)
     check_memory(s, plan, world)
+    if plan.lora is not None:
+        check_lora_run(s, plan)
     scopes = parse_scopes(s.cuda_graph, plan, adapters)
     if world.is_main:  # the folder's contents are the main rank's: it may be writing them while others check
         check_out(s)
