@@ -8,6 +8,7 @@ import optree
 import torch
 
 from .config import Plan
+from .lora import adapter_shapes
 from .params import Domain, named_leaves
 from .resolve import resolve
 from .shard.spec import full_views, write_shard
@@ -26,12 +27,15 @@ def gather_full(tree, plan: Plan):
         tree: this rank's pytree in the plan's layout.
         plan: the Plan.
 
+    Under ``plan.lora`` a tree of adapters (or their gradients, ``out.grads``) is whole on
+    every rank already, and is returned as it is.
+
     Returns:
         The pytree in the canonical full layout (the input itself on one rank).
     """
-    if plan.world == 1:
-        return tree
     named = named_leaves(tree)
+    if plan.world == 1 or (plan.lora is not None and named.keys() == adapter_shapes(plan).keys()):
+        return tree
     full = {}
     for views in iter_full(named, plan):
         full.update(views)

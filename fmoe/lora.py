@@ -15,13 +15,14 @@ same path in the adapter tree, and the layer computes ``x @ W + (alpha / r) * (x
 A target applies in every layer that holds its matrix; a target no layer holds is refused.
 ``b`` starts at zero, so a fresh adapter leaves the model as it was.
 
-This version trains the adapters on one process or on data-parallel replicas (every rank
-holding the full params), through the merged weights: the step runs
-on ``merge(base, adapters)`` and each adapted matrix's gradient ``g`` reaches its adapter by
-the chain rule (``a``: ``scale * g @ b.T``, ``b``: ``scale * a.T @ g``). The base is never
-written and holds no gradient after the step; its weight gradients are still computed, so
-this path is the reference the adapter products inside the layers will be checked against,
-not a faster step.
+Every rank holds the adapters whole; the base is laid out by the plan (sharded, split by
+experts, tensor-parallel columns or pipeline stages). This version trains through the merged
+weights: the step runs on ``merge(base, adapters, plan)``, each rank's pieces of the adapted
+matrices merged, and each piece's gradient ``g`` reaches the adapters by the chain rule
+(``a``: ``scale * g @ b.T``, ``b``: ``scale * a.T @ g``), summed over the ranks. The base is
+never written and holds no gradient after the step; its weight gradients are still computed,
+so this path is the reference the adapter products inside the layers will be checked
+against, not a faster step.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import torch
 from .checks import fail
 from .lora_spec import TARGETS, LoRA
 from .model_config import ModelConfig
+from .comm.collectives import Group
 from .params import named_leaves, param_table
+from .shard.boxes import local_boxes
 
-__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "check_plan", "from_named", "init", "merge",
+__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "from_named", "init", "merge",
            "pairs", "sites"]
 
 _QKV = {"q": 0, "k": 1, "v": 2}  # the target's part of the fused attn.qkv columns
@@ -115,7 +118,6 @@ def init(plan, seed: int = 0) -> dict:
         ``{"layers": [{...}, ...]}``, one dict per layer (empty where nothing is adapted).
     """
     lora = plan_lora(plan)
-    check_plan(plan)
     g = torch.Generator().manual_seed(seed)
     tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
     for site in sites(lora, plan.model):
@@ -196,56 +198,120 @@ def pairs(adapters: dict, plan) -> list[tuple[Site, torch.Tensor, torch.Tensor]]
 
 
 def merge(base: dict, adapters: dict, plan) -> dict:
-    """Plain params: each adapted matrix ``W + (alpha / rank) * a @ b`` (its columns, for
-    ``q``, ``k``, ``v``), every other leaf ``base``'s own. Differentiable in both; neither
-    is written."""
+    """This rank's params under ``plan`` with the adapters merged: each piece of an adapted
+    matrix the rank holds (its experts, rows, tensor-parallel columns; ``q``, ``k``, ``v``'s
+    columns of ``qkv``) is ``W + (alpha / rank) * a @ b`` over that piece, every other leaf
+    ``base``'s own. On one process the pieces are the whole matrices. Differentiable in
+    both; neither is written.
+
+    Arguments:
+        base: this rank's params under ``plan`` (``fmoe.init(plan)``'s layout).
+        adapters: the adapters, whole (``fmoe.lora.init``).
+        plan: the Plan with its ``lora``.
+    """
     lora, todo = plan_lora(plan), pairs(adapters, plan)
-    named = named_leaves(base)
-    table = param_table(plan.model)
-    for site, _, _ in todo:
-        if site.param not in named or tuple(named[site.param].shape) != table[site.param].shape:
-            got = tuple(named[site.param].shape) if site.param in named else "missing"
-            raise ValueError(f"base {site.param} is {got}: merge takes the full params "
-                             f"{table[site.param].shape} (fmoe.gather_full(params, plan) on several ranks)")
-    deltas: dict = {}
+    spec, rank = _spec_and_rank(plan)
+    local, named = spec.local_shapes(rank), named_leaves(base)
+    by_param: dict = {}
     for site, a, b in todo:
-        delta = lora.scale * torch.matmul(a, b)
-        if site.columns is not None:
-            whole = deltas.get(site.param, named[site.param].new_zeros(named[site.param].shape))
-            delta = torch.cat([whole[..., :site.columns.start], delta + whole[..., site.columns],
-                               whole[..., site.columns.stop:]], -1)
-        elif site.param in deltas:
-            delta = deltas[site.param] + delta
-        deltas[site.param] = delta
+        w = named.get(site.param)
+        if w is None or tuple(w.shape) != tuple(local[site.param]):
+            got = tuple(w.shape) if w is not None else "missing"
+            raise ValueError(f"base {site.param} is {got}: this rank holds {tuple(local[site.param])} of it under "
+                             "the plan (fmoe.init(plan) or fmoe.hf.load(dir, plan) lay the base out)")
+        by_param.setdefault(site.param, []).append((site, a, b))
     leaves, treedef = optree.tree_flatten(base)
-    merged = [w + deltas[path].to(w.dtype) if path in deltas else w for path, w in zip(named, leaves)]
+    merged = [w + _delta(path, w, by_param[path], lora.scale, spec, rank).to(w.dtype) if path in by_param else w
+              for path, w in zip(named, leaves)]
     return optree.tree_unflatten(treedef, merged)
 
 
-def check_plan(plan) -> None:
-    """Adapters go through the merged weights, so each rank must hold the full params:
-    data-parallel replicas (``sharding='no_shard'``), no other degree, in this version."""
-    split = {name: getattr(plan, name) for name in ("ep", "tp", "etp", "cp", "pp") if getattr(plan, name) > 1}
-    if plan.world > 1 and (plan.sharding != "no_shard" or split):
-        held = f"sharding={plan.sharding!r}" + "".join(f", {k}={v}" for k, v in split.items())
-        fail("Plan.lora", plan.lora, f"adapters train on one process or data-parallel replicas in this version: "
-             f"sharding='no_shard' with dp only (the plan has {held})")
+def _spec_and_rank(plan):
+    from .resolve import resolve  # resolve builds on the layers, which read adapters' sites
+    return resolve(plan).spec, Group.world().rank if plan.world > 1 else 0
+
+
+def _delta(path: str, w: torch.Tensor, todo: list, scale: float, spec, rank: int) -> torch.Tensor:
+    """``scale * a @ b`` of each adapter on parameter ``path``, over the boxes of it that
+    this rank holds, laid out as its piece ``w``."""
+    shape = spec.table[path].shape
+    delta = torch.zeros(w.shape, dtype=todo[0][1].dtype, device=w.device)
+    for offsets, view in local_boxes(path, shape, delta, spec, rank):
+        lead = tuple(slice(o, o + n) for o, n in zip(offsets[:-2], view.shape[:-2]))
+        rows = slice(offsets[-2], offsets[-2] + view.shape[-2])
+        c0, c1 = offsets[-1], offsets[-1] + view.shape[-1]
+        for site, a, b in todo:
+            start, stop = (site.columns.start, site.columns.stop) if site.columns else (0, shape[-1])
+            lo, hi = max(c0, start), min(c1, stop)
+            if lo < hi:
+                part = b[lead + (slice(None), slice(lo - start, hi - start))]
+                view[..., lo - c0:hi - c0].add_(scale * torch.matmul(a[lead + (rows,)], part))
+    return delta
 
 
 def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]:
     """``step(merged_params) -> StepOutput`` run on ``merge(base, adapters, plan)``, and the
     adapters' gradients from its gradients of the merged matrices (the chain rule through
-    ``merge``). Returns ``(the step's output, grads shaped like adapters)``."""
-    check_plan(plan)
+    ``merge``).
+
+    Each rank's gradients are those of the pieces it holds, so each rank's part of an
+    adapter's gradient comes from its pieces. The parts are summed over the ranks (one
+    all-reduce), each box of a parameter counted once however many ranks hold it. A
+    parameter every rank holds whole needs no sum.
+
+    Returns:
+        ``(the step's output, grads shaped like adapters, the same on every rank)``.
+    """
     a_leaves, a_def = optree.tree_flatten(adapters)
     held = [t.detach().requires_grad_(True) for t in a_leaves]
     with torch.enable_grad():
         merged = merge(base, optree.tree_unflatten(a_def, held), plan)
     out = step(optree.tree_map(torch.Tensor.detach, merged))
+    spec, rank = _spec_and_rank(plan)
     named_merged, named_grads = named_leaves(merged), named_leaves(out.grads)
     touched = [p for p, w in named_merged.items() if w.requires_grad]
-    got = torch.autograd.grad([named_merged[p] for p in touched], held,
-                              grad_outputs=[named_grads[p].to(named_merged[p].dtype) for p in touched],
-                              allow_unused=True)
+    adapted = _adapted_params(adapters, plan)
+    split = {p for p in set(adapted) if not _whole_everywhere(spec, p, plan.world)}  # the same on every rank
+    outputs = [_counted_once(p, named_grads[p].to(named_merged[p].dtype), spec, rank, plan.world) if p in split
+               else named_grads[p].to(named_merged[p].dtype) for p in touched]
+    got = torch.autograd.grad([named_merged[p] for p in touched], held, grad_outputs=outputs, allow_unused=True)
     grads = [torch.zeros_like(h) if g is None else g for h, g in zip(held, got)]
+    summed = [i for i, path in enumerate(adapted) if path in split]
+    if summed:  # every rank lists the same leaves, so one flat all-reduce
+        flat = torch.cat([grads[i].reshape(-1) for i in summed])
+        Group.world().all_reduce(flat).wait()
+        for i, part in zip(summed, flat.split([grads[i].numel() for i in summed])):
+            grads[i] = part.view_as(grads[i])
     return out, optree.tree_unflatten(a_def, grads)
+
+
+def _adapted_params(adapters: dict, plan) -> list[str]:
+    """The parameter each leaf of ``adapters`` adapts, in the order of its flattened leaves."""
+    param_of = {f"{_dotted(site.adapter)}.{name}": site.param for site in sites(plan_lora(plan), plan.model)
+                for name in "ab"}
+    return [param_of[name] for name in named_leaves(adapters)]
+
+
+def _box_keys(spec, path: str, rank: int) -> tuple:
+    """The boxes of parameter ``path`` rank ``rank`` holds, as ``(offsets, sizes)``."""
+    meta = torch.empty(spec.local_shapes(rank)[path], device="meta")
+    return tuple((tuple(o), tuple(v.shape)) for o, v in local_boxes(path, spec.table[path].shape, meta, spec, rank))
+
+
+def _whole_everywhere(spec, path: str, world: int) -> bool:
+    """Whether every rank holds parameter ``path`` whole (so each has its whole gradient)."""
+    whole = (((0,) * len(spec.table[path].shape), tuple(spec.table[path].shape)),)
+    return all(_box_keys(spec, path, r) == whole for r in range(world))
+
+
+def _counted_once(path: str, grad: torch.Tensor, spec, rank: int, world: int) -> torch.Tensor:
+    """``grad`` (this rank's piece of parameter ``path``) with each box divided by the
+    number of ranks holding that box, so that summing every rank's part counts it once."""
+    holders: dict = {}
+    for r in range(world):
+        for key in _box_keys(spec, path, r):
+            holders[key] = holders.get(key, 0) + 1
+    out = grad.clone()
+    for offsets, view in local_boxes(path, spec.table[path].shape, out, spec, rank):
+        view.div_(holders[(tuple(offsets), tuple(view.shape))])
+    return out

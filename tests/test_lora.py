@@ -28,8 +28,8 @@ MLA = fmoe.ModelConfig(vocab=40, dim=32, layers=2, heads=4, head_size=12, kv_lor
 def lora_batch():
     """A global batch of 4 rows with packed documents, the same in every process."""
     g = torch.Generator().manual_seed(12)
-    tokens = torch.randint(0, CFG.vocab, (4, 10), generator=g)
-    return {"tokens": tokens, "segments": (torch.rand(4, 10, generator=g) < 0.2).long().cumsum(1)}
+    tokens = torch.randint(0, CFG.vocab, (4, 9), generator=g)  # 8 positions: tp=4 splits them
+    return {"tokens": tokens, "segments": (torch.rand(4, 9, generator=g) < 0.2).long().cumsum(1)}
 
 
 def random_adapters(plan, seed: int, dtype=torch.float32):
@@ -193,18 +193,13 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
         fmoe.Plan(model=CFG, lora={"rank": 4})
     with pytest.raises(ValueError, match="Plan.lora=.*not a CUDA-graphed step"):
         prepare_step(adapters, batch, plan)  # what interop's graphed step and modules run
-    with pytest.raises(ValueError, match="Plan.lora=.*sharding='no_shard' with dp only .the plan has "
-                                         "sharding='optim_grads_params'"):
-        fmoe.lora.init(plan.replace(dp=2, sharding="optim_grads_params"))
-    with pytest.raises(ValueError, match="Plan.lora=.*the plan has sharding='no_shard', ep=2"):
-        fmoe.lora.init(plan.replace(ep=2))
     missing = optree.tree_map(lambda t: t, adapters)
     del missing["layers"][1]["attn"]["k"]
     with pytest.raises(ValueError, match="no adapter at layers.1.attn.k"):
         fmoe.step(missing, batch, plan, base=base)
     cut = optree.tree_map(lambda t: t, base)
     cut["layers"][1]["attn"]["qkv"] = cut["layers"][1]["attn"]["qkv"][:16]
-    with pytest.raises(ValueError, match=r"base layers.1.attn.qkv is \(16, 64\): merge takes the full params"):
+    with pytest.raises(ValueError, match=r"base layers.1.attn.qkv is \(16, 64\): this rank holds \(32, 64\)"):
         fmoe.lora.merge(cut, adapters, plan)
     wrong = optree.tree_map(lambda t: t, adapters)
     wrong["layers"][1]["attn"]["q"]["a"] = torch.zeros(32, 5)

@@ -31,7 +31,7 @@ from ..params import flat_shapes, named_leaves
 from ..resolve import resolve
 from ..runtime import check_runtime
 from ..step import check_params
-from .boxes import local_boxes
+from ..shard.boxes import local_boxes
 from .dcp_io import (BoxedTensor, BoxLoadPlanner, BoxSavePlanner, JsonMetadataReader, metadata_from_json,
                      metadata_to_json, unwritten)
 from .files import (META_FILE, check_files, checkpoint_dir, gathered_checksums, io_threads, staged_directory,
@@ -98,7 +98,6 @@ def save(path, plan: Plan, params: dict, opt_state=None, step: int = 0, extra: d
     meta: dict = {"format": FORMAT_VERSION, "model": dataclasses.asdict(plan.model), "step": int(step),
                   "extra": dict(extra or {}), "opt_state": None, "opt_params": {}}
     if plan.lora is not None:  # the adapters and their state, each whole on every rank; the base is not saved
-        lora.check_plan(plan)
         lora.check_adapters(params, plan)
         for p, t in named_leaves(params).items():
             tensors["adapters." + p] = BoxedTensor(t.shape, torch.float32, [((0,) * t.dim(), t.detach().cpu())])

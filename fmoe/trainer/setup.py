@@ -119,14 +119,12 @@ def adapters_of(s: RunSettings, cfg: ModelConfig) -> LoRA | None:
 
 def check_lora_run(s: RunSettings, plan: Plan) -> None:
     """What a run of adapters cannot do in this version, refused naming the flag: the
-    base is frozen (no expert-bias updates), the step is not CUDA-graphed, every rank
-    holds the whole model (``fmoe.lora.check_plan``)."""
+    base is frozen (no expert-bias updates), the step is not CUDA-graphed."""
     if plan.model.expert_bias_rate:
         invalid("expert_bias_rate", plan.model.expert_bias_rate, "the base model stays frozen under --lora-rank: "
                 "leave it 0")
     if s.cuda_graph:
         invalid("cuda_graph", s.cuda_graph, "adapters run eager in this version (--lora-rank): leave it out")
-    lora.check_plan(plan)
 
 
 def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
@@ -245,16 +243,16 @@ def check_memory(s: RunSettings, plan: Plan, world: World) -> None:
     cfg, have = plan.model, device_memory(plan.device)
     n_params = param_count(cfg)
     # every weight trained: params, grads and two moments; adapters (merged weights, this version): the
-    # frozen params and the merged ones' grads, each whole on every rank
-    per_param, over = (16, world.size) if plan.lora is None else (8, 1)
-    state = per_param * n_params / over
+    # frozen params and the merged ones' grads
+    per_param = 16 if plan.lora is None else 8
+    state = per_param * n_params / world.size
     rows = s.batch // world.size
     activations = rows * (s.seq + 1) * 8 + rows // plan.microbatches * s.seq * cfg.dim * 4 * cfg.layers
     if state + activations > have:
         what = ("the model (--dim, --layers, --experts, --ffn, --vocab)" if state >= activations else
                 "the batch (--batch, --seq, --microbatches)")
         held = (f"16 bytes for params, grads and AdamW state over {world.size} rank(s)" if plan.lora is None else
-                "8 bytes for the frozen params and their gradients through the adapters, on every rank")
+                f"8 bytes for the frozen params and their gradients through the adapters over {world.size} rank(s)")
         raise ValueError(f"{what} needs at least {gib(state + activations)} per rank ({n_params / 1e9:,.2f}B params "
                          f"x {held}: {gib(state)}; "
                          f"ids and residual stream: {gib(activations)}), but {plan.device} has {gib(have)}")

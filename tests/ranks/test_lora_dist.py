@@ -1,5 +1,9 @@
-"""Adapters on data-parallel replicas (gloo ranks) against one process on the global batch."""
+"""Adapters under every kind of plan (gloo ranks) against one process on the global batch:
+ZeRO-1/2/3, expert, tensor and pipeline parallelism and meshes of them. Each rank merges the
+adapters into the pieces of the base it holds; the adapters' gradients, summed over the
+ranks, are one process's."""
 
+import pytest
 import torch
 
 import fmoe
@@ -7,13 +11,17 @@ import fmoe
 from ..reference import assert_trees_close
 from ..test_lora import CFG, EVERY, lora_batch, random_adapters
 from .harness import run_ranks
-from .workloads import lora_configs, ref_params_fp32
+from .workloads import LORA_PLANS, lora_configs
 
 
-def test_two_data_parallel_replicas_give_one_process_adapter_gradients():
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_plan_gives_one_process_adapter_gradients(world):
     plan = fmoe.Plan(model=CFG, lora=EVERY, microbatches=2)
-    want = fmoe.step(random_adapters(plan, seed=3), lora_batch(), plan, base=ref_params_fp32(CFG))
-    for res in run_ranks(2, lora_configs):
-        # each rank sums its rows' fp32 terms before the all-reduce: reordered additions
-        torch.testing.assert_close(res["loss"], want.loss, rtol=1e-6, atol=1e-7)
-        assert_trees_close(res["grads"], want.grads, rtol=1e-4, atol=2e-6)
+    want = fmoe.step(random_adapters(plan, seed=3), lora_batch(), plan, base=fmoe.init(plan, seed=11))
+    names = [name for name, (w, _) in LORA_PLANS.items() if w == world]
+    for rank, res in enumerate(run_ranks(world, lora_configs, names)):
+        for name in names:
+            got = res[name]
+            # each rank sums its rows' (and pieces') fp32 terms before the all-reduce: reordered additions
+            torch.testing.assert_close(got["loss"], want.loss, rtol=1e-6, atol=1e-7, msg=f"{name}, rank {rank}")
+            assert_trees_close(got["grads"], want.grads, rtol=1e-4, atol=2e-6, context=f"{name}, rank {rank}")

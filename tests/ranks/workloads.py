@@ -689,15 +689,34 @@ def finetune_configs(rank, world, dp, ep):
     return out
 
 
-def lora_configs(rank, world):
-    """Adapters on data-parallel replicas (``sharding='no_shard'``): each rank's loss and
-    adapter gradients for its rows of one global batch."""
+# Adapters under each kind of plan (name -> world and Plan fields): ZeRO's three stages, expert, tensor
+# (tp=4 copies the 2 key/value heads) and pipeline parallelism, and meshes of them
+LORA_PLANS = {
+    "dp2": (2, dict(dp=2)),
+    "dp2_zero1": (2, dict(dp=2, sharding="optim")),
+    "dp2_zero2": (2, dict(dp=2, sharding="optim_grads")),
+    "dp2_zero3": (2, dict(dp=2, sharding="optim_grads_params")),
+    "ep2": (2, dict(ep=2)),
+    "tp2": (2, dict(tp=2)),
+    "pp2": (2, dict(pp=2)),
+    "dp2_ep2_zero3": (4, dict(dp=2, ep=2, sharding="optim_grads_params", microbatches=1)),
+    "tp4": (4, dict(tp=4, microbatches=1)),
+    "pp2_dp2_zero3_1f1b": (4, dict(pp=2, dp=2, sharding="optim_grads_params", schedule="1f1b_overlap",
+                                   microbatches=1)),
+}
+
+
+def lora_configs(rank, world, names):
+    """Each plan of ``LORA_PLANS`` named: this rank's loss and adapter gradients for its
+    rows of one global batch, from its part of the base (``fmoe.init``, seed 11)."""
     from ..test_lora import CFG, EVERY, lora_batch, random_adapters
-    plan = fmoe.Plan(model=CFG, lora=EVERY, dp=world, microbatches=2)
-    base = ref_params_fp32(CFG)
-    adapters = random_adapters(plan, seed=3)
-    out = fmoe.step(adapters, fmoe.local_batch(lora_batch(), plan, rank), plan, base=base)
-    return {"loss": out.loss, "grads": out.grads}
+    out = {}
+    for name in names:
+        plan = fmoe.Plan(model=CFG, lora=EVERY, **{"microbatches": 2, **LORA_PLANS[name][1]})
+        base = fmoe.init(plan, seed=11)
+        step = fmoe.step(random_adapters(plan, seed=3), fmoe.local_batch(lora_batch(), plan, rank), plan, base=base)
+        out[name] = {"loss": step.loss, "grads": fmoe.gather_full(step.grads, plan)}  # whole already
+    return out
 
 
 def ref_params_fp32(cfg):

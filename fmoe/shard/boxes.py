@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..params import Domain
-from ..shard.layout import rows_cols
-from ..shard.spec import ShardSpec
+from .layout import rows_cols
+from .spec import ShardSpec
 
 
 def row_boxes(shape: tuple, first: int, last: int) -> list[tuple[tuple, tuple, int, int]]:
