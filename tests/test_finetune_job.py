@@ -197,3 +197,13 @@ def test_lora_flags_are_refused_naming_the_flag_before_any_work(tmp_path, hf_cha
     with pytest.raises(SystemExit, match=error):
         train_main(base + flags)
     assert not run.exists()
+
+
+def test_a_full_fine_tune_is_not_resumed_as_adapters(tmp_path, hf_chat):
+    """A run's checkpoint is its model's params and their optimizer state: resuming it with
+    --lora-rank (adapters and their state) is refused before any work, naming the flag."""
+    _, hf, chats = hf_chat
+    run = tmp_path / "run"
+    train_main(lora_args(hf, prepared(tmp_path, hf, chats), run, "--steps", 3, "--stop-after", 1, "--lora-rank", 0))
+    with pytest.raises(SystemExit, match=r"cannot resume: --lora-rank=4 contradicts the run's lora_rank=0"):
+        train_main(["--resume", "--out", str(run), "--lora-rank", "4"])

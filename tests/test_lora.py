@@ -205,3 +205,18 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
     wrong["layers"][1]["attn"]["q"]["a"] = torch.zeros(32, 5)
     with pytest.raises(ValueError, match=r"layers.1.attn.q.a is \(32, 5\): expected \(32, 3\)"):
         fmoe.step(wrong, batch, plan, base=base)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_optimizer_state_of_the_full_model_is_refused_for_adapters(fused):
+    """The optimizer's state must mirror the tree it updates: the model's state handed the
+    adapters (or the reverse) is refused before any update, not an optree error deep inside."""
+    plan = fmoe.Plan(model=CFG, lora=EVERY)
+    base = ref.random_params(CFG, seed=0, dtype=torch.float32)
+    adapters = fmoe.lora.init(plan)
+    out = fmoe.step(adapters, lora_batch(), plan, base=base)
+    opt = fmoe.adamw(1e-3, fused=fused)
+    with pytest.raises(ValueError, match=r"opt_state's moments mirror a tree of \d+ leaves, but the params updated "
+                                         r"have \d+ .*opt\.init\(params\)"):
+        opt.update(out.grads, opt.init(base), adapters)
+    opt.update(out.grads, opt.init(adapters), adapters)  # the adapters' own state is fine

@@ -45,6 +45,28 @@ def migrate_state(state):
     return state
 
 
+def _moments(state):
+    """The first ``ScaleByAdamState``'s first moment in ``state`` (a tree of states), or None."""
+    if isinstance(state, ScaleByAdamState):
+        return state.mu
+    children = state.values() if isinstance(state, dict) else state if isinstance(state, tuple) else ()
+    for child in children:
+        if (found := _moments(child)) is not None:
+            return found
+    return None
+
+
+def _check_moments_match(state, params) -> None:
+    """ValueError, before any update, for a state whose moments mirror another tree than
+    ``params`` (a full model's state handed the adapters of ``Plan.lora``, or the reverse)."""
+    mu = _moments(state)
+    if mu is None or optree.tree_structure(mu) == optree.tree_structure(params):
+        return
+    raise ValueError(f"opt_state's moments mirror a tree of {optree.tree_structure(mu).num_leaves} leaves, but the "
+                     f"params updated have {optree.tree_structure(params).num_leaves} (a full model's state for "
+                     "adapters, or the reverse?): build the state with opt.init(params) of the tree you update")
+
+
 def optimizer(transform: Transform) -> Optimizer:
     """Turn a Transform into an Optimizer whose update returns ``params + updates``.
 
@@ -54,6 +76,7 @@ def optimizer(transform: Transform) -> Optimizer:
     """
 
     def update(grads, state, params):
+        _check_moments_match(state, params)
         updates, state = transform.update(grads, state, params)
         new = optree.tree_map(lambda p, u: p + u.to(p.dtype), params, updates)
         applied = update_applied(state)
@@ -163,8 +186,13 @@ def adamw(lr: float | Schedule = 1e-3, b1: float = 0.9, b2: float = 0.95, eps: f
               ("lr", scale_by_learning_rate(lr)), ("freeze", freeze())]
     transform = named_chain(*parts)
     if fused:
-        return Optimizer(*fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, norm_fn,
-                                      skip_nonfinite, donate, moment_dtype))
+        init, fused_update = fused_adamw(transform.init, b1, b2, eps, weight_decay, lr, max_grad_norm, norm_fn,
+                                         skip_nonfinite, donate, moment_dtype)
+
+        def update(grads, state, params):
+            _check_moments_match(state, params)
+            return fused_update(grads, state, params)
+        return Optimizer(init, update)
     if skip_nonfinite is None:
         transform = skip_every_nonfinite(transform, norm, max_grad_norm is not None)
     elif skip_nonfinite:
