@@ -38,6 +38,7 @@ from .lora_spec import TARGETS, LoRA
 from .model_config import ModelConfig
 from .comm.collectives import Group
 from .params import named_leaves, param_table
+from .resolve import resolve
 from .shard.boxes import local_boxes
 
 __all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "from_named", "init", "merge",
@@ -227,7 +228,6 @@ def merge(base: dict, adapters: dict, plan) -> dict:
 
 
 def _spec_and_rank(plan):
-    from .resolve import resolve  # resolve builds on the layers, which read adapters' sites
     return resolve(plan).spec, Group.world().rank if plan.world > 1 else 0
 
 
