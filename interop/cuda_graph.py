@@ -149,15 +149,28 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
 
 
 def _own_batch(prepared: Prepared) -> Prepared:
-    """``prepared`` with the graph's own copies of the batch (targets apart from the
-    tokens they may view), which each replay's batch is copied into. Each copy keeps
-    its tensor's strides: compiled kernels guard on them, and a batch cut from one
-    ``[B, S + 1]`` buffer (tokens and targets with row stride S + 1) that the eager steps
-    saw must look the same to the capture, or the head would compile inside it."""
-    b = prepared.batch
-    static_batch = b._replace(tokens=strided_copy(b.tokens), targets=strided_copy(b.targets),
-                              segments=None if b.segments is None else strided_copy(b.segments))
+    """``prepared`` with the graph's own copies of the batch, which each replay's batch is
+    copied into. Each copy looks to compiled kernels as its tensor did in the eager steps:
+    the same strides, and a view of a copy of the same base where it viewed one (tokens and
+    targets cut from one ``[B, S + 1]`` buffer, row stride S + 1, share one copy of it).
+    Compiled kernels guard on strides, and once a kernel has compiled for several shapes
+    its guards relate a view's strides to its base's sizes; a capture that saw anything
+    else would compile the head inside it."""
+    b, bases = prepared.batch, {}
+    static_batch = b._replace(tokens=aliased_copy(b.tokens, bases), targets=aliased_copy(b.targets, bases),
+                              segments=None if b.segments is None else aliased_copy(b.segments, bases))
     return prepared._replace(batch=static_batch)
+
+
+def aliased_copy(t: torch.Tensor, bases: dict) -> torch.Tensor:
+    """A copy of ``t`` as ``strided_copy`` makes it; a view (``t._base``) becomes the same
+    view of a copy of its base, one copy per base in ``bases`` (``{id(base): copy}``)."""
+    base = t._base
+    if base is None:
+        return strided_copy(t)
+    if id(base) not in bases:
+        bases[id(base)] = strided_copy(base)
+    return bases[id(base)].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
 
 def strided_copy(t: torch.Tensor) -> torch.Tensor:
@@ -251,4 +264,4 @@ class GraphedTrainStep:
 
 
 __all__ = ["SCOPES", "CaptureError", "GraphedStep", "GraphedTrainStep", "NotGraphed", "capture_scopes",
-           "capture_step", "check_capturable", "graph_forward", "graph_pair", "strided_copy"]
+           "aliased_copy", "capture_step", "check_capturable", "graph_forward", "graph_pair", "strided_copy"]

@@ -18,6 +18,7 @@ from fmoe.batch import Batch
 from fmoe.config import PROB_PLACEMENTS
 from fmoe.schedule import Node
 from fmoe.comm import count
+from fmoe.resolve import plan_kernels
 
 CFG = fmoe.ModelConfig(vocab=64, dim=32, layers=2, heads=2, experts=4, topk=2, ffn=16, shared_ffn=8,
                        expert_biases=True)
@@ -425,7 +426,7 @@ def _graphed_run(plan, batch, scopes, steps) -> torch.Tensor:
         if scopes == "step":
             run = capture_step(params, batch, plan)
         else:
-            kernels = capture_scopes(params, batch, plan, scopes) if scopes else fmoe.schedule.kernels_for(plan)
+            kernels = capture_scopes(params, batch, plan, scopes) if scopes else plan_kernels(plan)
             run = functools.partial(lambda k, p, b: fmoe.step(p, b, plan, k), kernels)
 
         def train_step(params, state, batch):
