@@ -27,6 +27,7 @@ against, not a faster step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -267,12 +268,12 @@ def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]
     with torch.enable_grad():
         merged = merge(base, optree.tree_unflatten(a_def, held), plan)
     out = step(optree.tree_map(torch.Tensor.detach, merged))
-    spec, rank = _spec_and_rank(plan)
+    rank = _spec_and_rank(plan)[1]
     named_merged, named_grads = named_leaves(merged), named_leaves(out.grads)
     touched = [p for p, w in named_merged.items() if w.requires_grad]
     adapted = _adapted_params(adapters, plan)
-    split = {p for p in set(adapted) if not _whole_everywhere(spec, p, plan.world)}  # the same on every rank
-    outputs = [_counted_once(p, named_grads[p].to(named_merged[p].dtype), spec, rank, plan.world) if p in split
+    split = {p for p in set(adapted) if not _whole_everywhere(plan, p)}  # the same on every rank
+    outputs = [_counted_once(plan, p, named_grads[p].to(named_merged[p].dtype), rank) if p in split
                else named_grads[p].to(named_merged[p].dtype) for p in touched]
     got = torch.autograd.grad([named_merged[p] for p in touched], held, grad_outputs=outputs, allow_unused=True)
     grads = [torch.zeros_like(h) if g is None else g for h, g in zip(held, got)]
@@ -298,20 +299,27 @@ def _box_keys(spec, path: str, rank: int) -> tuple:
     return tuple((tuple(o), tuple(v.shape)) for o, v in local_boxes(path, spec.table[path].shape, meta, spec, rank))
 
 
-def _whole_everywhere(spec, path: str, world: int) -> bool:
+@functools.lru_cache(maxsize=4096)
+def _holders(plan, path: str) -> dict:
+    """``{(offsets, sizes): how many ranks hold that box}`` of parameter ``path`` under
+    ``plan`` (read, never changed: the dict is cached)."""
+    spec, count = resolve(plan).spec, {}
+    for r in range(plan.world):
+        for key in _box_keys(spec, path, r):
+            count[key] = count.get(key, 0) + 1
+    return count
+
+
+def _whole_everywhere(plan, path: str) -> bool:
     """Whether every rank holds parameter ``path`` whole (so each has its whole gradient)."""
-    whole = (((0,) * len(spec.table[path].shape), tuple(spec.table[path].shape)),)
-    return all(_box_keys(spec, path, r) == whole for r in range(world))
+    shape = tuple(resolve(plan).spec.table[path].shape)
+    return _holders(plan, path) == {((0,) * len(shape), shape): plan.world}
 
 
-def _counted_once(path: str, grad: torch.Tensor, spec, rank: int, world: int) -> torch.Tensor:
+def _counted_once(plan, path: str, grad: torch.Tensor, rank: int) -> torch.Tensor:
     """``grad`` (this rank's piece of parameter ``path``) with each box divided by the
     number of ranks holding that box, so that summing every rank's part counts it once."""
-    holders: dict = {}
-    for r in range(world):
-        for key in _box_keys(spec, path, r):
-            holders[key] = holders.get(key, 0) + 1
-    out = grad.clone()
+    spec, holders, out = resolve(plan).spec, _holders(plan, path), grad.clone()
     for offsets, view in local_boxes(path, spec.table[path].shape, out, spec, rank):
         view.div_(holders[(tuple(offsets), tuple(view.shape))])
     return out
