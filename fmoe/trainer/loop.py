@@ -425,14 +425,14 @@ def _sample(run: Run, params, base: dict | None) -> None:
     n = run.settings.sample_tokens
     if not n:
         return
-    plan = run.plan.replace(lora=None)
-    if base is not None:
-        params = lora.merge(base, params, run.plan)
     size = 4 * param_count(run.plan.model)
     if size > _SAMPLE_MAX_BYTES:
         run.say(f"sample skipped: the whole model is {size / 2**30:.1f} GiB in fp32; sample from the "
                 "checkpoint with python -m fmoe.generate")
         return
+    plan = run.plan.replace(lora=None)
+    if base is not None:
+        params = lora.merge(base, params, run.plan)
     full = gather_full(params, plan)  # a collective: every rank takes part
     if not run.world.is_main:
         return
