@@ -261,15 +261,28 @@ class Loaded(NamedTuple):
 
 def load_model(checkpoint, device: str = "cpu") -> Loaded:
     """Full params, config and end-of-text id of an fmoe checkpoint (``extra["eos_id"]``)
-    or a Hugging Face directory (``eos_token_id`` of its config.json)."""
-    from . import hf
-    from .checkpoint import load, read_config
+    or a Hugging Face directory (``eos_token_id`` of its config.json). A checkpoint of
+    adapters (a ``--lora-rank`` run's) is merged into its base, the Hugging Face folder its
+    run's ``settings.toml`` names (``init_from_hf``)."""
+    from . import hf, lora
+    from .checkpoint import load, read_config, read_lora
+    from .hf.export import check_source, run_source
 
     checkpoint = Path(checkpoint)
     if is_fmoe_checkpoint(checkpoint):
         cfg = read_config(checkpoint)
-        ck = load(checkpoint, Plan(model=cfg, device=device))
-        return Loaded(ck.params, cfg, ck.extra.get("eos_id"))
+        plan = Plan(model=cfg, device=device, lora=read_lora(checkpoint))
+        ck = load(checkpoint, plan)
+        if plan.lora is None:
+            return Loaded(ck.params, cfg, ck.extra.get("eos_id"))
+        source = run_source(checkpoint)
+        if source is None:
+            raise ValueError(f"{checkpoint} holds adapters, whose base model its run's settings.toml does not name: "
+                             "export the merged model (python -m fmoe.hf export CKPT --out DIR --source HF_DIR) "
+                             "and generate from it")
+        check_source(source, cfg, f"the base {source} (the run's init_from_hf)")
+        base = hf.load(source, plan.replace(lora=None))
+        return Loaded(lora.merge(base, ck.params, plan), cfg, ck.extra.get("eos_id"))
     cfg = hf.config(checkpoint)
     eos = json.loads((checkpoint / "config.json").read_text()).get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos

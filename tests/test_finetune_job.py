@@ -12,6 +12,7 @@ import torch
 
 import fmoe
 from fmoe.data.chat import prepare_chat
+from fmoe.generate import load_model
 from fmoe.hf.export import main as export_main
 from fmoe.train import main as train_main
 
@@ -176,6 +177,8 @@ def test_a_lora_run_trains_only_adapters_resumes_bit_for_bit_and_exports_a_peft_
         torch.testing.assert_close(adapted(tokens).logits, want, rtol=1e-4, atol=2e-5)
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         str(hf)
+    # python -m fmoe.generate merges them into the base the run names
+    assert_trees_equal(load_model(through / "checkpoint").params, fmoe.lora.merge(base, a.params, plan))
 
 
 @pytest.mark.parametrize("flags, error", [
