@@ -53,11 +53,11 @@ def test_a_mark_moved_on_in_time_is_not_reported():
 def test_the_main_job_reports_a_step_that_stalls(tmp_path, capsys, monkeypatch):
     real = loop.step
 
-    def step_two_stalls(params, batch, plan, kernels=None):
+    def step_two_stalls(params, batch, plan, kernels=None, base=None):
         calls.append(1)
         if len(calls) == 2:
             _a_slow_step(2.5)
-        return real(params, batch, plan, kernels)
+        return real(params, batch, plan, kernels, base=base)
     calls = []
     monkeypatch.setattr(loop, "step", step_two_stalls)
     train_main(list(map(str, SMALL + ["--stall-report", 1, "--out", tmp_path])))
