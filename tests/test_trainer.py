@@ -59,10 +59,28 @@ def env(**extra):
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
 
 
+def start_torchrun(*args, env_extra=None) -> subprocess.Popen:
+    """A 2-rank ``torchrun`` of the main job, started on a port of its own (jobs may run at once)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "fmoe.train", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=env(**(env_extra or {})))
+
+
+def finish(*procs, timeout=240) -> list[subprocess.CompletedProcess]:
+    """Wait for the jobs ``start_torchrun`` started (all are killed if one overruns)."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def torchrun(*args, timeout=240, env_extra=None):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                           "fmoe.train", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env=env(**(env_extra or {})), timeout=timeout)
+    return finish(start_torchrun(*args, env_extra=env_extra), timeout=timeout)[0]
 
 
 def records(out: Path) -> list[dict]:
@@ -108,11 +126,12 @@ def test_tensor_context_and_pipeline_parallel_runs_train_the_same_model(corpus, 
     # each rank (--virtual-stages 2, one member a stage)
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens", "--ep", 1, "--steps", 3,
               "--eval-every", 3, "--save-every", 0, "--sample-tokens", 0]
+    jobs = (("tp", ["--tp", 2], "tp=2"), ("cp", ["--cp", 2], "cp=2"), ("pp", ["--pp", 2], "pp=2"),
+            ("interleaved", ["--pp", 2, "--virtual-stages", 2, "--pp-layout", "embed,layers.0,layers.1,head"],
+             "pp=2 virtual_stages=2"))
+    procs = finish(*[start_torchrun(*common, *flags, "--out", tmp_path / name) for name, flags, _ in jobs])
     runs = {}
-    for name, flags, shown in (("tp", ["--tp", 2], "tp=2"), ("cp", ["--cp", 2], "cp=2"), ("pp", ["--pp", 2], "pp=2"),
-                               ("interleaved", ["--pp", 2, "--virtual-stages", 2, "--pp-layout",
-                                                "embed,layers.0,layers.1,head"], "pp=2 virtual_stages=2")):
-        proc = torchrun(*common, *flags, "--out", tmp_path / name)
+    for (name, _, shown), proc in zip(jobs, procs):
         assert proc.returncode == 0, proc.stderr
         assert f"2 rank(s), dp=1 ep=1 {shown} " in proc.stdout
         runs[name] = records(tmp_path / name)
