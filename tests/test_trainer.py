@@ -98,11 +98,11 @@ def corpus(tmp_path_factory):
 
 def test_two_gloo_ranks_with_a_toml_config_resume_bit_for_bit(corpus, tmp_path):
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens"]
-    straight = torchrun(*common, "--out", tmp_path / "a")
+    straight, first = finish(start_torchrun(*common, "--out", tmp_path / "a"),  # two runs at once
+                             start_torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5))
     assert straight.returncode == 0, straight.stderr
     assert "2 rank(s), dp=1 ep=2 sharding=optim_grads_params" in straight.stdout
     assert "sample: " in straight.stdout
-    first = torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5)
     assert first.returncode == 0, first.stderr
     assert fmoe.checkpoint.read_meta(tmp_path / "b" / "checkpoint")[1]["step"] == 5
     resumed = torchrun(*common, "--out", tmp_path / "b", "--resume")
