@@ -33,6 +33,20 @@ def run_job(*args, timeout=120):
                           cwd=ROOT, env=env(), timeout=timeout)
 
 
+def start_jobs(*jobs, timeout=120) -> list[subprocess.CompletedProcess]:
+    """``run_job`` for each of ``jobs`` (argument lists), all started at once."""
+    procs = [subprocess.Popen([sys.executable, "-m", "fmoe.train", *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env()) for args in jobs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def wait_for(predicate, proc, limit=120.0):
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
@@ -52,14 +66,17 @@ def test_a_second_job_into_a_live_runs_folder_is_refused_until_that_run_is_gone(
         settings = (out / "settings.toml").read_bytes()
         holder = json.loads((out / run_lock.LOCK_NAME).read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
-        # the duplicated scheduler job, and every way of asking for the folder
-        for how in (["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4]):
-            second = run_job(*ENDLESS, "--out", out, *how)
+        # the duplicated scheduler job, and every way of asking for the folder: started at once (their start-up
+        # is the test's time), the live run at the lowest priority while they run
+        os.setpriority(os.PRIO_PROCESS, first.pid, 19)
+        for second in start_jobs(*[[*ENDLESS, "--out", out, *how] for how in (
+                ["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4])]):
             assert second.returncode == 1 and second.stdout == "", second
             assert second.stderr == (f"fmoe.train: --out={str(out)!r} is in use by a live run: pid {first.pid} on host "
                                      f"{holder['host']} (started {holder['started']}, args: {holder['args']}); "
                                      "wait for it to end or name another --out\n")
         assert (out / "settings.toml").read_bytes() == settings and first.poll() is None
+        assert json.loads((out / run_lock.LOCK_NAME).read_text()) == holder  # no refused job took the lock over
         steps = len(records(out))
         first.send_signal(signal.SIGKILL)  # the kernel drops a killed run's lock: nothing to clean up
         first.wait(timeout=30)
