@@ -19,6 +19,7 @@ from fmoe.generate import checkpoint_tokenizer, main as generate_main
 from fmoe.hf.export import main as export_main
 from fmoe.train import main as train_main
 from fmoe.trainer import run_lock, setup
+from tests.procs import run_at_once
 from tests.test_data import bpe_tokenizer
 from tests.test_trainer import SMALL, env, records
 
@@ -31,20 +32,6 @@ ENDLESS = ["--steps", 100000, "--batch", 4, "--seq", 64, "--dim", 64, "--ffn", 1
 def run_job(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "fmoe.train", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env=env(), timeout=timeout)
-
-
-def start_jobs(*jobs, timeout=120) -> list[subprocess.CompletedProcess]:
-    """``run_job`` for each of ``jobs`` (argument lists), all started at once."""
-    procs = [subprocess.Popen([sys.executable, "-m", "fmoe.train", *map(str, args)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env()) for args in jobs]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
 
 
 def wait_for(predicate, proc, limit=120.0):
@@ -69,8 +56,9 @@ def test_a_second_job_into_a_live_runs_folder_is_refused_until_that_run_is_gone(
         # the duplicated scheduler job, and every way of asking for the folder: started at once (their start-up
         # is the test's time), the live run at the lowest priority while they run
         os.setpriority(os.PRIO_PROCESS, first.pid, 19)
-        for second in start_jobs(*[[*ENDLESS, "--out", out, *how] for how in (
-                ["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4])]):
+        hows = (["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4])
+        for second in run_at_once(*[[sys.executable, "-m", "fmoe.train", *ENDLESS, "--out", out, *how] for how in hows],
+                                  timeout=120, cwd=ROOT, env=env()):
             assert second.returncode == 1 and second.stdout == "", second
             assert second.stderr == (f"fmoe.train: --out={str(out)!r} is in use by a live run: pid {first.pid} on host "
                                      f"{holder['host']} (started {holder['started']}, args: {holder['args']}); "

@@ -22,6 +22,7 @@ from fmoe.data import prepare
 from fmoe.generate import checkpoint_tokenizer
 from fmoe.trainer import options
 from fmoe.train import main as train_main
+from tests.procs import finish, start
 from tests.ranks.harness import free_port
 from tests.test_data import bpe_tokenizer
 
@@ -61,22 +62,8 @@ def env(**extra):
 
 def start_torchrun(*args, env_extra=None) -> subprocess.Popen:
     """A 2-rank ``torchrun`` of the main job, started on a port of its own (jobs may run at once)."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(free_port()), "-m", "fmoe.train", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=env(**(env_extra or {})))
-
-
-def finish(*procs, timeout=240) -> list[subprocess.CompletedProcess]:
-    """Wait for the jobs ``start_torchrun`` started (all are killed if one overruns)."""
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    return start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+                  "-m", "fmoe.train", *args], cwd=ROOT, env=env(**(env_extra or {})))
 
 
 def torchrun(*args, timeout=240, env_extra=None):
