@@ -10,7 +10,7 @@ import pytest
 import fmoe
 from fmoe import train
 
-from .procs import finish, start
+from .procs import results, start_for_tests, stop
 from .ranks.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,45 +36,36 @@ def example_env():
 
 
 def jobs(root: Path) -> dict:
-    """The subprocess each test below reads, by its test's name: ``(args, Popen's kwargs)``;
+    """The subprocess each test below reads, by its test's name (``procs.start_for_tests``);
     ``root``: a folder for their files."""
     example = dict(cwd=ROOT, env=example_env())
+    py = sys.executable
     return {
-        "test_main_job_rejects_bad_flags_before_work": (
-            ["-m", "fmoe.train", "--activation", "tanh", "--out", root / "bad_flags"], {}),
-        "test_example_train_loop_runs": (["examples/train_loop.py", "--steps", "3"], example),
-        "test_example_layer_test_passes": (["examples/layer_test.py"], example),
-        **{f"test_example_fsdp_train_runs_on_two_gloo_ranks[{name}]": (
-            ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
-             "examples/fsdp_train.py", "--steps", "3", "--trace", root / f"{name}.json", *extra], example)
+        "test_main_job_rejects_bad_flags_before_work": [
+            ([py, "-m", "fmoe.train", "--activation", "tanh", "--out", root / "bad_flags"], {})],
+        "test_example_train_loop_runs": [([py, "examples/train_loop.py", "--steps", "3"], example)],
+        "test_example_layer_test_passes": [([py, "examples/layer_test.py"], example)],
+        **{f"test_example_fsdp_train_runs_on_two_gloo_ranks[{name}]": [
+            ([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
+              "examples/fsdp_train.py", "--steps", "3", "--trace", root / f"{name}.json", *extra], example)]
            for name, extra in FSDP.items()},
     }
 
 
 @pytest.fixture(scope="module")
 def started(request, tmp_path_factory):
-    """The jobs (``jobs``) of the tests selected here, all started when the first of
-    them runs (each mostly a new Python's start-up: 2 cores run them side by side):
-    ``{test name: (its folder, Popen)}``."""
+    """The jobs of the tests selected here, all started when the first of them runs (each
+    mostly a new Python's start-up: 2 cores run them side by side): ``(root, jobs)``."""
     root = tmp_path_factory.mktemp("jobs")
-    selected = {item.name for item in request.session.items if item.module is request.module}
-    procs = {}
-    try:
-        for name, (args, kwargs) in jobs(root).items():
-            if name in selected:
-                procs[name] = start([sys.executable, *args], **kwargs)
-        yield root, procs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+    procs = start_for_tests(request, jobs(root))
+    yield root, procs
+    stop(procs)
 
 
 def result(started, request) -> tuple:
-    """``(root, CompletedProcess)`` of the test asking (``started``), once it has ended."""
+    """``(root, CompletedProcess)`` of the test asking, once its job has ended."""
     root, procs = started
-    return root, finish(procs[request.node.name], timeout=300)[0]
+    return root, results(procs, request, timeout=300)[0]
 
 
 def test_main_job_rejects_bad_flags_before_work(started, request):
