@@ -11,7 +11,6 @@ import fmoe
 from fmoe import train
 
 from .procs import results, start_for_tests, stop
-from .ranks.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +45,8 @@ def jobs(root: Path) -> dict:
         "test_example_train_loop_runs": [([py, "examples/train_loop.py", "--steps", "3"], example)],
         "test_example_layer_test_passes": [([py, "examples/layer_test.py"], example)],
         **{f"test_example_fsdp_train_runs_on_two_gloo_ranks[{name}]": [
-            ([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
-              "examples/fsdp_train.py", "--steps", "3", "--trace", root / f"{name}.json", *extra], example)]
+            ([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/fsdp_train.py", "--steps", "3",
+              "--trace", root / f"{name}.json", *extra], example)]
            for name, extra in FSDP.items()},
     }
 

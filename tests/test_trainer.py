@@ -61,9 +61,10 @@ def env(**extra):
 
 
 def start_torchrun(*args, env_extra=None) -> subprocess.Popen:
-    """A 2-rank ``torchrun`` of the main job, started on a port of its own (jobs may run at once)."""
-    return start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(),
-                  "-m", "fmoe.train", *args], cwd=ROOT, env=env(**(env_extra or {})))
+    """A 2-rank ``torchrun`` of the main job (on one node torchrun rendezvouses on a free
+    port of its own: jobs may run at once)."""
+    return start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fmoe.train", *args],
+                 cwd=ROOT, env=env(**(env_extra or {})))
 
 
 def torchrun(*args, timeout=240, env_extra=None):
