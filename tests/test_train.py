@@ -56,6 +56,7 @@ def started(request, tmp_path_factory):
     """The jobs of the tests selected here, all started when the first of them runs (each
     mostly a new Python's start-up: 2 cores run them side by side): ``(root, jobs)``."""
     root = tmp_path_factory.mktemp("jobs")
+    (root / "bad_flags").mkdir()  # its test's own tmp_path, as it were
     procs = start_for_tests(request, jobs(root))
     yield root, procs
     stop(procs)

@@ -157,6 +157,8 @@ def started(request, corpus, tmp_path_factory):
     (``procs.start_for_tests``): all started when the first of them runs (each is a new
     Python's start-up, on one core: 2 cores run them side by side), ``(root, jobs)``."""
     root = tmp_path_factory.mktemp("jobs")
+    for name in ("te", "bad_setting"):  # each test's own tmp_path, as it were
+        (root / name).mkdir()
     job = [sys.executable, "-m", "fmoe.train"]
     procs = start_for_tests(request, {
         "test_print_config_merges_preset_file_and_flags": [
