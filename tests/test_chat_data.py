@@ -3,7 +3,6 @@ masked to the assistant's turns, packed into rows of seq + 1; and the errors tha
 file, line and field before anything is written."""
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +16,7 @@ from fmoe.data.chat_template import Template, assistant_spans, message_starts, p
 from fmoe.data.packing import Packer, split_points
 from fmoe.data.tokens import read_meta
 
+from .procs import run_at_once
 from .test_data import bpe_tokenizer
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -432,11 +432,11 @@ def test_cli_prints_the_summary_and_fails_with_one_line(tmp_path, chatml_tok):
     _, path = chatml_tok
     write_chats(tmp_path / "c.jsonl", CHATS)
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", *map(str, args)], capture_output=True,
-                              text=True)
-
-    ok = cli("--chat", tmp_path / "c.jsonl", "--tokenizer", path, "--seq", 127, "--out", tmp_path / "out", "--quiet")
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    cli = [sys.executable, "-m", "fmoe.data", "prepare"]
+    ok, bad = run_at_once([*cli, "--chat", tmp_path / "c.jsonl", "--tokenizer", path, "--seq", 127, "--out",
+                           tmp_path / "out", "--quiet"],
+                          [*cli, "--chat", tmp_path / "bad.jsonl", "--seq", 8, "--out", tmp_path / "o2", "--quiet"])
     assert ok.returncode == 0, ok.stderr
     meta = read_meta(tmp_path / "out")
     content = round(meta["packed"]["packing_efficiency"] * meta["tokens"])
@@ -444,8 +444,6 @@ def test_cli_prints_the_summary_and_fails_with_one_line(tmp_path, chatml_tok):
                                 f"{meta['packed']['rows']} rows of 128, ")
     assert ok.stdout.endswith(f"%, template {path.parent.resolve() / 'tokenizer_config.json'} -> {tmp_path / 'out'}\n")
     assert "trained on, packing " in ok.stdout
-    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
-    bad = cli("--chat", tmp_path / "bad.jsonl", "--seq", 8, "--out", tmp_path / "o2", "--quiet")
     assert bad.returncode == 1 and bad.stderr == (f"fmoe.data: {tmp_path / 'bad.jsonl'}:1: messages[0] has role "
                                                   "'robot'; allowed: system, user, assistant\n")
     # the other refusals, in-process (each one line, as SystemExit's message)

@@ -121,11 +121,13 @@ def test_a_writer_thread_that_fails_replaces_nothing(tmp_path, monkeypatch):
     # results, and the save would otherwise look complete
     params, state, *_ = trained(1)
     fmoe.save(tmp_path / "ck", PLAN, params, opt_state=state, step=1)
-    real_save, failed = torch.save, []
+    real_save, failed, slowed = torch.save, [], []
 
     def fails_off_the_main_thread(*args, **kwargs):
         if threading.current_thread() is threading.main_thread():
-            time.sleep(0.2)  # the other threads take their files meanwhile
+            if not slowed:  # its first piece: the other threads take their files meanwhile
+                slowed.append(1)
+                time.sleep(0.2)
             return real_save(*args, **kwargs)
         failed.append(1)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")

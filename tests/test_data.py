@@ -3,7 +3,6 @@ them back, deterministic batches, and the errors that name the file or key."""
 
 import hashlib
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,8 @@ from fmoe.data import (check_vocab, corpus_bytes, embedded_corpus, heldout_batch
                        tiled_windows, train_heldout_split, unigram_cross_entropy)
 import fmoe.data.prepare as prepare_module
 from fmoe.data.prepare import prepare
+
+from .procs import run_at_once
 
 DOCS = {"a.txt": "Hello, world.\n", "sub/b.md": "Ünïcode and\nlines\n", "sub/c.rst": "third document"}
 ORDER = ["a.txt", "sub/b.md", "sub/c.rst"]
@@ -355,12 +356,10 @@ def test_vocab_check_names_the_corpus_and_the_allowed_vocab(texts):
 
 
 def test_cli_prints_a_summary_and_fails_cleanly(texts):
-    ok = subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", str(texts / "in"), "--out",
-                         str(texts / "out")], capture_output=True, text=True)
+    ok, bad = run_at_once([sys.executable, "-m", "fmoe.data", "prepare", texts / "in", "--out", texts / "out"],
+                          [sys.executable, "-m", "fmoe.data", "prepare", texts / "nope", "--out", texts / "o2"])
     assert ok.returncode == 0, ok.stderr
     tokens = sum(len(t.encode()) + 2 for t in DOCS.values())
     assert ok.stdout == f"fmoe.data: 3 documents, {tokens} tokens (uint16, vocab 256) -> {texts / 'out'}\n"
-    bad = subprocess.run([sys.executable, "-m", "fmoe.data", "prepare", str(texts / "nope"), "--out",
-                          str(texts / "o2")], capture_output=True, text=True)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == f"fmoe.data: input {texts / 'nope'} does not exist"

@@ -1,6 +1,5 @@
 """Generation: the KV-cached path against full recomputation, sampling rules, the CLI."""
 
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ from fmoe.generate import empty_cache, forward_cached, generate, main, sample_ne
 from fmoe.layers import forward
 
 from . import reference as ref
+from .procs import run_at_once
 
 CFG = fmoe.ModelConfig(vocab=40, dim=32, layers=2, heads=4, kv_heads=2, qk_norm="head", experts=4, topk=2,
                        ffn=16, shared_ffn=8, shared_gate=True, tie_embeddings=True)
@@ -91,17 +91,17 @@ def test_cli_samples_from_an_fmoe_checkpoint_and_a_hugging_face_directory(tmp_pa
     params = fmoe.init(plan, seed=0)
     fmoe.save(tmp_path / "ck", plan, params, step=1)
     fmoe.hf.save(tmp_path / "hf", params, plan)
+    *procs, bad = run_at_once(*[[sys.executable, "-m", "fmoe.generate", "--checkpoint", tmp_path / ck,
+                                 "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", "0"]
+                                for ck in ("ck", "hf")],
+                              [sys.executable, "-m", "fmoe.generate", "--checkpoint", tmp_path / "nope", "--prompt", "x"],
+                              timeout=120)
     outs = []
-    for ck in ("ck", "hf"):
-        proc = subprocess.run([sys.executable, "-m", "fmoe.generate", "--checkpoint", str(tmp_path / ck),
-                               "--prompt", "Hello", "--max-new-tokens", "8", "--temperature", "0"],
-                              capture_output=True, text=True, timeout=120)
+    for proc in procs:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("Hello")
         outs.append(proc.stdout)
     assert outs[0] == outs[1]  # the same weights through either format
-    bad = subprocess.run([sys.executable, "-m", "fmoe.generate", "--checkpoint", str(tmp_path / "nope"),
-                          "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "fmoe.generate:" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -3,7 +3,6 @@ the 1F1B bubble it times, the deadlocks and stray transfers it names, its memory
 and its command line."""
 
 import dataclasses
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ from fmoe.plan import CostModel, Links, PlanError, simulate
 from fmoe.plan.memory import estimate_memory
 from fmoe.resolve import stage_program
 from fmoe.schedule.actions import STREAM, STREAM_GRADIENT, Recv, Reduce, Release, Send, Wgrad
+
+from .procs import run_at_once
 
 CFG = fmoe.ModelConfig(vocab=256, dim=64, layers=8, heads=4, experts=8, topk=2, ffn=128)
 
@@ -179,17 +180,16 @@ def test_routing_skew_weighs_the_busiest_expert_ranks_rows():
 
 
 def test_the_command_line_prints_the_plan_and_ranks_plans():
-    run = lambda *args: subprocess.run([sys.executable, "-m", "fmoe.plan", *map(str, args)],  # noqa: E731
-                                       capture_output=True, text=True, timeout=300)
-    out = run("--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--pp", 2, "--microbatches", 4,
-              "--batch", 16, "--seq", 64)
+    out, searched, bad = run_at_once(
+        [sys.executable, "-m", "fmoe.plan", "--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--pp", 2,
+         "--microbatches", 4, "--batch", 16, "--seq", 64],
+        [sys.executable, "-m", "fmoe.plan", "--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--search",
+         "--memory", 1, "--batch", 16, "--seq", 64],
+        [sys.executable, "-m", "fmoe.plan", "--config", "cpu", "--gpus", 3, "--pp", 2], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "pp=2 dp=2 ep=1" in out.stdout and "bubble per stage" in out.stdout and "stage  1 (rank    2) |" in out.stdout
-    searched = run("--config", "cpu", "--dim", 64, "--layers", 4, "--gpus", 4, "--search", "--memory", 1,
-                   "--batch", 16, "--seq", 64)
     assert searched.returncode == 0, searched.stderr
     assert "plan(s) for 4 GPUs fit 0.9 GiB (--memory 1 GiB less the 10% --reserve)" in searched.stdout and "tokens/s (key)" in searched.stdout
-    bad = run("--config", "cpu", "--gpus", 3, "--pp", 2)
     assert bad.returncode == 2 and "--gpus=3 is not a multiple of pp * ep * cp * tp = 2" in bad.stderr
 
 

@@ -19,6 +19,7 @@ from fmoe.generate import checkpoint_tokenizer, main as generate_main
 from fmoe.hf.export import main as export_main
 from fmoe.train import main as train_main
 from fmoe.trainer import run_lock, setup
+from tests.procs import run_at_once
 from tests.test_data import bpe_tokenizer
 from tests.test_trainer import SMALL, env, records
 
@@ -52,14 +53,18 @@ def test_a_second_job_into_a_live_runs_folder_is_refused_until_that_run_is_gone(
         settings = (out / "settings.toml").read_bytes()
         holder = json.loads((out / run_lock.LOCK_NAME).read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
-        # the duplicated scheduler job, and every way of asking for the folder
-        for how in (["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4]):
-            second = run_job(*ENDLESS, "--out", out, *how)
+        # the duplicated scheduler job, and every way of asking for the folder: started at once (their start-up
+        # is the test's time), the live run at the lowest priority while they run
+        os.setpriority(os.PRIO_PROCESS, first.pid, 19)
+        hows = (["--auto-resume"], ["--resume"], ["--overwrite"], [], ["--auto-resume", "--lr", 1e-4])
+        for second in run_at_once(*[[sys.executable, "-m", "fmoe.train", *ENDLESS, "--out", out, *how] for how in hows],
+                                  timeout=120, cwd=ROOT, env=env()):
             assert second.returncode == 1 and second.stdout == "", second
             assert second.stderr == (f"fmoe.train: --out={str(out)!r} is in use by a live run: pid {first.pid} on host "
                                      f"{holder['host']} (started {holder['started']}, args: {holder['args']}); "
                                      "wait for it to end or name another --out\n")
         assert (out / "settings.toml").read_bytes() == settings and first.poll() is None
+        assert json.loads((out / run_lock.LOCK_NAME).read_text()) == holder  # no refused job took the lock over
         steps = len(records(out))
         first.send_signal(signal.SIGKILL)  # the kernel drops a killed run's lock: nothing to clean up
         first.wait(timeout=30)

@@ -3,7 +3,6 @@ the main job marks its steps."""
 
 import io
 import signal
-import subprocess
 import sys
 import time
 
@@ -13,6 +12,7 @@ import fmoe.trainer.loop as loop
 from fmoe.train import main as train_main
 from fmoe.trainer.stall import Watchdog
 
+from .procs import run_at_once
 from .test_trainer import SMALL
 
 
@@ -81,10 +81,9 @@ def test_sigusr1_dumps_every_threads_stack_while_a_watchdog_runs():
         watchdog.close()
         print("closed")
     """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    no_thread = script.replace("Watchdog(60", "Watchdog(0")
+    done, quiet = run_at_once([sys.executable, "-c", script], [sys.executable, "-c", no_thread], timeout=120)
     assert done.returncode == 0 and done.stdout == "closed\n", done
     assert "most recent call first" in done.stderr and "in waiting_here" in done.stderr, done.stderr
     # closed, the signal is no longer the watchdog's: a watchdog with no thread never takes it
-    quiet = subprocess.run([sys.executable, "-c", script.replace("Watchdog(60", "Watchdog(0")],
-                           capture_output=True, text=True, timeout=120)
     assert quiet.returncode == -signal.SIGUSR1 and "waiting_here" not in quiet.stderr, quiet

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,8 @@ import pytest
 
 import fmoe
 from fmoe import train
+
+from .procs import results, start_for_tests, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,39 +26,72 @@ def test_main_job_beats_unigram_and_writes_outputs(tmp_path):
     assert ck.step == 60 and ck.extra["samples_seen"] == 480
 
 
-def test_main_job_rejects_bad_flags_before_work(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--activation", "tanh", "--out", str(tmp_path)],
-                          capture_output=True, text=True)
-    assert proc.returncode != 0 and "ModelConfig.activation='tanh'" in proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+FSDP = {"dp2": [], "ep2_1f1b_delay_wgrad": ["--ep", "2", "--schedule", "1f1b_overlap", "--delay-wgrad"]}
 
 
-def run_example(*args):
+def example_env():
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    return dict(os.environ, PYTHONPATH=path)
 
 
-def test_example_train_loop_runs():
-    proc = run_example("examples/train_loop.py", "--steps", "3")
+def jobs(root: Path) -> dict:
+    """The subprocess each test below reads, by its test's name (``procs.start_for_tests``);
+    ``root``: a folder for their files."""
+    example = dict(cwd=ROOT, env=example_env())
+    py = sys.executable
+    return {
+        "test_main_job_rejects_bad_flags_before_work": [
+            ([py, "-m", "fmoe.train", "--activation", "tanh", "--out", root / "bad_flags"], {})],
+        "test_example_train_loop_runs": [([py, "examples/train_loop.py", "--steps", "3"], example)],
+        "test_example_layer_test_passes": [([py, "examples/layer_test.py"], example)],
+        **{f"test_example_fsdp_train_runs_on_two_gloo_ranks[{name}]": [
+            ([py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/fsdp_train.py", "--steps", "3",
+              "--trace", root / f"{name}.json", *extra], example)]
+           for name, extra in FSDP.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """The jobs of the tests selected here, all started when the first of them runs (each
+    mostly a new Python's start-up: 2 cores run them side by side): ``(root, jobs)``."""
+    root = tmp_path_factory.mktemp("jobs")
+    (root / "bad_flags").mkdir()  # its test's own tmp_path, as it were
+    procs = start_for_tests(request, jobs(root))
+    yield root, procs
+    stop(procs)
+
+
+def result(started, request) -> tuple:
+    """``(root, CompletedProcess)`` of the test asking, once its job has ended."""
+    root, procs = started
+    return root, results(procs, request, timeout=300)[0]
+
+
+def test_main_job_rejects_bad_flags_before_work(started, request):
+    root, proc = result(started, request)
+    assert proc.returncode != 0 and "ModelConfig.activation='tanh'" in proc.stderr
+    assert not (root / "bad_flags" / "metrics.jsonl").exists()
+
+
+def test_example_train_loop_runs(started, request):
+    _, proc = result(started, request)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("loss") == 2
 
 
-def test_example_layer_test_passes():
-    proc = run_example("examples/layer_test.py")
+def test_example_layer_test_passes(started, request):
+    _, proc = result(started, request)
     assert proc.returncode == 0, proc.stderr
     assert "layer tests passed" in proc.stdout
 
 
-@pytest.mark.parametrize("extra", [[], ["--ep", "2", "--schedule", "1f1b_overlap", "--delay-wgrad"]],
-                         ids=["dp2", "ep2_1f1b_delay_wgrad"])
-def test_example_fsdp_train_runs_on_two_gloo_ranks(tmp_path, extra):
-    proc = run_example("-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/fsdp_train.py",
-                       "--steps", "3", "--trace", str(tmp_path / "t.json"), *extra)
+@pytest.mark.parametrize("name", list(FSDP))
+def test_example_fsdp_train_runs_on_two_gloo_ranks(started, request, name):
+    root, proc = result(started, request)
     assert proc.returncode == 0, proc.stderr
     assert "full embed: (256, 128) this rank's rows: (128, 128)" in proc.stdout
-    assert (tmp_path / "t.json").exists()
+    assert (root / f"{name}.json").exists()
 
 
 def test_resume_continues_bit_for_bit(tmp_path):

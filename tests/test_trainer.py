@@ -22,6 +22,7 @@ from fmoe.data import prepare
 from fmoe.generate import checkpoint_tokenizer
 from fmoe.trainer import options
 from fmoe.train import main as train_main
+from tests.procs import finish, results, start, start_for_tests, stop
 from tests.ranks.harness import free_port
 from tests.test_data import bpe_tokenizer
 
@@ -59,10 +60,15 @@ def env(**extra):
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **extra)
 
 
+def start_torchrun(*args, env_extra=None) -> subprocess.Popen:
+    """A 2-rank ``torchrun`` of the main job (on one node torchrun rendezvouses on a free
+    port of its own: jobs may run at once)."""
+    return start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "fmoe.train", *args],
+                 cwd=ROOT, env=env(**(env_extra or {})))
+
+
 def torchrun(*args, timeout=240, env_extra=None):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-                           "fmoe.train", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          env=env(**(env_extra or {})), timeout=timeout)
+    return finish(start_torchrun(*args, env_extra=env_extra), timeout=timeout)[0]
 
 
 def records(out: Path) -> list[dict]:
@@ -80,11 +86,11 @@ def corpus(tmp_path_factory):
 
 def test_two_gloo_ranks_with_a_toml_config_resume_bit_for_bit(corpus, tmp_path):
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens"]
-    straight = torchrun(*common, "--out", tmp_path / "a")
+    straight, first = finish(start_torchrun(*common, "--out", tmp_path / "a"),  # two runs at once
+                             start_torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5))
     assert straight.returncode == 0, straight.stderr
     assert "2 rank(s), dp=1 ep=2 sharding=optim_grads_params" in straight.stdout
     assert "sample: " in straight.stdout
-    first = torchrun(*common, "--out", tmp_path / "b", "--stop-after", 5)
     assert first.returncode == 0, first.stderr
     assert fmoe.checkpoint.read_meta(tmp_path / "b" / "checkpoint")[1]["step"] == 5
     resumed = torchrun(*common, "--out", tmp_path / "b", "--resume")
@@ -108,11 +114,12 @@ def test_tensor_context_and_pipeline_parallel_runs_train_the_same_model(corpus, 
     # each rank (--virtual-stages 2, one member a stage)
     common = ["--config", corpus / "run.toml", "--data", corpus / "tokens", "--ep", 1, "--steps", 3,
               "--eval-every", 3, "--save-every", 0, "--sample-tokens", 0]
+    jobs = (("tp", ["--tp", 2], "tp=2"), ("cp", ["--cp", 2], "cp=2"), ("pp", ["--pp", 2], "pp=2"),
+            ("interleaved", ["--pp", 2, "--virtual-stages", 2, "--pp-layout", "embed,layers.0,layers.1,head"],
+             "pp=2 virtual_stages=2"))
+    procs = finish(*[start_torchrun(*common, *flags, "--out", tmp_path / name) for name, flags, _ in jobs])
     runs = {}
-    for name, flags, shown in (("tp", ["--tp", 2], "tp=2"), ("cp", ["--cp", 2], "cp=2"), ("pp", ["--pp", 2], "pp=2"),
-                               ("interleaved", ["--pp", 2, "--virtual-stages", 2, "--pp-layout",
-                                                "embed,layers.0,layers.1,head"], "pp=2 virtual_stages=2")):
-        proc = torchrun(*common, *flags, "--out", tmp_path / name)
+    for (name, _, shown), proc in zip(jobs, procs):
         assert proc.returncode == 0, proc.stderr
         assert f"2 rank(s), dp=1 ep=1 {shown} " in proc.stdout
         runs[name] = records(tmp_path / name)
@@ -144,9 +151,31 @@ def test_two_gpu_ranks_on_nccl_resume_bit_for_bit(corpus, tmp_path):
     assert a[-1]["heldout_loss"] == b[-1]["heldout_loss"] < a[0]["loss"]
 
 
-def test_print_config_merges_preset_file_and_flags(corpus, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--config", corpus / "run.toml", "--steps", "3",
-                           "--no-norm-topk-prob", "--print-config"], capture_output=True, text=True, env=env())
+@pytest.fixture(scope="module")
+def started(request, corpus, tmp_path_factory):
+    """The command-line jobs of the tests below that start one, by test name
+    (``procs.start_for_tests``): all started when the first of them runs (each is a new
+    Python's start-up, on one core: 2 cores run them side by side), ``(root, jobs)``."""
+    root = tmp_path_factory.mktemp("jobs")
+    for name in ("te", "bad_setting"):  # each test's own tmp_path, as it were
+        (root / name).mkdir()
+    job = [sys.executable, "-m", "fmoe.train"]
+    procs = start_for_tests(request, {
+        "test_print_config_merges_preset_file_and_flags": [
+            ([*job, "--config", corpus / "run.toml", "--steps", "3", "--no-norm-topk-prob", "--print-config"],
+             dict(env=env()))],
+        "test_the_core_main_job_leaves_te_to_the_adapters": [
+            ([*job, "--expert-backend", "te", "--out", root / "te"], dict(env=env())),
+            ([sys.executable, "-c", "import sys, fmoe.train; print(*sys.modules)"], dict(env=env()))],
+        "test_a_bad_setting_on_the_command_line_exits_with_the_message_and_no_traceback": [
+            ([*job, "--kv-heads", "3", "--out", root / "bad_setting" / "run"], dict(env=env()))],
+    })
+    yield root, procs
+    stop(procs)
+
+
+def test_print_config_merges_preset_file_and_flags(started, request):
+    proc, = results(started[1], request)
     assert proc.returncode == 0, proc.stderr
     import tomllib
 
@@ -213,14 +242,12 @@ def test_bad_settings_fail_before_any_work(tmp_path, toml, flags, needle):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_core_main_job_leaves_te_to_the_adapters(tmp_path):
+def test_the_core_main_job_leaves_te_to_the_adapters(started, request):
     # a fresh process: importing interop.te anywhere in this one registers the backend
-    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--expert-backend", "te", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env())
+    proc, modules = results(started[1], request)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "--expert-backend='te' is invalid: it needs fmoe's adapters: run python -m interop.train" in proc.stderr
-    assert "interop" not in subprocess.run([sys.executable, "-c", "import sys, fmoe.train; print(*sys.modules)"],
-                                           capture_output=True, text=True, env=env()).stdout
+    assert modules.returncode == 0 and "interop" not in modules.stdout, modules.stderr
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -239,12 +266,12 @@ def test_the_adapters_main_job_checks_graphs_and_te_before_any_work(tmp_path, fl
     assert not (tmp_path / "run").exists()
 
 
-def test_a_bad_setting_on_the_command_line_exits_with_the_message_and_no_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fmoe.train", "--kv-heads", "3", "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, env=env())
+def test_a_bad_setting_on_the_command_line_exits_with_the_message_and_no_traceback(started, request):
+    root, procs = started
+    proc, = results(procs, request)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "fmoe.train: ModelConfig.kv_heads=3 is invalid: must divide heads (4)" in proc.stderr
-    assert not (tmp_path / "run").exists()
+    assert not (root / "bad_setting" / "run").exists()
 
 
 def test_fine_tuning_starts_from_a_hugging_face_checkpoint(tmp_path):

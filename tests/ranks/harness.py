@@ -41,7 +41,8 @@ def _report(rank, world, fn, args, results) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _worker(rank, world, port, backend, fn, args, results):
+def _worker(rank, world, port, backend, fn, args, results, started_from):
+    _as_started_from(*started_from)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -57,10 +58,19 @@ def _worker(rank, world, port, backend, fn, args, results):
             dist.destroy_process_group()
 
 
-def _pool_worker(rank, world, port, tasks, results):
+def _as_started_from(environ: dict, cwd: str) -> None:
+    """Take the starting process's environment and folder, as a spawned process would
+    (a forked rank has the fork server's, from when it started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+
+
+def _pool_worker(rank, world, port, tasks, results, started_from):
     # A gloo rank that runs one function after another, each from the state a fresh
     # process starts a run in: its environment, no compiled code, and a seed drawn anew
     # (torch seeds a new process at random: a run must not depend on the last one's).
+    _as_started_from(*started_from)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -106,18 +116,32 @@ def _stop(procs) -> None:
             p.kill()
 
 
+def _context(backend: str):
+    """How ranks start. gloo ranks: forked from a server process that imported torch and
+    fmoe once (``forkserver``), so a rank costs a fork instead of a new Python importing
+    them (~2.5 s of a core each: ~7 s for eight ranks on 2 cores); each starts from the
+    state a fresh process has after those imports (nothing run or compiled), with this
+    process's environment and folder (``_as_started_from``). nccl ranks are spawned."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "fmoe"])
+    return ctx
+
+
 class _Pool:
-    """``world`` gloo ranks kept between runs. Starting ranks costs 3-5 s for two and
-    ~13 s for four on 2 cores (spawning, importing torch and fmoe), most of a small
-    run; the suite starts ranks dozens of times."""
+    """``world`` gloo ranks kept between runs. Starting ranks costs a fork each (the
+    fork server's imports once, ``_context``), but a run's first use of each rank's
+    modules still costs a little; the suite starts ranks dozens of times."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context("gloo")
         self.world, self.results = world, ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        port = free_port()
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, world, port, self.tasks[r], self.results),
-                                  daemon=True) for r in range(world)]
+        port, started_from = free_port(), (dict(os.environ), os.getcwd())
+        self.procs = [ctx.Process(target=_pool_worker,
+                                  args=(r, world, port, self.tasks[r], self.results, started_from), daemon=True)
+                      for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -160,11 +184,11 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 600
         except BaseException:
             _POOLS.pop(world).close()
             raise
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results), daemon=True)
-             for r in range(world)]
+    port, started_from = free_port(), (dict(os.environ), os.getcwd())
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, results, started_from),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     try:
