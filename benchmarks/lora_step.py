@@ -131,7 +131,7 @@ def main():
     memory = full["static"] / adapted["static"]
     print("\n| step | tokens/s | peak GiB | static state GiB |\n| --- | ---: | ---: | ---: |")
     for name, r in (("full fine-tuning", full), (f"LoRA ({adapted['adapted'] / 1e6:.2f}M adapter params)", adapted)):
-        print(f"| {name} | {tokens / r['seconds']:,.0f} | {r['peak']:.2f} | {r["static"] / 2**30:.3f} |")
+        print(f"| {name} | {tokens / r['seconds']:,.0f} | {r['peak']:.2f} | {r['static'] / 2**30:.3f} |")
     print(f"\nLoRA / full tokens/s: {speed:.3f}x (target >= {TARGETS_SPEED}x: "
           f"{'met' if speed >= TARGETS_SPEED else 'not met'}); static state {memory:.2f}x below "
           f"(target >= {TARGETS_MEMORY}x: {'met' if memory >= TARGETS_MEMORY else 'not met'})")
