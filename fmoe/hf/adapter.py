@@ -46,7 +46,6 @@ _FUSED_EXPERTS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # in the order PEF
 # up_proj or down_proj is moved onto the routed experts' fused parameters with twice the rank, so a dense
 # layer's or a shared expert's adapter would be dropped (peft.utils.transformers_weight_conversion).
 PEFT_MOVES_MLP_MODULES = ("qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3")
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def peft_tensors(adapters: dict, plan: Plan) -> tuple[dict, list, list]:
