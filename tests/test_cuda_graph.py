@@ -103,6 +103,15 @@ def test_the_graphs_own_batch_keeps_the_strides_compiled_kernels_guard_on():
     assert torch.equal(strided_copy(expanded), expanded) and strided_copy(expanded).stride() == (5, 1)
 
 
+def test_the_graph_tests_eager_reference_runs_on_the_cpu():
+    # The GPU tests compare every graphed mode with graphed_losses' eager mode; its path (the
+    # plan's kernels, the step, AdamW and the expert biases) runs here too, so a change to
+    # what it calls fails on CI rather than first on a GPU
+    losses = graphed_losses(fmoe.Plan(model=CFG, microbatches=2), global_batch(), modes=("eager",), steps=2)
+    assert losses["eager"].shape == (2,) and torch.isfinite(losses["eager"]).all()
+    assert losses["eager"][1] != losses["eager"][0]
+
+
 def _row_sums(x):
     return (x * 2).sum(-1)
 
