@@ -17,7 +17,9 @@ from .test_hf import FAMILIES, LOGIT_TOL, hf_model
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 if int(transformers.__version__.split(".")[0]) < 5:  # the experts as one fused parameter, as PEFT's format has them
-    pytest.skip("save_adapter writes the layout of transformers >= 5", allow_module_level=True)
+    pytest.skip(f"fmoe.hf.save_adapter writes transformers 5's fused experts (target_parameters); transformers "
+                f"{transformers.__version__} holds them as separate modules, which PEFT adapts otherwise",
+                allow_module_level=True)
 
 # every target each family holds that PEFT loads: its attention's projections, the experts, a shared
 # expert (Qwen2-MoE's; GLM-4.5's and DeepSeek-V3's shared and dense modules are refused, see below)
