@@ -14,20 +14,26 @@ from .resolve import resolve
 from .runtime import check_runtime
 
 
-def init(plan: Plan, seed: int = 0) -> dict:
+def init(plan: Plan, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """This rank's parameter pytree for ``plan``, deterministic per ``seed``.
 
     Arguments:
         plan: the Plan (its model, device and parallel layout).
         seed: the same seed gives the same full model whatever the plan.
+        dtype: the leaves' dtype: float32 (what ``fmoe.step`` trains), or the plan's compute
+            dtype for a frozen LoRA base (each leaf drawn in fp32 and cast on its own, so a
+            base too large for fp32 on the device never is).
 
     Returns:
-        A nested dict of fp32 tensors in the canonical layout (``fmoe.params``): full
+        A nested dict of ``dtype`` tensors in the canonical layout (``fmoe.params``): full
         tensors, or, when the plan shards parameters over several ranks, this rank's
         rows of each as ``[local_rows, last_dim]``. Each leaf is its own contiguous
         tensor on ``plan.device``.
     """
     check_runtime(plan)
+    if dtype not in (torch.float32, plan.compute_dtype):
+        raise ValueError(f"fmoe.init: dtype={dtype} (allowed: torch.float32, or the plan's compute dtype "
+                         f"{plan.compute_dtype} for a frozen LoRA base)")
     rank, spec = Group.world().rank, resolve(plan).spec
     shapes = spec.local_shapes(rank)
 
@@ -42,7 +48,7 @@ def init(plan: Plan, seed: int = 0) -> dict:
     # They move to the device here, on this thread: a CUDA device chosen with
     # torch.cuda.set_device is this thread's, not the workers'.
     with ThreadPoolExecutor(draw_threads()) as pool:
-        local = {leaf.path: piece.to(device=plan.device, dtype=torch.float32).contiguous()
+        local = {leaf.path: piece.to(device=plan.device, dtype=dtype).contiguous()
                  for leaf, piece in zip(spec.table.leaves, pool.map(drawn, spec.table.leaves))}
     return spec.table.unflatten(local[leaf.path] for leaf in spec.table.leaves)
 

@@ -16,92 +16,35 @@ A target applies in every layer that holds its matrix; a target no layer holds i
 ``b`` starts at zero, so a fresh adapter leaves the model as it was.
 
 Every rank holds the adapters whole; the base is laid out by the plan (sharded, split by
-experts, tensor-parallel columns or pipeline stages). This version trains through the merged
-weights: the step runs on ``merge(base, adapters, plan)``, each rank's pieces of the adapted
-matrices merged, and each piece's gradient ``g`` reaches the adapters by the chain rule
-(``a``: ``scale * g @ b.T``, ``b``: ``scale * a.T @ g``), summed over the ranks. The base is
-never written and holds no gradient after the step; its weight gradients are still computed,
-so this path is the reference the adapter products inside the layers will be checked
-against, not a faster step.
+experts, tensor-parallel columns or pipeline stages). ``fmoe.step(adapters, batch, plan,
+base=base)`` runs the adapters' products inside the layers, beside the frozen base's
+(``fmoe/schedule/adapters.py``, ``fmoe/layers/adapted.py``): the base takes no gradient and
+no reduction, and each rank's part of the adapters' gradients is summed over the ranks in
+one all-reduce. ``freeze`` lays a base out once as the step's shards. ``merge`` folds the
+adapters into the pieces of the base a rank holds (an export, and with ``adapter_grads`` the
+reference path the step is tested against: the step of the merged weights, each piece's
+gradient ``g`` carried to the adapters by the chain rule, ``a``: ``scale * g @ b.T``,
+``b``: ``scale * a.T @ g``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import optree
 import torch
 
 from .checks import fail
+from .lora_sites import Site, dotted, sites
 from .lora_spec import TARGETS, LoRA
-from .model_config import ModelConfig
 from .comm.collectives import Group
-from .params import named_leaves, param_table
+from .params import named_leaves
 from .resolve import resolve
 from .shard.boxes import local_boxes
 
-__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "from_named", "init", "merge",
-           "pairs", "sites"]
-
-_QKV = {"q": 0, "k": 1, "v": 2}  # the target's part of the fused attn.qkv columns
-_PAIRS = {"experts": ("moe", "experts"), "shared": ("moe", "shared"), "mlp": ("mlp",)}  # fc1 and fc2 each
-
-
-class Site(NamedTuple):
-    """One adapted matrix.
-
-    Attributes:
-        adapter: its adapter's keys in the adapter tree (``("layers", 3, "attn", "q")``).
-        param: the base leaf it adapts (``"layers.3.attn.qkv"``).
-        columns: the leaf's columns it adapts (``q``, ``k`` or ``v`` of ``qkv``), or None: all.
-        shape: the adapted matrix's shape ``[..., in, out]``.
-    """
-
-    adapter: tuple
-    param: str
-    columns: slice | None
-    shape: tuple
-
-
-def sites(lora: LoRA, cfg: ModelConfig) -> tuple[Site, ...]:
-    """Every matrix ``lora`` adapts in a model ``cfg``, layer by layer.
-
-    Raises:
-        ValueError: naming ``LoRA.targets``, for a target no layer of ``cfg`` holds.
-    """
-    table = param_table(cfg)
-    shapes = {leaf.path: leaf.shape for leaf in table.leaves}
-    found, out = set(), []
-    for i in range(cfg.layers):
-        for target in lora.targets:
-            for site in _layer_sites(target, i, shapes, table):
-                found.add(target)
-                out.append(site)
-    missing = [t for t in lora.targets if t not in found]
-    if missing:
-        fail("LoRA.targets", lora.targets, f"this model has no {', '.join(map(repr, missing))} to adapt "
-             "(shared: ModelConfig.shared_ffn > 0; mlp: ModelConfig.dense_layers; q, k, v: grouped-query "
-             "attention, q_down, q_up, kv_down, kv_up: latent attention)")
-    return tuple(out)
-
-
-def _layer_sites(target: str, i: int, shapes: dict, table) -> list[Site]:
-    attn = f"layers.{i}.attn"
-    if target in _QKV and f"{attn}.qkv" in shapes:
-        sizes = [part.size for part in table[f"{attn}.qkv"].split.parts]
-        k = _QKV[target]
-        start = sum(sizes[:k])
-        return [Site(("layers", i, "attn", target), f"{attn}.qkv", slice(start, start + sizes[k]),
-                     (shapes[f"{attn}.qkv"][0], sizes[k]))]
-    if target in _PAIRS:
-        keys = _PAIRS[target]
-        prefix = ".".join((f"layers.{i}", *keys))
-        return [Site(("layers", i, *keys, fc), f"{prefix}.{fc}", None, shapes[f"{prefix}.{fc}"])
-                for fc in ("fc1", "fc2") if f"{prefix}.{fc}" in shapes]
-    path = f"{attn}.{target}"
-    return [Site(("layers", i, "attn", target), path, None, shapes[path])] if path in shapes else []
+__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "freeze", "from_named", "init",
+           "merge", "pairs", "sites"]
 
 
 def plan_lora(plan) -> LoRA:
@@ -144,7 +87,7 @@ def _get(tree: dict, keys: tuple, what: str):
             node = node[key]
         return node["a"], node["b"]
     except (KeyError, IndexError, TypeError):
-        raise ValueError(f"{what} has no adapter at {_dotted(keys)} ({{'a', 'b'}}), which the plan's LoRA "
+        raise ValueError(f"{what} has no adapter at {dotted(keys)} ({{'a', 'b'}}), which the plan's LoRA "
                          "adapts: build the adapters with fmoe.lora.init(plan)") from None
 
 
@@ -153,26 +96,26 @@ def from_named(named: dict, plan) -> dict:
     (``{"layers.0.attn.q.a": tensor, ...}``, as ``fmoe.params.named_leaves`` names them)."""
     tree: dict = {"layers": [{} for _ in range(plan.model.layers)]}
     for site in sites(plan_lora(plan), plan.model):
-        name = _dotted(site.adapter)
+        name = dotted(site.adapter)
         _put(tree, site.adapter, {"a": named[f"{name}.a"], "b": named[f"{name}.b"]})
     return tree
 
 
-def _dotted(keys: tuple) -> str:
-    return ".".join(map(str, keys))
-
-
-def check_adapters(adapters, plan) -> tuple[Site, ...]:
+def check_adapters(adapters, plan, stepped: bool = False) -> tuple[Site, ...]:
     """The plan's Sites; ValueError unless ``adapters`` holds exactly their ``a`` and ``b``,
-    shaped ``[..., in, r]`` and ``[..., r, out]``."""
+    shaped ``[..., in, r]`` and ``[..., r, out]``, and for a step (``stepped``) float32 on
+    the plan's device."""
     lora = plan_lora(plan)
     todo = sites(lora, plan.model)
+    device = torch.device(plan.device).type
     for site in todo:
         for name, t, shape in zip("ab", _get(adapters, site.adapter, "adapters"), _ab_shapes(site, lora.rank)):
+            where = f"adapters {dotted(site.adapter)}.{name}"
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"adapters {_dotted(site.adapter)}.{name} is {got}: expected {shape} "
-                                 f"(LoRA.rank={lora.rank})")
+                raise ValueError(f"{where} is {got}: expected {shape} (LoRA.rank={lora.rank})")
+            if stepped and (t.dtype != torch.float32 or t.device.type != device):
+                raise ValueError(f"{where} is {t.dtype} on {t.device}: adapters are float32 on Plan.device={plan.device!r}")
     extra = sorted(set(named_leaves(adapters)) - set(adapter_shapes(plan)))
     if extra:
         raise ValueError(f"adapters hold {extra[0]}, which the plan's LoRA does not adapt "
@@ -189,7 +132,7 @@ def adapter_shapes(plan) -> dict:
     """``{dotted name: shape}`` of every leaf of ``plan.lora``'s adapters
     (``layers.0.attn.q.a``, as ``fmoe.params.named_leaves`` names them)."""
     lora = plan_lora(plan)
-    return {f"{_dotted(site.adapter)}.{name}": shape for site in sites(lora, plan.model)
+    return {f"{dotted(site.adapter)}.{name}": shape for site in sites(lora, plan.model)
             for name, shape in zip("ab", _ab_shapes(site, lora.rank))}
 
 
@@ -288,7 +231,7 @@ def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]
 
 def _adapted_params(adapters: dict, plan) -> list[str]:
     """The parameter each leaf of ``adapters`` adapts, in the order of its flattened leaves."""
-    param_of = {f"{_dotted(site.adapter)}.{name}": site.param for site in sites(plan_lora(plan), plan.model)
+    param_of = {f"{dotted(site.adapter)}.{name}": site.param for site in sites(plan_lora(plan), plan.model)
                 for name in "ab"}
     return [param_of[name] for name in named_leaves(adapters)]
 
@@ -323,3 +266,17 @@ def _counted_once(plan, path: str, grad: torch.Tensor, rank: int) -> torch.Tenso
     for offsets, view in local_boxes(path, spec.table[path].shape, out, spec, rank):
         view.div_(holders[(tuple(offsets), tuple(view.shape))])
     return out
+
+
+def freeze(base: dict, plan):
+    """``base`` (this rank's params under ``plan``, float32 or the compute dtype) laid out
+    once as the flat shards a step gathers from: a ``fmoe.step.FrozenBase`` that
+    ``fmoe.step(adapters, batch, plan, base=...)`` and ``fmoe.eval_loss`` read without
+    copying the base each step. Once it is made, the base's own leaves can be dropped.
+
+    Raises:
+        ValueError: naming ``Plan.lora`` without one, or as ``fmoe.step`` for params that do
+            not fit the plan.
+    """
+    from .step import freeze as laid_out  # fmoe.step imports this module
+    return laid_out(base, plan)

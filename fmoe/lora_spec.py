@@ -1,4 +1,5 @@
-"""``fmoe.LoRA``: what a Plan's low-rank adapters are (``fmoe/lora.py`` builds and trains them)."""
+"""``fmoe.LoRA``: what a Plan's low-rank adapters are (``fmoe/lora_sites.py``: which matrices
+they adapt; ``fmoe/lora.py`` builds and trains them)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,4 @@ class LoRA:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+

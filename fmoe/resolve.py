@@ -27,6 +27,7 @@ from .layers.nodes import Kernels
 from .layers.context_parallel import ContextParallel
 from .layers.parallel import Parallel
 from .layers.tensor_parallel import TensorParallel
+from .lora_sites import adapted_params
 from .params import ParamTable
 from .schedule.actions import Action, Backward
 from .schedule.compiled import kernels_for
@@ -110,6 +111,9 @@ class Execution:
         device: the plan's device.
         allocates_each_gather: ``Plan.gather_buffers='dynamic'``.
         stream_dtype, stream_tp: the pipeline stream's dtype and the ranks that split its positions.
+        adapted: under ``Plan.lora``, the adapters on each adapted parameter and their scale,
+            ``((path, alpha / rank, ((adapter name, first column, end column), ...)), ...)``
+            (``fmoe.schedule.adapters``); None without adapters.
     """
 
     model: object
@@ -124,13 +128,21 @@ class Execution:
     allocates_each_gather: bool
     stream_dtype: torch.dtype
     stream_tp: int
+    adapted: tuple | None = None
 
     @classmethod
     def of(cls, plan: Plan) -> "Execution":
-        return cls(plan.model, plan.microbatches, plan.loss_chunk, plan.delay_wgrad, plan.remat_mode.whole_layers,
+        adapted = None if plan.lora is None else \
+            tuple((path, plan.lora.scale, on) for path, on in adapted_params(plan.lora, plan.model).items())
+        return cls(plan.model, plan.microbatches, plan.loss_chunk, _delays_wgrad(plan), plan.remat_mode.whole_layers,
                    not plan.compile, plan.ep > 1, plan.ep_exchange_mode.tokens_cross_once,
                    torch.device(plan.device), plan.gather_buffers_mode.allocated_each_gather, plan.compute_dtype,
-                   plan.tp)
+                   plan.tp, adapted)
+
+
+def _delays_wgrad(plan: Plan) -> bool:
+    """``Plan.delay_wgrad``, unless ``Plan.lora`` freezes the weights it would delay the GEMMs of."""
+    return plan.delay_wgrad and plan.lora is None
 
 
 @dataclass(frozen=True)
@@ -229,7 +241,7 @@ def resolve_stage(plan: Plan, stage: int = 0) -> StagePlan:
 
 def scheduling(plan: Plan) -> Scheduling:
     """What ``plan``'s programs depend on of it, read once."""
-    return Scheduling(plan.model, plan.microbatches, plan.schedule_mode, plan.delay_wgrad,
+    return Scheduling(plan.model, plan.microbatches, plan.schedule_mode, _delays_wgrad(plan),
                       plan.remat_mode.whole_layers, plan.pp, plan.stages, plan.prefetch,
                       plan.gather_buffers_mode.two_slots)
 

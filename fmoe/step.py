@@ -12,6 +12,7 @@ from .batch import Batch, no_counted_target, read_batch
 from .checks import fail
 from .config import Plan
 from .comm.collectives import Group
+from .comm.trace import Event, now
 from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .layers.nodes import Kernels
@@ -20,6 +21,7 @@ from .params import named_leaves
 from .resolve import Program, Setup, check_memory, resolve
 from .runtime import check_runtime
 from .schedule.executor import execute
+from .shard.shards import build_shards
 
 
 class StepOutput(NamedTuple):
@@ -45,7 +47,9 @@ class StepOutput(NamedTuple):
 
 def check_params(params, plan: Plan, setup: Setup | None = None) -> None:
     """Raise ValueError unless ``params`` has the layout, shapes, dtype and device this
-    rank holds under ``plan`` (``setup``: its Setup, if the caller has it)."""
+    rank holds under ``plan`` (``setup``: its Setup, if the caller has it). Params are
+    float32; under ``plan.lora`` they are the frozen base, which may also be held in
+    ``plan.compute_dtype``."""
     setup = resolve(plan) if setup is None else setup
     want = setup.spec.local_shapes(Group.world().rank)
     got = named_leaves(params)
@@ -58,8 +62,9 @@ def check_params(params, plan: Plan, setup: Setup | None = None) -> None:
         if tuple(leaf.shape) != want[path]:
             raise ValueError(f"params[{path!r}] has shape {list(leaf.shape)}; this rank's part under the plan "
                              f"is {list(want[path])} (sharding={plan.sharding!r})")
-        if leaf.dtype != torch.float32:
-            raise ValueError(f"params[{path!r}] has dtype {leaf.dtype}; params are float32")
+        if leaf.dtype != torch.float32 and not (plan.lora is not None and leaf.dtype == plan.compute_dtype):
+            allowed = "float32" if plan.lora is None else f"float32 or the compute dtype {plan.compute_dtype}"
+            raise ValueError(f"params[{path!r}] has dtype {leaf.dtype}; params are {allowed}")
         if leaf.device.type != torch.device(plan.device).type:
             raise ValueError(f"params[{path!r}] is on {leaf.device}, but Plan.device={plan.device!r}")
 
@@ -78,7 +83,8 @@ def check_inputs(params, batch, plan: Plan) -> Batch:
 def _checked(params, batch, plan: Plan) -> tuple[Batch, Setup]:
     check_runtime(plan)  # first: resolving binds the expert backend it checks
     setup = resolve(plan)
-    check_params(params, plan, setup)
+    if not isinstance(params, FrozenBase):  # a FrozenBase was checked when it was made
+        check_params(params, plan, setup)
     checked = check_batch(batch, plan)
     check_memory(setup)  # the last check; collectives start after it
     return checked, setup
@@ -136,9 +142,13 @@ class Prepared(NamedTuple):
 def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
     """``step``'s validation (ValueErrors before any collective), its Setup and program,
     and the global target count (on several ranks one small all-reduce and host read)."""
-    if plan.lora is not None:  # adapters run through fmoe.step's merged weights only, so far
+    if plan.lora is not None:
         fail("Plan.lora", plan.lora, "adapters train through fmoe.step(adapters, batch, plan, base=params) and "
              "fmoe.eval_loss only in this version (not a CUDA-graphed step or an nn.Module)")
+    return _prepare(params, batch, plan, train)
+
+
+def _prepare(params: dict, batch: dict, plan: Plan, train: bool) -> Prepared:
     checked, setup = _checked(params, batch, plan)
     total = global_targets(checked, setup.mesh)
     divisor = torch.tensor(float(total), device=checked.tokens.device)
@@ -183,8 +193,9 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None, 
         kernels: the functions inside the layer nodes (``interop.cuda_graph`` passes
             CUDA-graphed ones); by default the pure functions, compiled when
             ``plan.compile`` is set.
-        base: under ``plan.lora``, the frozen params the adapters adapt; ``params``
-            are then the adapters (``fmoe.lora.init``), and the grads theirs.
+        base: under ``plan.lora``, the frozen params the adapters adapt (float32 or the
+            compute dtype; or a ``FrozenBase``, ``fmoe.lora.freeze``, laid out once);
+            ``params`` are then the adapters (``fmoe.lora.init``), and the grads theirs.
 
     Returns:
         A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
@@ -204,22 +215,81 @@ def _check_adapter_call(plan: Plan, base: dict | None) -> None:
                          "(fmoe.step(adapters, batch, plan, base=params))")
 
 
+class FrozenBase(NamedTuple):
+    """A LoRA base laid out once as the flat shards a step gathers from (``freeze``): a step
+    handed it reads them instead of copying the base into new shards, and the base's own
+    leaves can go. What the 30B model on one GPU needs: the bf16 base held once.
+
+    Attributes:
+        plan: the Plan it was laid out for, without its ``lora``.
+        shards: this rank's flat shards (``fmoe.shard.shards.Shards``), never written.
+    """
+
+    plan: Plan
+    shards: object
+
+
+def freeze(base: dict, plan: Plan) -> FrozenBase:
+    """``base`` (this rank's params under ``plan``, float32 or the compute dtype) checked and
+    laid out once as the step's shards, cast to each group's dtype (``fmoe.lora.freeze``).
+
+    Raises:
+        ValueError: as ``fmoe.step`` for params that do not fit the plan.
+    """
+    lora.plan_lora(plan)
+    setup = resolve(plan)
+    check_params(base, plan, setup)
+    shards = build_shards(named_leaves(base), setup.spec, setup.units, setup.mesh, setup.execution.device)
+    return FrozenBase(plan.replace(lora=None), shards)
+
+
+def _base_of(base, plan: Plan) -> tuple[dict | None, object]:
+    """``(named params, prebuilt shards)`` of a step's ``base``: one of them None."""
+    if not isinstance(base, FrozenBase):
+        return named_leaves(base), None
+    if base.plan != plan.replace(lora=None):
+        raise ValueError("fmoe.step: base= is a FrozenBase laid out for another plan: freeze the base under "
+                         "this plan (fmoe.lora.freeze(params, plan))")
+    return None, base.shards
+
+
 def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | None, base: dict | None) -> StepOutput:
-    """``step`` under ``plan.lora``: the step of the merged params, its gradients carried to
-    the adapters (``fmoe.lora.adapter_grads``); every input checked before any compute."""
+    """``step`` under ``plan.lora``: the adapters' products inside the layers on the frozen
+    base (``fmoe.schedule.adapters``), each rank's part of their gradients summed over the
+    ranks in one all-reduce; every input checked before any compute."""
     _check_adapter_call(plan, base)
-    plain = plan.replace(lora=None)
-    check_inputs(base, batch, plain)  # the adapters are checked by the merge, before its products
-    out, grads = lora.adapter_grads(base, adapters, plan, lambda merged: step(merged, batch, plain, kernels))
-    return out._replace(grads=grads)
+    lora.check_adapters(adapters, plan, stepped=True)
+    params, shards = _base_of(base, plan)
+    prepared = _prepare(base, batch, plan, True)
+    named = named_leaves(adapters)
+    run = execute(prepared.setup, params, prepared.batch, prepared.divisor, prepared.program, kernels,
+                  adapters=named, shards=shards)
+    grads = [run.grads[name] for name in named]
+    world = prepared.setup.mesh.world
+    loss, metrics = _results(run, prepared, plan)
+    if world.size > 1:  # each rank's part is what its own products contributed
+        issued = now()
+        flat = _sum_over_ranks(world, torch.cat([g.reshape(-1) for g in grads]))
+        grads = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        summed = Event("all_reduce", None, None, -1, issued, now(), flat.numel() * flat.element_size(), "grads")
+        metrics["trace"] = metrics["trace"] + (summed,)
+    return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(adapters), grads), metrics)
 
 
 def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
     """The compute of ``step`` for a Prepared batch: no host read of a device value
     under a static-shape plan (capacity routing or no expert parallelism), so it can
     be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""
-    total, group = prepared.total, prepared.setup.mesh.world
     run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.divisor, prepared.program, kernels)
+    loss, metrics = _results(run, prepared, plan)
+    grads = [run.grads[p] if p in run.grads else leaf.new_empty(leaf.shape)  # another stage's: no rows
+             for p, leaf in named_leaves(params).items()]
+    return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(params), grads), metrics)
+
+
+def _results(run, prepared: Prepared, plan: Plan) -> tuple[torch.Tensor, dict]:
+    """A run's loss and metrics, summed over the ranks."""
+    total, group = prepared.total, prepared.setup.mesh.world
 
     M, world = plan.microbatches, prepared.setup.mesh.stage.size  # a stage's ranks see different tokens
     floats = torch.stack([run.ce_sum, run.objective,
@@ -244,9 +314,7 @@ def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | No
         "tokens": total,
         "trace": run.state.trace,
     }
-    grads = [run.grads[p] if p in run.grads else leaf.new_empty(leaf.shape)  # another stage's: no rows
-             for p, leaf in named_leaves(params).items()]
-    return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(params), grads), metrics)
+    return loss, metrics
 
 
 @torch.no_grad()
@@ -260,16 +328,20 @@ def eval_loss(params: dict, batch: dict, plan: Plan, base: dict | None = None) -
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
+    adapters, named, shards = None, None, None
     if base is not None or plan.lora is not None:
         _check_adapter_call(plan, base)
-        return eval_loss(lora.merge(base, params, plan), batch, plan.replace(lora=None))
-    prepared = prepare_step(params, batch, plan, train=False)
-    run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.total, prepared.program)
+        lora.check_adapters(params, plan, stepped=True)
+        (named, shards), adapters = _base_of(base, plan), named_leaves(params)
+        params = base
+    prepared = _prepare(params, batch, plan, train=False)
+    run = execute(prepared.setup, named_leaves(params) if adapters is None else named, prepared.batch, prepared.total,
+                  prepared.program, adapters=adapters, shards=shards)
     return _sum_over_ranks(prepared.setup.mesh.world, run.ce_sum.clone()) / prepared.total
 
 
 # What fmoe.step is made of, for adapters (interop): the checks, a step split into its
 # validation (run once, outside a CUDA-graph capture) and its compute.
-__all__ = ["Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "global_targets",
+__all__ = ["FrozenBase", "Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "freeze", "global_targets",
            "microbatch_objective",
            "num_targets", "prepare_step", "run_step", "step"]

@@ -10,7 +10,9 @@ import torch
 
 import fmoe
 from fmoe.params import named_leaves
-from fmoe.step import prepare_step
+from fmoe.resolve import resolve
+from fmoe.schedule import execute
+from fmoe.step import check_batch, prepare_step
 
 from . import reference as ref
 from .test_schedule import assert_same_step
@@ -138,6 +140,58 @@ def test_the_adapter_step_is_bitwise_the_same_under_the_overlap_schedule_and_rem
         assert_same_step(fmoe.step(adapters, batch, plan.replace(**changes), base=base), want)
 
 
+def test_the_products_inside_the_layers_match_the_merged_weights_and_the_base_takes_no_gradient():
+    """The step runs ``x @ W + s (x @ a) @ b`` inside the layers; ``fmoe.lora.adapter_grads``
+    runs it through the merged weights and the chain rule (the reference path). The same
+    model, two orders of fp32 additions. The frozen base's lifecycle holds no gradient
+    buffer and sums nothing."""
+    plan = fmoe.Plan(model=CFG, lora=EVERY, microbatches=2)
+    base = ref.random_params(CFG, seed=ref.seed_of_this_test(), dtype=torch.float32)
+    adapters = random_adapters(plan, seed=14)
+    batch = lora_batch()
+    out = fmoe.step(adapters, batch, plan, base=base)
+    merged, want = fmoe.lora.adapter_grads(base, adapters, plan,
+                                           lambda params: fmoe.step(params, batch, plan.replace(lora=None)))
+    torch.testing.assert_close(out.loss, merged.loss, rtol=1e-6, atol=1e-7)
+    ref.assert_trees_close(out.grads, want, rtol=1e-4, atol_of_scale=2e-5)
+
+    setup = resolve(plan)
+    run = execute(setup, named_leaves(base), check_batch(batch, plan), 32, adapters=named_leaves(adapters))
+    assert set(run.grads) == set(named_leaves(adapters))
+    assert all(u.grad_full is None and u.grad_shard is None for u in run.state.units.values())
+
+
+def test_a_base_held_in_the_compute_dtype_is_taken_and_anything_else_named():
+    plan = fmoe.Plan(model=CFG, lora=EVERY, dtype="bfloat16")
+    base = ref.random_params(CFG, seed=15, dtype=torch.float32)
+    adapters = random_adapters(plan, seed=16)
+    batch = lora_batch()
+    half = optree.tree_map(lambda t: t.to(torch.bfloat16), base)
+    out = fmoe.step(adapters, batch, plan, base=half)
+    # the bf16 step reads bf16 weights either way; the fp32 base is cast at the step's start
+    assert_same_step(out, fmoe.step(adapters, batch, plan, base=optree.tree_map(torch.Tensor.float, half)))
+    with pytest.raises(ValueError, match=r"dtype torch.float16; params are float32 or the compute dtype"):
+        fmoe.step(adapters, batch, plan, base=optree.tree_map(lambda t: t.half(), base))
+    with pytest.raises(ValueError, match=r"adapters layers.0.attn.q.a is torch.float64 on cpu: adapters are float32"):
+        fmoe.step(optree.tree_map(torch.Tensor.double, adapters), batch, plan, base=half)
+
+
+def test_a_frozen_base_laid_out_once_gives_the_same_steps():
+    plan = fmoe.Plan(model=CFG, lora=EVERY, microbatches=2)
+    base = ref.random_params(CFG, seed=20, dtype=torch.float32)
+    adapters = random_adapters(plan, seed=21)
+    batch = lora_batch()
+    frozen = fmoe.lora.freeze(base, plan)
+    for _ in range(2):  # the shards are read, never written: the second step reads the same
+        assert_same_step(fmoe.step(adapters, batch, plan, base=frozen), fmoe.step(adapters, batch, plan, base=base))
+    assert torch.equal(fmoe.eval_loss(adapters, batch, plan, base=frozen),
+                       fmoe.eval_loss(adapters, batch, plan, base=base))
+    with pytest.raises(ValueError, match="FrozenBase laid out for another plan"):
+        fmoe.step(adapters, batch, plan.replace(microbatches=1), base=frozen)
+    with pytest.raises(ValueError, match="Plan.lora=None"):
+        fmoe.lora.freeze(base, plan.replace(lora=None))
+
+
 def test_sgd_on_the_adapters_lowers_the_loss_and_leaves_the_base():
     plan = fmoe.Plan(model=CFG, lora=EVERY)
     base = ref.random_params(CFG, seed=8, dtype=torch.float32)
@@ -220,3 +274,50 @@ def test_an_optimizer_state_of_the_full_model_is_refused_for_adapters(fused):
                                          r"have \d+ .*opt\.init\(params\)"):
         opt.update(out.grads, opt.init(base), adapters)
     opt.update(out.grads, opt.init(adapters), adapters)  # the adapters' own state is fine
+
+
+def _cuda_case(dtype: str, changes: dict):
+    """A step of the adapters on CUDA and the merged weights' step of the same model, with a
+    base drawn as ``fmoe.init`` draws it and adapters of the same scale."""
+    cfg = CFG.replace(dim=64, ffn=32, shared_ffn=16, dense_ffn=48)  # widths torch's grouped GEMM takes
+    plan = fmoe.Plan(model=cfg, lora=fmoe.LoRA(rank=8, alpha=16.0, targets=EVERY.targets), microbatches=2,
+                     dtype=dtype, device="cuda")
+    base = fmoe.init(plan, seed=17)
+    g = torch.Generator().manual_seed(18)
+    adapters = optree.tree_map(lambda t: (torch.randn(t.shape, generator=g) * 0.05).cuda(), fmoe.lora.init(plan))
+    batch = {"tokens": torch.randint(0, cfg.vocab, (4, 65), generator=g).cuda()}
+    merged, want = fmoe.lora.adapter_grads(base, adapters, plan,
+                                           lambda params: fmoe.step(params, batch, plan.replace(lora=None)))
+    held = base if dtype == "float32" else optree.tree_map(lambda t: t.to(torch.bfloat16), base)
+    return fmoe.step(adapters, batch, plan.replace(**changes), base=held), merged._replace(grads=want)
+
+
+def _worst(a, b) -> float:
+    """The largest difference of two trees' leaves as a fraction of each leaf's largest magnitude in ``b``."""
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("changes", [dict(), dict(compile=True)], ids=["eager", "compiled"])
+def test_the_fp32_adapter_step_on_the_gpu_matches_the_merged_weights(changes):
+    """CUDA's kernels (SDPA, the Triton RoPE and SwiGLU, torch's grouped GEMM) in fp32: the
+    products inside the layers against the merged weights, to fp32 reassociation."""
+    out, merged = _cuda_case("float32", changes)
+    torch.testing.assert_close(out.loss, merged.loss, rtol=1e-5, atol=0)
+    ref.assert_trees_close(out.grads, merged.grads, rtol=0, atol_of_scale=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("changes", [dict(), dict(compile=True), dict(fp8="rowwise"), dict(compile=True, remat="full")],
+                         ids=["eager", "compiled", "fp8", "compiled_remat"])
+def test_the_bf16_adapter_step_on_the_gpu_is_as_close_to_fp32_as_the_merged_weights(changes):
+    """bf16 rounds each product to 8 bits of mantissa, and the two paths round different sums,
+    so neither is bit for bit the fp32 step: the adapter step (a bf16 base; eager, compiled,
+    FP8 base products, remat) must be as close to the fp32 step as the merged weights' bf16
+    step is, within twice its error (FP8: three bits of mantissa in the base's products,
+    four times)."""
+    exact, _ = _cuda_case("float32", {})
+    out, merged = _cuda_case("bfloat16", changes)
+    bound = (4 if "fp8" in changes else 2) * _worst(merged.grads, exact.grads) + 1e-3
+    assert _worst(out.grads, exact.grads) <= bound, (_worst(out.grads, exact.grads), bound)
+    torch.testing.assert_close(out.loss, exact.loss, rtol=2e-2, atol=0)

@@ -9,6 +9,7 @@ from ..backends import ExpertBackend, registered_backend
 from ..config import ModelConfig
 from ..config_fields import Activation
 from . import triton_kernels
+from .adapted import Adapted
 from .fp8 import PLAIN, Gemms
 from .precision import upcast
 from .tensor_parallel import TensorParallel
@@ -144,9 +145,17 @@ def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str =
         gemms: ``gemms.grouped`` runs the product and ``gemms.grouped_grad`` the input
             gradient when the ``torch`` backend's grouped GEMM applies (``fmoe.layers.fp8``).
 
+    An ``Adapted`` ``w`` (``Plan.lora``) adds its adapter's two grouped products of rank
+    ``R`` in the same segments, in ``x``'s dtype and never deferred (``w`` itself holds no
+    gradient then).
+
     Returns:
         ``[R, N]``.
     """
+    if isinstance(w_EDN, Adapted):
+        xa_RK = grouped_matmul(x_RD, w_EDN.a.to(x_RD.dtype), segs, backend)
+        return grouped_matmul(x_RD, w_EDN.w, segs, backend, deferred, gemms) + \
+            grouped_matmul(xa_RK, w_EDN.b.to(x_RD.dtype), segs, backend)
     rows = None if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN) else segs.rows_E.tolist()
     return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E, rows, deferred, gemms.grouped, gemms.grouped_grad)
 

@@ -70,6 +70,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import fp8_kernels
+from .adapted import adapting
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -296,7 +297,8 @@ class Gemms(NamedTuple):
 
     Attributes:
         linear: ``(x_..K, w_KN) -> y_..N``, differentiable (attention's projections,
-            the shared expert); ``TENSORWISE``'s also takes an ``Fp8Weight``.
+            the shared expert); ``TENSORWISE``'s also takes an ``Fp8Weight``, and each
+            an ``Adapted`` (``fmoe.layers.adapted``).
         grouped: ``(a_RK, b_EKN, offsets_E, fast_accum) -> y_RN``, segment ``e`` of
             ``a`` times ``b[e]``: ``experts.grouped_matmul``'s forward product
             (``fast_accum=True``; not differentiated itself).
@@ -306,7 +308,7 @@ class Gemms(NamedTuple):
         name: the ``Plan.fp8`` value it stands for.
     """
 
-    linear: Callable = torch.matmul
+    linear: Callable = adapting(torch.matmul)
     grouped: Callable = plain_grouped_mm
     grouped_grad: Callable = plain_grouped_mm
     head: Callable = torch.matmul
@@ -317,12 +319,12 @@ PLAIN = Gemms()
 # The experts' input gradients stay bf16: in FP8 they cost 3% of the fine-grained
 # model's step and gained nothing on the coarse one, under either recipe (BENCHMARKS.md,
 # issue 25).
-ROWWISE = Gemms(rowwise_linear, scaled_grouped_mm, plain_grouped_mm, name="rowwise")
+ROWWISE = Gemms(adapting(rowwise_linear), scaled_grouped_mm, plain_grouped_mm, name="rowwise")
 # torch's FP8 grouped GEMM takes rowwise scales only on sm_90, so the experts keep them.
 # The head's product in FP8 took the coarse model's graphed step from 1.03x to 1.06-1.07x
 # bf16's speed; 300 steps of the main job ended within 0.1% of the bf16 head's held-out
 # loss (BENCHMARKS.md, issue 25).
-TENSORWISE = Gemms(tensorwise_linear, scaled_grouped_mm, plain_grouped_mm, tensorwise_linear, "tensorwise")
+TENSORWISE = Gemms(adapting(tensorwise_linear), scaled_grouped_mm, plain_grouped_mm, tensorwise_linear, "tensorwise")
 GEMMS = {"none": PLAIN, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
 
 __all__ = ["E4M3", "E4M3_MAX", "E5M2", "GEMMS", "PLAIN", "ROWWISE", "TENSORWISE", "Fp8Weight", "Gemms", "TINY",

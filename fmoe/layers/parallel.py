@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 from ..config_fields import QkNorm
 from .context_parallel import ContextParallel
 from .expert_tensor_parallel import experts_over_etp
@@ -49,7 +51,7 @@ def _with_kv_copies(p: dict, cfg, tp: TensorParallel, copies: int) -> dict:
     marked so their gradient is summed over them (``sum_over_copies``)."""
     attn, first = dict(p["attn"]), cfg.q_width
     for name in ("qkv", "qkv_bias"):
-        if name in attn:
+        if name in attn and isinstance(attn[name], torch.Tensor):  # an Adapted base holds no gradient
             attn[name] = sum_over_copies(attn[name], tp, first, copies)
     if "k_norm" in attn and cfg.qk_norm_mode is QkNorm.FULL:
         attn["k_norm"] = sum_over_copies(attn["k_norm"], tp, 0, copies)

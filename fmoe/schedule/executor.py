@@ -32,8 +32,11 @@ from ..layers.moe import MoEStats
 from ..layers.nodes import Kernels
 from ..layers.parallel import with_parallel
 from ..shard import lifecycle as lc
-from ..shard.shards import build_shards
+from ..shard.shards import Shards, build_shards
 from ..shard.spec import local_leaves
+from .adapters import AdapterRun, adapted
+from .adapters import finish as adapter_grads
+from .adapters import start as start_adapters
 from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
 from .node_runs import RULES, Run, land, recompute, wgrad
@@ -46,7 +49,8 @@ class Executed(NamedTuple):
     Attributes:
         ce_sum: this rank's summed cross-entropy (fp32 scalar, detached).
         objective: this rank's share of the differentiated objective (detached).
-        grads: ``{path: this rank's fp32 grad leaf}`` (empty without backward nodes).
+        grads: ``{path: this rank's fp32 grad leaf}`` (empty without backward nodes); under
+            ``Plan.lora`` ``{adapter leaf name: this rank's part of its gradient}``.
         stats: one MoEStats per microbatch, stacked over layers (in microbatch order).
         state: the final Lifecycle (its trace included).
     """
@@ -59,9 +63,13 @@ class Executed(NamedTuple):
 
 
 def _weights(state, run: Run, unit: str, node: Node, what: str) -> dict:
-    """Leaves viewing the gathered weights ``node`` computes with (raises unless gathered)."""
+    """Leaves viewing the gathered weights ``node`` computes with (raises unless gathered);
+    under ``Plan.lora`` frozen, the adapted ones as ``Adapted``s."""
     views = lc.require_gathered(state, unit, what)
-    return {p: weight_leaf(v, run.train) for p, v in views.items() if node.uses(run.table[p], run.tie)}
+    if run.adapters is None:
+        return {p: weight_leaf(v, run.train) for p, v in views.items() if node.uses(run.table[p], run.tie)}
+    return adapted(run.adapters, {p: weight_leaf(v, False) for p, v in views.items()
+                                  if node.uses(run.table[p], run.tie)})
 
 
 def _profiled(a: Action):
@@ -120,7 +128,7 @@ def _step(state, a: Action, run: Run):
     raise TypeError(f"not a program action: {a!r}")
 
 
-def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> Run:
+def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool, adapters: AdapterRun | None) -> Run:
     how, mesh = setup.execution, setup.mesh
     node_events: list = []
     ep = ExpertParallel(mesh.ep, setup.spec.experts_per_rank, node_events, tokens=how.tokens_cross_once) \
@@ -139,10 +147,11 @@ def _start_run(setup, batch: Batch, divisor, kernels: Kernels, train: bool) -> R
                router_parts=how.microbatches * mesh.stage.size, delay_wgrad=how.delay_wgrad, train=train,
                remat=train and how.remat_layers, divisor=divisor, reports_loss=mesh.tp.rank == 0, mbs=mbs,
                events=[], node_events=node_events, ce_sum=zero, objective=zero.clone(), stats={},
-               pipeline=pipeline)
+               pipeline=pipeline, adapters=adapters)
 
 
-def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kernels: Kernels | None = None) -> Executed:
+def execute(setup, params_named: dict | None, batch: Batch, divisor, program=None, kernels: Kernels | None = None,
+            adapters: dict | None = None, shards: Shards | None = None) -> Executed:
     """Run a program of ``setup`` (``fmoe.resolve.Setup``) on this rank's params
     (``{path: leaf}``) and Batch (its rows).
 
@@ -151,20 +160,28 @@ def execute(setup, params_named: dict, batch: Batch, divisor, program=None, kern
         program: a ``fmoe.resolve.Program``; default the training one when autograd is
             on, else the forward-only one.
         kernels: the functions inside the nodes; default ``setup.kernels``.
+        adapters: under ``Plan.lora``, the adapters (``{leaf name: tensor}``, whole):
+            ``params_named`` are then frozen and the grads are the adapters' (this rank's part).
+        shards: the params already laid out as the step's shards (a frozen base's,
+            ``fmoe.lora.freeze``), read in place of ``params_named``.
     """
     train = torch.is_grad_enabled()
     program = setup.program(train) if program is None else program
     spec, mesh, how = setup.spec, setup.mesh, setup.execution
-    shards = build_shards(params_named, spec, setup.units, mesh, how.device)
+    shards = build_shards(params_named, spec, setup.units, mesh, how.device) if shards is None else shards
     state = lc.start(spec, mesh, shards, program.max_live, program.slots, how.device, how.allocates_each_gather,
-                     how.microbatches)
-    run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train)
+                     how.microbatches, frozen=adapters is not None)
+    lora = None if adapters is None else start_adapters(adapters, how.adapted, spec, mesh.world.rank, train)
+    run = _start_run(setup, batch, divisor, setup.kernels if kernels is None else kernels, train, lora)
     for a in program.actions:
         with _profiled(a):
             state = _step(state, a, run)
     if run.pipeline is not None:
         run.pipeline.finish()
     state = lc.finish(state, program.trains)
+    if lora is not None:
+        grads = adapter_grads(lora) if program.trains else {}
+        return Executed(run.ce_sum, run.objective, grads, _layer_stats(run, how), state)
     grads = {}
     for u in setup.units if program.trains else ():
         for key, layout in u.groups.items():

@@ -20,6 +20,7 @@ import torch
 
 from ..batch import Batch
 from ..layers.block_masks import Documents
+from ..layers.adapted import Adapted
 from ..layers.experts import DeferredWgrad
 from ..layers.fp8 import Fp8Weight
 from ..layers.moe import Routed
@@ -44,7 +45,9 @@ class Tape:
     wgrad: tuple[DeferredWgrad, dict] | None = None
 
     def backprop(self, grads_out: dict) -> tuple[dict, dict]:
-        """Gradients of the inputs and weights from the outputs' gradients (and the objective)."""
+        """Gradients of the inputs and weights from the outputs' gradients (and the objective):
+        ``({input: grad}, {path: grad, or (grad a, grad b) of an Adapted's pieces}``; a frozen
+        weight gets none."""
         outs, seeds = [], []
         for name, grad in grads_out.items():
             if grad is not None and self.outputs.get(name) is not None:
@@ -54,11 +57,15 @@ class Tape:
             outs.append(self.objective)
             seeds.append(None)
         names = [n for n, x in self.inputs.items() if x is not None and x.requires_grad]
-        targets = [self.inputs[n] for n in names] + [_grad_target(w) for w in self.weights.values()]
+        weights = {p: _grad_targets(w) for p, w in self.weights.items()}
+        weights = {p: ts for p, ts in weights.items() if ts}
+        targets = [self.inputs[n] for n in names] + [t for ts in weights.values() for t in ts]
         if not outs or not targets:
             return dict.fromkeys(names), {}
-        got = torch.autograd.grad(outs, targets, seeds, allow_unused=True)
-        return dict(zip(names, got)), dict(zip(self.weights, got[len(names):]))
+        got = iter(torch.autograd.grad(outs, targets, seeds, allow_unused=True))
+        inputs = {n: next(got) for n in names}
+        return inputs, {p: tuple(next(got) for _ in ts) if isinstance(self.weights[p], Adapted) else next(got)
+                        for p, ts in weights.items()}
 
 
 @dataclass
@@ -167,8 +174,13 @@ def weight_leaf(w, train: bool):
     return w.detach().requires_grad_(train)
 
 
-def _grad_target(w) -> torch.Tensor:
-    return w.grad_leaf if isinstance(w, Fp8Weight) else w
+def _grad_targets(w) -> tuple:
+    """What a weight's gradient is taken of: the tensor (an ``Fp8Weight``'s ``grad_leaf``),
+    an ``Adapted``'s adapter pieces (its base is frozen); nothing for a frozen weight."""
+    if isinstance(w, Adapted):
+        return w.a, w.b
+    t = w.grad_leaf if isinstance(w, Fp8Weight) else w
+    return (t,) if t.requires_grad else ()
 
 
 def detached(tree):

@@ -28,6 +28,7 @@ from ..layers.router import router_share
 from ..params import ParamTable
 from ..shard import lifecycle as lc
 from .actions import Node
+from .adapters import AdapterRun, add_grads
 from .flow import Kept, LayerFlow, MicrobatchFlow, Stream, Tape, detached, leaf, leaves, take, take_tape
 
 
@@ -53,6 +54,8 @@ class Run:
         ce_sum, objective: this rank's sums so far; ``stats``: ``{mb: {layer: MoEStats}}``.
         pipeline: the stage's neighbours and sends in flight (None without pipeline
             parallelism).
+        adapters: under ``Plan.lora`` the step's adapter pieces and their gradients
+            (``AdapterRun``), None otherwise.
     """
 
     table: ParamTable
@@ -74,6 +77,7 @@ class Run:
     objective: torch.Tensor
     stats: dict
     pipeline: object = None
+    adapters: AdapterRun | None = None
 
     def send(self, transfer: Transfer, node: Node, mb: int) -> Transfer:
         """Tag an exchange just issued by ``node`` for the trace."""
@@ -125,9 +129,12 @@ def _take_stream(run: Run, mb: int, node: Node) -> torch.Tensor:
 
 
 def _backprop(run: Run, state, unit: str | None, tape: Tape, grads_out: dict):
-    """``tape``'s input gradients; its weight gradients are added into ``unit``'s buffer."""
+    """``tape``'s input gradients; its weight gradients are added into ``unit``'s buffer
+    (under ``Plan.lora`` its adapter pieces' into the step's sums)."""
     got, weight_grads = tape.backprop({name: run.landed(g) for name, g in grads_out.items()})
-    if weight_grads:
+    if run.adapters is not None:
+        add_grads(run.adapters, weight_grads)
+    elif weight_grads:
         state = lc.accumulate_grads(state, unit, weight_grads)
     return state, got
 

@@ -71,6 +71,8 @@ class Lifecycle:
         pending: Reductions in flight, oldest first.
         trace: every Event so far.
         scales: ``{path: fp32 scale}`` of the weights in ``fp8`` groups (``Shards``).
+        frozen: the weights take no gradient (``Plan.lora``'s base): a reduction is the
+            ledger's transition alone, with nothing to sum.
     """
 
     spec: ShardSpec
@@ -85,6 +87,7 @@ class Lifecycle:
     pending: tuple = ()
     trace: tuple = ()
     scales: dict = dataclasses.field(default_factory=dict)
+    frozen: bool = False
 
     def live(self) -> list[str]:
         return self.ledger.live()
@@ -94,13 +97,14 @@ MAX_PENDING_REDUCTIONS = 2
 
 
 def start(spec: ShardSpec, mesh: Mesh, shards: Shards, max_live: int, slots: dict | None, device,
-          dynamic: bool, microbatches: int) -> Lifecycle:
+          dynamic: bool, microbatches: int, frozen: bool = False) -> Lifecycle:
     """Every unit of ``shards`` SHARDED: the flat shards of the params this rank holds
-    (``fmoe.shard.shards.build_shards``); ``max_live`` and ``slots``: the program's."""
+    (``fmoe.shard.shards.build_shards``); ``max_live`` and ``slots``: the program's;
+    ``frozen``: the weights take no gradient."""
     return Lifecycle(spec, mesh, torch.device(device), dynamic, shards.flat,
                      {name: UnitState() for name in shards.flat},
                      ledgers.start(shards.flat, max_live, spec.sharding, microbatches), slots,
-                     {} if slots is not None else None, scales=shards.scales)
+                     {} if slots is not None else None, scales=shards.scales, frozen=frozen)
 
 
 def _shared(state: Lifecycle, key: GroupKey) -> bool:
@@ -277,6 +281,8 @@ def reduce_grads(state: Lifecycle, unit: str, mb: int, last: bool) -> Lifecycle:
     reduce every microbatch; DDP and ZeRO-1 only on the last (``last=True``).
     """
     ledger = ledgers.reduce(state.ledger, unit, mb, last, f"reduce {unit}")
+    if state.frozen:
+        return dataclasses.replace(state, ledger=ledger)
     ustate = state.units[unit]
     if ustate.grad_full is None:  # the ledger saw a backward, which left no weight gradient here
         raise LifecycleError(f"reduce {unit}: its backward left no weight gradients in its buffers")

@@ -691,7 +691,7 @@ def finetune_configs(rank, world, dp, ep):
 
 
 # Adapters under each kind of plan (name -> world and Plan fields): ZeRO's three stages, expert, tensor
-# (tp=4 copies the 2 key/value heads) and pipeline parallelism, and meshes of them
+# (tp=4 copies the 2 key/value heads), pipeline, expert-tensor and context parallelism, and meshes of them
 LORA_PLANS = {
     "dp2": (2, dict(dp=2)),
     "dp2_zero1": (2, dict(dp=2, sharding="optim")),
@@ -704,19 +704,36 @@ LORA_PLANS = {
     "tp4": (4, dict(tp=4, microbatches=1)),
     "pp2_dp2_zero3_1f1b": (4, dict(pp=2, dp=2, sharding="optim_grads_params", schedule="1f1b_overlap",
                                    microbatches=1)),
+    "dp2_etp2": (2, dict(dp=2, etp=2)),
+    "cp2": (2, dict(cp=2)),
+    "ep2_tokens_remat": (2, dict(ep=2, ep_exchange="tokens", remat="full")),
 }
+
+
+def lora_rows(plan):
+    """``test_lora.lora_batch()``, its packed documents left out under context parallelism
+    (which takes one sequence per row)."""
+    from ..test_lora import lora_batch
+    batch = lora_batch()
+    return {"tokens": batch["tokens"]} if plan.cp > 1 else batch
 
 
 def lora_configs(rank, world, names):
     """Each plan of ``LORA_PLANS`` named: this rank's loss and adapter gradients for its
-    rows of one global batch, from its part of the base (``fmoe.init``, seed 11)."""
-    from ..test_lora import CFG, EVERY, lora_batch, random_adapters
+    rows of one global batch, from its part of the base (``fmoe.init``, seed 11), and the
+    kinds of the step's gradient collectives."""
+    from ..test_lora import CFG, EVERY, random_adapters
     out = {}
     for name in names:
         plan = fmoe.Plan(model=CFG, lora=EVERY, **{"microbatches": 2, **LORA_PLANS[name][1]})
-        base = fmoe.init(plan, seed=11)
-        step = fmoe.step(random_adapters(plan, seed=3), fmoe.local_batch(lora_batch(), plan, rank), plan, base=base)
-        out[name] = {"loss": step.loss, "grads": fmoe.gather_full(step.grads, plan)}  # whole already
+        base, adapters = fmoe.init(plan, seed=11), random_adapters(plan, seed=3)
+        batch = fmoe.local_batch(lora_rows(plan), plan, rank)
+        step = fmoe.step(adapters, batch, plan, base=base)
+        frozen = fmoe.step(adapters, batch, plan, base=fmoe.lora.freeze(base, plan))
+        summed = [e.kind for e in step.metrics["trace"] if e.purpose == "grads"]
+        out[name] = {"loss": step.loss, "grads": fmoe.gather_full(step.grads, plan), "grads_summed": summed,
+                     "frozen_same": torch.equal(frozen.loss, step.loss) and all(
+                         torch.equal(x, y) for x, y in zip(optree.tree_leaves(frozen.grads), optree.tree_leaves(step.grads)))}
     return out
 
 
