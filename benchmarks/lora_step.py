@@ -7,10 +7,11 @@
 Both sides run the same model, plan and batches (8 x 2048 tokens on the GPU, bf16 compute), one
 process: full fine-tuning is ``fmoe.step`` on fp32 params + fused AdamW on every parameter; LoRA
 is ``fmoe.step(adapters, batch, plan, base=frozen)`` + fused AdamW on the adapters, the base drawn
-in the compute dtype and laid out once (``fmoe.lora.freeze``). Each side is timed alone (median
-of ``--steps`` steps after ``--warmup``), its peak memory read, and its static state counted
-(what lives between steps: params, their gradients, AdamW's moments; for LoRA the frozen base's
-shards, the adapters, their gradients and moments). ``--model`` takes a released model's shape
+in the compute dtype and laid out once (``fmoe.lora.freeze``). Each side is built and warmed up
+alone (``--warmup`` steps: its peak memory above what the other side holds), then the two are
+timed side by side, a step of one beside a step of the other (median of ``--steps`` each), and
+each side's static state is counted (what lives between steps: params, their gradients, AdamW's
+moments; for LoRA the frozen base's shards, the adapters, their gradients and moments). ``--model`` takes a released model's shape
 (``fmoe.plan.models``) and runs LoRA alone: its full fine-tuning does not fit one GPU. Prints a
 table last, each target marked met or not.
 """
@@ -44,31 +45,47 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(step, batches, warmup, device) -> tuple[float, float]:
-    """Median seconds of ``step(batch)`` after ``warmup`` steps, and the first step's seconds."""
-    times = []
-    for batch in batches:
+def allocated(device) -> int:
+    return torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+
+
+def peak_since(device, before: int) -> float:
+    """GiB at the most since the peak was reset, above ``before`` bytes held by the other side."""
+    return (torch.cuda.max_memory_allocated() - before) / 2**30 if device.startswith("cuda") else math.nan
+
+
+class Side:
+    """One side's training step (``step(batch)``) and what it holds between steps."""
+
+    def __init__(self, name: str, step, static: int, adapted: int = 0):
+        self.name, self.step, self.static, self.adapted = name, step, static, adapted
+        self.times: list = []
+        self.first = self.peak = math.nan
+
+    def warm(self, batches, warmup: int, device: str, before: int) -> None:
+        """``warmup`` steps alone (compiles, allocator); the peak memory since the side was
+        built, above ``before`` bytes (what was held then: the other side's state)."""
+        for i in range(warmup):
+            t0 = time.perf_counter()
+            self.step(batches[i % len(batches)])
+            sync(device)
+            if i == 0:
+                self.first = time.perf_counter() - t0
+        self.peak = peak_since(device, before)
+
+    def timed(self, batch, device: str) -> None:
         sync(device)
         t0 = time.perf_counter()
-        step(batch)
+        self.step(batch)
         sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:]), times[0]
+        self.times.append(time.perf_counter() - t0)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
 
 
-def fresh(device):
-    gc.collect()
-    torch._dynamo.reset()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib(device) -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else math.nan
-
-
-def full_fine_tuning(plan, batches, args) -> dict:
+def full_fine_tuning(plan) -> Side:
     params = fmoe.init(plan, seed=0)
     opt = fmoe.adamw(1e-5, weight_decay=0.0, plan=plan, fused=True, donate=True)
     state = {"params": params, "opt": opt.init(params)}
@@ -76,13 +93,11 @@ def full_fine_tuning(plan, batches, args) -> dict:
     def step(batch):
         out = fmoe.step(state["params"], batch, plan)
         state["params"], state["opt"] = opt.update(out.grads, state["opt"], state["params"])
-        return out
-    seconds, first = timed(step, batches, args.warmup, plan.device)
     static = tree_bytes(state["params"], state["opt"]) + tree_bytes(state["params"])  # + the grads of a step
-    return {"seconds": seconds, "first": first, "static": static, "peak": peak_gib(plan.device)}
+    return Side("full fine-tuning", step, static)
 
 
-def lora_fine_tuning(plan, batches, args) -> dict:
+def lora_fine_tuning(plan) -> Side:
     t0 = time.perf_counter()
     base = fmoe.lora.freeze(fmoe.init(plan, seed=0, dtype=plan.compute_dtype), plan)
     print(f"  the frozen base drawn and laid out in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -93,11 +108,9 @@ def lora_fine_tuning(plan, batches, args) -> dict:
     def step(batch):
         out = fmoe.step(state["adapters"], batch, plan, base=base)
         state["adapters"], state["opt"] = opt.update(out.grads, state["opt"], state["adapters"])
-        return out
-    seconds, first = timed(step, batches, args.warmup, plan.device)
     static = tree_bytes(base.shards.flat, state["adapters"], state["opt"]) + tree_bytes(state["adapters"])
-    return {"seconds": seconds, "first": first, "static": static, "peak": peak_gib(plan.device),
-            "adapted": tree_bytes(state["adapters"]) // 4}
+    adapted = tree_bytes(state["adapters"]) // 4
+    return Side(f"LoRA ({adapted / 1e6:,.1f}M adapter params)", step, static, adapted)
 
 
 def main():
@@ -138,27 +151,35 @@ def main():
           f"compile={args.compile}, remat={args.remat}, microbatches={args.microbatches}; LoRA rank {args.rank}, "
           f"alpha {args.alpha:g}, targets {args.targets}", flush=True)
     tokens = batch * seq
+    sides = []
+    for make, on in ((lora_fine_tuning, plan.replace(lora=lora)), (full_fine_tuning, plan))[:1 if args.model else 2]:
+        gc.collect()
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
+        before = allocated(plan.device)  # the other side's state, held while this one runs
+        sides.append(make(on))
+        sides[-1].warm(batches, args.warmup, plan.device, before)
+    for i in range(steps):  # side by side: each step of one side beside one of the other
+        for side in sides:
+            side.timed(batches[i % len(batches)], plan.device)
+    for side in sides:
+        print(f"  {side.name}: {side.seconds * 1e3:.1f} ms a step (median of {steps}; the first took "
+              f"{side.first:.1f} s)", flush=True)
+    adapted = sides[0]
     if args.model:
-        fresh(plan.device)
-        adapted = lora_fine_tuning(plan.replace(lora=lora), batches, args)
-        mfu = 6 * fmoe.active_param_count(cfg) * tokens / adapted["seconds"] / 789e12
+        mfu = 6 * fmoe.active_param_count(cfg) * tokens / adapted.seconds / 789e12
         print(f"\n| step | tokens/s | peak GiB | static state GiB |\n| --- | ---: | ---: | ---: |\n"
-              f"| LoRA ({adapted['adapted'] / 1e6:.0f}M adapter params) | {tokens / adapted['seconds']:,.0f} | "
-              f"{adapted['peak']:.2f} | {adapted['static'] / 2**30:.2f} |\n\n{args.model} LoRA on one GPU: "
-              f"{adapted['seconds'] * 1e3:.0f} ms a step of {batch} x {seq} tokens; 6 x active params x tokens "
-              f"/ time = {mfu:.1%} of 789 TFLOP/s (a LoRA step computes about 2/3 of that)")
+              f"| {adapted.name} | {tokens / adapted.seconds:,.0f} | {adapted.peak:.2f} | "
+              f"{adapted.static / 2**30:.2f} |\n\n{args.model} LoRA on one GPU: {adapted.seconds * 1e3:.0f} ms a step of "
+              f"{batch} x {seq} tokens; 6 x active params x tokens / time = {mfu:.1%} of 789 TFLOP/s (a LoRA step "
+              "computes about 2/3 of that)")
         return
-    fresh(plan.device)
-    full = full_fine_tuning(plan, batches, args)
-    print(f"  full fine-tuning: {full['seconds'] * 1e3:.1f} ms a step (first {full['first']:.1f} s)", flush=True)
-    fresh(plan.device)
-    adapted = lora_fine_tuning(plan.replace(lora=lora), batches, args)
-    print(f"  LoRA: {adapted['seconds'] * 1e3:.1f} ms a step (first {adapted['first']:.1f} s)", flush=True)
-    speed = full["seconds"] / adapted["seconds"]
-    memory = full["static"] / adapted["static"]
+    full = sides[1]
+    speed = full.seconds / adapted.seconds
+    memory = full.static / adapted.static
     print("\n| step | tokens/s | peak GiB | static state GiB |\n| --- | ---: | ---: | ---: |")
-    for name, r in (("full fine-tuning", full), (f"LoRA ({adapted['adapted'] / 1e6:.2f}M adapter params)", adapted)):
-        print(f"| {name} | {tokens / r['seconds']:,.0f} | {r['peak']:.2f} | {r['static'] / 2**30:.3f} |")
+    for side in (full, adapted):
+        print(f"| {side.name} | {tokens / side.seconds:,.0f} | {side.peak:.2f} | {side.static / 2**30:.3f} |")
     print(f"\nLoRA / full tokens/s: {speed:.3f}x (target >= {TARGETS_SPEED}x: "
           f"{'met' if speed >= TARGETS_SPEED else 'not met'}); static state {memory:.2f}x below "
           f"(target >= {TARGETS_MEMORY}x: {'met' if memory >= TARGETS_MEMORY else 'not met'})")

@@ -3,12 +3,15 @@ the formula, the adapter step's loss and gradients against a float64 reference o
 model, and every refusal naming its field."""
 
 import math
+from types import SimpleNamespace
 
 import optree
 import pytest
 import torch
 
 import fmoe
+from fmoe.layers.adapted import Adapted
+from fmoe.layers.experts import grouped_matmul
 from fmoe.params import named_leaves
 from fmoe.resolve import resolve
 from fmoe.schedule import execute
@@ -138,6 +141,30 @@ def test_the_adapter_step_is_bitwise_the_same_under_the_overlap_schedule_and_rem
     want = fmoe.step(adapters, batch, plan, base=base)
     for changes in (dict(schedule="1f1b_overlap", remat="full"), dict(schedule="1f1b_overlap", delay_wgrad=True)):
         assert_same_step(fmoe.step(adapters, batch, plan.replace(**changes), base=base), want)
+
+
+@pytest.mark.parametrize("rank", [4, 3], ids=["grouped_gemm", "per_expert_loop"])
+def test_an_adapted_grouped_product_is_the_per_expert_formula(rank):
+    """``grouped_matmul`` of an ``Adapted`` weight: ``x_e @ w_e + s (x_e @ a_e) @ b_e`` per
+    expert segment (an empty one among them), forward and every gradient, against float64;
+    rank 4 runs ``torch._grouped_mm``, rank 3 (widths it does not take) one product per expert."""
+    g = torch.Generator().manual_seed(22)
+    E, D, N, rows, scale = 3, 32, 24, torch.tensor([5, 0, 7]), 1.5
+    x, w = torch.randn(12, D, generator=g), torch.randn(E, D, N, generator=g)
+    a, b = torch.randn(E, D, rank, generator=g), torch.randn(E, rank, N, generator=g)
+    seed = torch.randn(12, N, generator=g)
+    segs = SimpleNamespace(rows_E=rows, offsets_E=rows.cumsum(0).int(), row_expert_R=torch.repeat_interleave(
+        torch.arange(E), rows))
+    x_, a_, b_ = (t.clone().requires_grad_(True) for t in (x, a, b))
+    y = grouped_matmul(x_, Adapted(w, a_, b_, scale), segs)
+    got = torch.autograd.grad(y, (x_, a_, b_), seed)
+    x64, a64, b64 = (t.double().requires_grad_(True) for t in (x, a, b))
+    want_y = torch.cat([xe @ w[e].double() + scale * (xe @ a64[e]) @ b64[e]
+                        for e, xe in enumerate(x64.split(rows.tolist()))])
+    want = torch.autograd.grad(want_y, (x64, a64, b64), seed.double())
+    torch.testing.assert_close(y.double(), want_y, rtol=1e-5, atol=1e-4)
+    for name, u, v in zip("xab", got, want):
+        torch.testing.assert_close(u.double(), v, rtol=1e-5, atol=1e-4, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
 def test_the_products_inside_the_layers_match_the_merged_weights_and_the_base_takes_no_gradient():

@@ -153,9 +153,9 @@ def grouped_matmul(x_RD: torch.Tensor, w_EDN: torch.Tensor, segs, backend: str =
         ``[R, N]``.
     """
     if isinstance(w_EDN, Adapted):
-        xa_RK = grouped_matmul(x_RD, w_EDN.a.to(x_RD.dtype), segs, backend)
-        return grouped_matmul(x_RD, w_EDN.w, segs, backend, deferred, gemms) + \
-            grouped_matmul(xa_RK, w_EDN.b.to(x_RD.dtype), segs, backend)
+        a_EDK, b_EKN = w_EDN.operands(x_RD.dtype)
+        xa_RK = grouped_matmul(x_RD, a_EDK, segs, backend)
+        return grouped_matmul(x_RD, w_EDN.w, segs, backend, deferred, gemms) + grouped_matmul(xa_RK, b_EKN, segs, backend)
     rows = None if backend == "torch" and _grouped_mm_ok(x_RD, w_EDN) else segs.rows_E.tolist()
     return _GroupedMatmul.apply(x_RD, w_EDN, segs.offsets_E, rows, deferred, gemms.grouped, gemms.grouped_grad)
 

@@ -2,15 +2,16 @@
 
 The base is frozen: its gathered views hold no gradient, so autograd skips its weight
 GEMMs and the lifecycle reduces nothing. Each adapted matrix a node reads comes as an
-``Adapted`` (``fmoe.layers.adapted``): the base's view and this rank's piece of the adapter
-on it. A piece is what the rank's view is of the full matrix: its experts (``ep``), its
-tensor-parallel columns (``b``'s) or rows (``a``'s), ``q``, ``k`` and ``v``'s adapters side by
-side on ``qkv`` (``a`` concatenated, ``b`` block-diagonal), the scale folded into ``b``.
+``Adapted`` (``fmoe.layers.adapted``): the base's view, this rank's piece of the adapter on
+it and the scale. A piece is what the rank's view is of the full matrix: its experts
+(``ep``), its tensor-parallel columns (``b``'s) or rows (``a``'s), ``q``, ``k`` and ``v``'s
+adapters side by side on ``qkv`` (``a`` concatenated, ``b`` block-diagonal).
 
-``start`` makes the pieces once per step, differentiably from the adapters, and hands
-them to the nodes as fp32 leaves of their own; each node's backward adds its pieces'
-gradients up (``add_grads``), and ``finish`` carries the sums to the adapters in one backward
-through the pieces' making. A rank's part is what its own products contributed: the
+``start`` makes the pieces once per step and hands them to the nodes as fp32 leaves; an
+adapter that is its matrix's whole piece (one adapter on all of a matrix the rank holds
+whole) is its own leaf. Each node's backward adds its pieces' gradients up (``add_grads``);
+``finish`` carries the sums of the pieces made from the adapters back to them in one
+backward through their making. A rank's part is what its own products contributed: the
 step sums the parts over the ranks (``fmoe.step``).
 """
 
@@ -33,14 +34,19 @@ class AdapterRun:
     Attributes:
         leaves: ``{adapter leaf name: fp32 tensor}`` (``layers.0.attn.q.a``), requiring grad
             when training.
-        made: ``{param path: (a, b)}``: the pieces as functions of ``leaves``.
-        pieces: ``{param path: (a, b)}``: the same values as leaves of the nodes' graphs.
+        made: ``{param path: (a, b)}``: the pieces made of several leaves or parts of them,
+            as functions of ``leaves``.
+        whole: ``{param path: (name of a, name of b)}``: the pieces that are leaves themselves.
+        pieces: ``{param path: (a, b)}``: every piece as a leaf of the nodes' graphs.
+        scales: ``{param path: alpha / rank}``.
         grads: ``{param path: [grad a, grad b]}`` (fp32) summed over the backwards so far.
     """
 
     leaves: dict
     made: dict
+    whole: dict
     pieces: dict
+    scales: dict
     grads: dict
 
 
@@ -49,22 +55,37 @@ def start(named: dict, adapted: dict, spec: ShardSpec, rank: int, train: bool) -
     parameters its stage holds; ``adapted``: ``Execution.adapted``,
     ``((path, scale, ((name, first column, end column), ...)), ...)``."""
     leaves = {name: t.detach().requires_grad_(train) for name, t in named.items()}
-    made = {}
-    with torch.set_grad_enabled(train):
-        for path, scale, on in adapted:
-            if spec.holds(path, rank):
-                made[path] = _piece(path, on, scale, leaves, spec, rank)
-    pieces = {path: tuple(t.detach().requires_grad_(train) for t in ab) for path, ab in made.items()}
-    return AdapterRun(leaves, made, pieces, {})
+    made, whole, pieces, scales = {}, {}, {}, {}
+    for path, scale, on in adapted:
+        if not spec.holds(path, rank):
+            continue
+        scales[path] = scale
+        if _is_whole(path, on, spec):
+            whole[path] = (f"{on[0][0]}.a", f"{on[0][0]}.b")
+            pieces[path] = tuple(leaves[name] for name in whole[path])
+            continue
+        with torch.set_grad_enabled(train):
+            made[path] = _piece(path, on, leaves, spec, rank)
+        pieces[path] = tuple(t.detach().requires_grad_(train) for t in made[path])
+    return AdapterRun(leaves, made, whole, pieces, scales, {})
 
 
-def _piece(path: str, on: tuple, scale: float, leaves: dict, spec: ShardSpec, rank: int):
-    """``(a [.., in, R], scale * b [.., R, out])`` of the adapters ``on`` parameter ``path``,
-    cut as the rank's view of it is."""
+def _is_whole(path: str, on: tuple, spec: ShardSpec) -> bool:
+    """Whether one adapter covers all of ``path`` and the rank holds it whole (no expert
+    or tensor-parallel cut): the adapter's leaves are then the piece."""
+    leaf = spec.table[path]
+    (_, lo, hi), *more = on
+    experts_cut = leaf.domain == Domain.EXPERT and spec.ep > 1
+    return not more and lo == 0 and hi == leaf.shape[-1] and not experts_cut and not spec.cuts(path)
+
+
+def _piece(path: str, on: tuple, leaves: dict, spec: ShardSpec, rank: int):
+    """``(a [.., in, R], b [.., R, out])`` of the adapters ``on`` parameter ``path``, cut as
+    the rank's view of it is."""
     leaf = spec.table[path]
     out = leaf.shape[-1]
     a = torch.cat([leaves[f"{name}.a"] for name, _, _ in on], dim=-1)
-    b = torch.cat([F.pad(leaves[f"{name}.b"], (lo, out - hi)) for name, lo, hi in on], dim=-2) * scale
+    b = torch.cat([F.pad(leaves[f"{name}.b"], (lo, out - hi)) for name, lo, hi in on], dim=-2)
     if leaf.domain == Domain.EXPERT and spec.ep > 1:
         first = spec.ep_index(rank) * spec.experts_per_rank
         a, b = a[first:first + spec.experts_per_rank], b[first:first + spec.experts_per_rank]
@@ -81,33 +102,37 @@ def _piece(path: str, on: tuple, scale: float, leaves: dict, spec: ShardSpec, ra
 
 def adapted(run: AdapterRun, weights: dict) -> dict:
     """A node's ``{path: weight}`` with each adapted one as an ``Adapted``."""
-    return {p: Adapted(w, *run.pieces[p]) if p in run.pieces else w for p, w in weights.items()}
+    return {p: Adapted(w, *run.pieces[p], run.scales[p]) if p in run.pieces else w for p, w in weights.items()}
 
 
 def add_grads(run: AdapterRun, grads: dict) -> None:
     """Add a backward's ``{path: (grad a, grad b)}`` into the step's sums."""
-    for path, pair in grads.items():
+    for path, pair in grads.items():  # autograd's gradients are tensors of their own: kept, then added into
         held = run.grads.get(path)
         if held is None:
-            run.grads[path] = [None if g is None else g.float().clone() for g in pair]
+            run.grads[path] = [None if g is None else g.float() for g in pair]
         else:
             for i, g in enumerate(pair):
                 if g is not None:
-                    held[i] = g.float().clone() if held[i] is None else held[i].add_(g)
+                    held[i] = g.float() if held[i] is None else held[i].add_(g)
 
 
 def finish(run: AdapterRun) -> dict:
     """``{adapter leaf name: fp32 gradient}``: this rank's part (zeros for the adapters on
     matrices it does not compute with)."""
-    outs, seeds = [], []
+    direct, outs, seeds = {}, [], []
     for path, pair in run.grads.items():
+        if path in run.whole:
+            direct.update((name, g) for name, g in zip(run.whole[path], pair) if g is not None)
+            continue
         for made, g in zip(run.made[path], pair):
             if g is not None:
                 outs.append(made)
                 seeds.append(g)
-    names = list(run.leaves)
-    got = torch.autograd.grad(outs, [run.leaves[n] for n in names], seeds, allow_unused=True) if outs else \
-        [None] * len(names)
+    names = [n for n in run.leaves if n not in direct]
+    got = dict(zip(names, torch.autograd.grad(outs, [run.leaves[n] for n in names], seeds, allow_unused=True)
+                   if outs else [None] * len(names)))
+    got.update(direct)
     # each its own contiguous tensor (a slice of a concatenation's gradient is a view), as the
     # optimizer's fused kernels take them
-    return {n: torch.zeros_like(run.leaves[n]) if g is None else g.contiguous() for n, g in zip(names, got)}
+    return {n: torch.zeros_like(t) if got[n] is None else got[n].contiguous() for n, t in run.leaves.items()}
