@@ -123,9 +123,11 @@ def over_budget(plan, memory: list[dict], limit: Budget, moments: str, rows: int
 def device_warning(plan, rows: int, seq: int, moments: str) -> str | None:
     """One line when the planner's estimate for ``plan`` (a global batch of ``rows`` x
     ``seq``, balanced routing) leaves less than ``RESERVE`` of its GPU free: what the main
-    job says before it draws a parameter. None on a CPU, or when the plan fits."""
+    job says before it draws a parameter. None on a CPU, under ``Plan.lora``, or when the plan fits."""
     device = torch.device(plan.device)
-    if device.type != "cuda":
+    # the estimate sizes full training (every parameter's gradient and moments): adapters on a
+    # frozen base hold a fraction of that, so it would warn of a plan that fits
+    if device.type != "cuda" or plan.lora is not None:
         return None
     gib = device_memory(device) / GIB
     limit = Budget(gib, f"this {torch.cuda.get_device_name(device)}'s {gib:.1f} GiB", reserve_flag=False)
