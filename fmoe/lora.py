@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import optree
 import torch
@@ -40,10 +41,12 @@ from .lora_sites import Site, dotted, sites
 from .lora_spec import TARGETS, LoRA
 from .comm.collectives import Group
 from .params import named_leaves
+from .param_checks import check_params
 from .resolve import resolve
 from .shard.boxes import local_boxes
+from .shard.shards import Shards, build_shards
 
-__all__ = ["LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "freeze", "from_named", "init",
+__all__ = ["FrozenBase", "LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "freeze", "from_named", "init",
            "merge", "pairs", "sites"]
 
 
@@ -268,15 +271,32 @@ def _counted_once(plan, path: str, grad: torch.Tensor, rank: int) -> torch.Tenso
     return out
 
 
-def freeze(base: dict, plan):
-    """``base`` (this rank's params under ``plan``, float32 or the compute dtype) laid out
-    once as the flat shards a step gathers from: a ``fmoe.step.FrozenBase`` that
-    ``fmoe.step(adapters, batch, plan, base=...)`` and ``fmoe.eval_loss`` read without
+class FrozenBase(NamedTuple):
+    """A LoRA base laid out once as the flat shards a step gathers from (``freeze``): a step
+    handed it reads them instead of copying the base into new shards, and the base's own
+    leaves can go. What the 30B model on one GPU needs: the bf16 base held once.
+
+    Attributes:
+        plan: the Plan it was laid out for, without its ``lora``.
+        shards: this rank's flat shards (``fmoe.shard.shards.Shards``), never written.
+    """
+
+    plan: object
+    shards: Shards
+
+
+def freeze(base: dict, plan) -> FrozenBase:
+    """``base`` (this rank's params under ``plan``, float32 or the compute dtype) checked and
+    laid out once as the flat shards a step gathers from, cast to each group's dtype:
+    ``fmoe.step(adapters, batch, plan, base=...)`` and ``fmoe.eval_loss`` read them without
     copying the base each step. Once it is made, the base's own leaves can be dropped.
 
     Raises:
         ValueError: naming ``Plan.lora`` without one, or as ``fmoe.step`` for params that do
             not fit the plan.
     """
-    from .step import freeze as laid_out  # fmoe.step imports this module
-    return laid_out(base, plan)
+    plan_lora(plan)
+    setup = resolve(plan)
+    check_params(base, plan, setup)
+    shards = build_shards(named_leaves(base), setup.spec, setup.units, setup.mesh, setup.execution.device)
+    return FrozenBase(plan.replace(lora=None), shards)

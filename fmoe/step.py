@@ -17,11 +17,11 @@ from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
 from .layers.nodes import Kernels
 from .layers.router import router_share
+from .param_checks import check_params
 from .params import named_leaves
 from .resolve import Program, Setup, check_memory, resolve
 from .runtime import check_runtime
 from .schedule.executor import execute
-from .shard.shards import build_shards
 
 
 class StepOutput(NamedTuple):
@@ -45,30 +45,6 @@ class StepOutput(NamedTuple):
     metrics: dict
 
 
-def check_params(params, plan: Plan, setup: Setup | None = None) -> None:
-    """Raise ValueError unless ``params`` has the layout, shapes, dtype and device this
-    rank holds under ``plan`` (``setup``: its Setup, if the caller has it). Params are
-    float32; under ``plan.lora`` they are the frozen base, which may also be held in
-    ``plan.compute_dtype``."""
-    setup = resolve(plan) if setup is None else setup
-    want = setup.spec.local_shapes(Group.world().rank)
-    got = named_leaves(params)
-    if list(got) != list(want):
-        differing = sorted(set(want) ^ set(got)) or [p for p, q in zip(want, got) if p != q]
-        raise ValueError(f"params do not match Plan.model's layout; differing leaves: {differing[:8]}")
-    for path, leaf in got.items():
-        if not isinstance(leaf, torch.Tensor):
-            raise ValueError(f"params[{path!r}] is a {type(leaf).__name__}, not a tensor")
-        if tuple(leaf.shape) != want[path]:
-            raise ValueError(f"params[{path!r}] has shape {list(leaf.shape)}; this rank's part under the plan "
-                             f"is {list(want[path])} (sharding={plan.sharding!r})")
-        if leaf.dtype != torch.float32 and not (plan.lora is not None and leaf.dtype == plan.compute_dtype):
-            allowed = "float32" if plan.lora is None else f"float32 or the compute dtype {plan.compute_dtype}"
-            raise ValueError(f"params[{path!r}] has dtype {leaf.dtype}; params are {allowed}")
-        if leaf.device.type != torch.device(plan.device).type:
-            raise ValueError(f"params[{path!r}] is on {leaf.device}, but Plan.device={plan.device!r}")
-
-
 def check_batch(batch, plan: Plan) -> Batch:
     """Validate ``batch`` for ``plan`` (``fmoe.batch.read_batch``) and return it as a
     Batch on the plan's device."""
@@ -83,7 +59,7 @@ def check_inputs(params, batch, plan: Plan) -> Batch:
 def _checked(params, batch, plan: Plan) -> tuple[Batch, Setup]:
     check_runtime(plan)  # first: resolving binds the expert backend it checks
     setup = resolve(plan)
-    if not isinstance(params, FrozenBase):  # a FrozenBase was checked when it was made
+    if not isinstance(params, lora.FrozenBase):  # a FrozenBase was checked when it was made
         check_params(params, plan, setup)
     checked = check_batch(batch, plan)
     check_memory(setup)  # the last check; collectives start after it
@@ -194,7 +170,7 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None, 
             CUDA-graphed ones); by default the pure functions, compiled when
             ``plan.compile`` is set.
         base: under ``plan.lora``, the frozen params the adapters adapt (float32 or the
-            compute dtype; or a ``FrozenBase``, ``fmoe.lora.freeze``, laid out once);
+            compute dtype; or a ``fmoe.lora.FrozenBase``, ``fmoe.lora.freeze``, laid out once);
             ``params`` are then the adapters (``fmoe.lora.init``), and the grads theirs.
 
     Returns:
@@ -215,37 +191,9 @@ def _check_adapter_call(plan: Plan, base: dict | None) -> None:
                          "(fmoe.step(adapters, batch, plan, base=params))")
 
 
-class FrozenBase(NamedTuple):
-    """A LoRA base laid out once as the flat shards a step gathers from (``freeze``): a step
-    handed it reads them instead of copying the base into new shards, and the base's own
-    leaves can go. What the 30B model on one GPU needs: the bf16 base held once.
-
-    Attributes:
-        plan: the Plan it was laid out for, without its ``lora``.
-        shards: this rank's flat shards (``fmoe.shard.shards.Shards``), never written.
-    """
-
-    plan: Plan
-    shards: object
-
-
-def freeze(base: dict, plan: Plan) -> FrozenBase:
-    """``base`` (this rank's params under ``plan``, float32 or the compute dtype) checked and
-    laid out once as the step's shards, cast to each group's dtype (``fmoe.lora.freeze``).
-
-    Raises:
-        ValueError: as ``fmoe.step`` for params that do not fit the plan.
-    """
-    lora.plan_lora(plan)
-    setup = resolve(plan)
-    check_params(base, plan, setup)
-    shards = build_shards(named_leaves(base), setup.spec, setup.units, setup.mesh, setup.execution.device)
-    return FrozenBase(plan.replace(lora=None), shards)
-
-
 def _base_of(base, plan: Plan) -> tuple[dict | None, object]:
     """``(named params, prebuilt shards)`` of a step's ``base``: one of them None."""
-    if not isinstance(base, FrozenBase):
+    if not isinstance(base, lora.FrozenBase):
         return named_leaves(base), None
     if base.plan != plan.replace(lora=None):
         raise ValueError("fmoe.step: base= is a FrozenBase laid out for another plan: freeze the base under "
@@ -342,6 +290,6 @@ def eval_loss(params: dict, batch: dict, plan: Plan, base: dict | None = None) -
 
 # What fmoe.step is made of, for adapters (interop): the checks, a step split into its
 # validation (run once, outside a CUDA-graph capture) and its compute.
-__all__ = ["FrozenBase", "Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "freeze", "global_targets",
+__all__ = ["Prepared", "StepOutput", "check_batch", "check_inputs", "check_params", "eval_loss", "global_targets",
            "microbatch_objective",
            "num_targets", "prepare_step", "run_step", "step"]
