@@ -9,7 +9,6 @@ import torch
 
 from . import lora
 from .batch import Batch, no_counted_target, read_batch
-from .checks import fail
 from .config import Plan
 from .comm.collectives import Group
 from .comm.trace import Event, now
@@ -106,6 +105,8 @@ class Prepared(NamedTuple):
         total: the global count of counted targets (summed over ranks); ``divisor``:
             the same as a fp32 device scalar, what the loss is divided by (data, so a
             CUDA-graphed step reads each batch's own count).
+        base: under ``Plan.lora``, the frozen base the adapters (the params) adapt: its
+            named leaves, or a ``fmoe.lora.FrozenBase``; None otherwise.
     """
 
     batch: Batch
@@ -113,22 +114,23 @@ class Prepared(NamedTuple):
     program: Program
     total: int
     divisor: torch.Tensor
+    base: object = None
 
 
-def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True) -> Prepared:
+def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True, base=None) -> Prepared:
     """``step``'s validation (ValueErrors before any collective), its Setup and program,
-    and the global target count (on several ranks one small all-reduce and host read)."""
-    if plan.lora is not None:
-        fail("Plan.lora", plan.lora, "adapters train through fmoe.step(adapters, batch, plan, base=params) and "
-             "fmoe.eval_loss only in this version (not a CUDA-graphed step or an nn.Module)")
-    return _prepare(params, batch, plan, train)
-
-
-def _prepare(params: dict, batch: dict, plan: Plan, train: bool) -> Prepared:
+    and the global target count (on several ranks one small all-reduce and host read).
+    Under ``plan.lora`` ``params`` are the adapters and ``base`` the frozen params (or a
+    ``fmoe.lora.FrozenBase``), as for ``step``."""
+    held = None
+    if base is not None or plan.lora is not None:
+        _check_adapter_call(plan, base)
+        lora.check_adapters(params, plan, stepped=True)
+        held, params = _base_of(base, plan), base
     checked, setup = _checked(params, batch, plan)
     total = global_targets(checked, setup.mesh)
     divisor = torch.tensor(float(total), device=checked.tokens.device)
-    return Prepared(checked, setup, setup.program(train), total, divisor)
+    return Prepared(checked, setup, setup.program(train), total, divisor, held)
 
 
 def global_targets(checked: Batch, mesh) -> int:
@@ -177,9 +179,7 @@ def step(params: dict, batch: dict, plan: Plan, kernels: Kernels | None = None, 
         A StepOutput whose grads are sharded like ``params``; ``metrics["trace"]``
         holds the step's Events. Nothing in ``params`` (or ``base``) is modified.
     """
-    if base is not None or plan.lora is not None:
-        return _adapter_step(params, batch, plan, kernels, base)
-    return run_step(params, prepare_step(params, batch, plan), plan, kernels)
+    return run_step(params, prepare_step(params, batch, plan, base=base), plan, kernels)
 
 
 def _check_adapter_call(plan: Plan, base: dict | None) -> None:
@@ -191,48 +191,53 @@ def _check_adapter_call(plan: Plan, base: dict | None) -> None:
                          "(fmoe.step(adapters, batch, plan, base=params))")
 
 
-def _base_of(base, plan: Plan) -> tuple[dict | None, object]:
-    """``(named params, prebuilt shards)`` of a step's ``base``: one of them None."""
+def _base_of(base, plan: Plan) -> dict | lora.FrozenBase:
+    """A step's ``base`` as ``Prepared.base``: its named leaves, or the FrozenBase (for this plan)."""
     if not isinstance(base, lora.FrozenBase):
-        return named_leaves(base), None
+        return named_leaves(base)
     if base.plan != plan.replace(lora=None):
         raise ValueError("fmoe.step: base= is a FrozenBase laid out for another plan: freeze the base under "
                          "this plan (fmoe.lora.freeze(params, plan))")
-    return None, base.shards
+    return base
 
 
-def _adapter_step(adapters: dict, batch: dict, plan: Plan, kernels: Kernels | None, base: dict | None) -> StepOutput:
-    """``step`` under ``plan.lora``: the adapters' products inside the layers on the frozen
-    base (``fmoe.schedule.adapters``), each rank's part of their gradients summed over the
-    ranks in one all-reduce; every input checked before any compute."""
-    _check_adapter_call(plan, base)
-    lora.check_adapters(adapters, plan, stepped=True)
-    params, shards = _base_of(base, plan)
-    prepared = _prepare(base, batch, plan, True)
-    named = named_leaves(adapters)
-    run = execute(prepared.setup, params, prepared.batch, prepared.divisor, prepared.program, kernels,
-                  adapters=named, shards=shards)
-    grads = [run.grads[name] for name in named]
-    world = prepared.setup.mesh.world
-    loss, metrics = _results(run, prepared, plan)
-    if world.size > 1:  # each rank's part is what its own products contributed
-        issued = now()
-        flat = _sum_over_ranks(world, torch.cat([g.reshape(-1) for g in grads]))
-        grads = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        summed = Event("all_reduce", None, None, -1, issued, now(), flat.numel() * flat.element_size(), "grads")
-        metrics["trace"] = metrics["trace"] + (summed,)
-    return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(adapters), grads), metrics)
+def _execute(params: dict, prepared: Prepared, kernels: Kernels | None = None):
+    """The program on ``params``, or under ``Plan.lora`` on the prepared base with ``params``
+    as the adapters."""
+    base = prepared.base
+    if base is None:
+        return execute(prepared.setup, named_leaves(params), prepared.batch, prepared.divisor, prepared.program,
+                       kernels)
+    frozen = isinstance(base, lora.FrozenBase)
+    return execute(prepared.setup, None if frozen else base, prepared.batch, prepared.divisor, prepared.program,
+                   kernels, adapters=named_leaves(params), shards=base.shards if frozen else None)
 
 
 def run_step(params: dict, prepared: Prepared, plan: Plan, kernels: Kernels | None = None) -> StepOutput:
     """The compute of ``step`` for a Prepared batch: no host read of a device value
     under a static-shape plan (capacity routing or no expert parallelism), so it can
     be captured in a CUDA graph (``interop.cuda_graph.capture_step``)."""
-    run = execute(prepared.setup, named_leaves(params), prepared.batch, prepared.divisor, prepared.program, kernels)
+    run = _execute(params, prepared, kernels)
     loss, metrics = _results(run, prepared, plan)
+    if prepared.base is not None:
+        return StepOutput(loss, _adapter_grads(run, params, prepared, metrics), metrics)
     grads = [run.grads[p] if p in run.grads else leaf.new_empty(leaf.shape)  # another stage's: no rows
              for p, leaf in named_leaves(params).items()]
     return StepOutput(loss, optree.tree_unflatten(optree.tree_structure(params), grads), metrics)
+
+
+def _adapter_grads(run, adapters: dict, prepared: Prepared, metrics: dict) -> dict:
+    """Under ``Plan.lora``: the adapters' gradients, each rank's part (what its own products
+    contributed) summed over the ranks in one all-reduce, added to the step's trace."""
+    grads = [run.grads[name] for name in named_leaves(adapters)]
+    world = prepared.setup.mesh.world
+    if world.size > 1:
+        issued = now()
+        flat = _sum_over_ranks(world, torch.cat([g.reshape(-1) for g in grads]))
+        grads = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        summed = Event("all_reduce", None, None, -1, issued, now(), flat.numel() * flat.element_size(), "grads")
+        metrics["trace"] = metrics["trace"] + (summed,)
+    return optree.tree_unflatten(optree.tree_structure(adapters), grads)
 
 
 def _results(run, prepared: Prepared, plan: Plan) -> tuple[torch.Tensor, dict]:
@@ -276,15 +281,8 @@ def eval_loss(params: dict, batch: dict, plan: Plan, base: dict | None = None) -
     Returns:
         A fp32 scalar tensor, the same on every rank.
     """
-    adapters, named, shards = None, None, None
-    if base is not None or plan.lora is not None:
-        _check_adapter_call(plan, base)
-        lora.check_adapters(params, plan, stepped=True)
-        (named, shards), adapters = _base_of(base, plan), named_leaves(params)
-        params = base
-    prepared = _prepare(params, batch, plan, train=False)
-    run = execute(prepared.setup, named_leaves(params) if adapters is None else named, prepared.batch, prepared.total,
-                  prepared.program, adapters=adapters, shards=shards)
+    prepared = prepare_step(params, batch, plan, train=False, base=base)
+    run = _execute(params, prepared)
     return _sum_over_ranks(prepared.setup.mesh.world, run.ce_sum.clone()) / prepared.total
 
 

@@ -56,6 +56,9 @@ def check_capturable(plan: Plan, scopes) -> None:
                          + ": the graphed scopes do not take the context-parallel chunks or the pipeline's "
                          "transfers yet (allowed: cp = pp = 1, or no CUDA graph)")
     reasons = {}  # where -> why
+    if plan.lora is not None and tuple(scopes) != ("step",):
+        raise ValueError(f"scopes={list(scopes)!r} is invalid under Plan.lora: adapters are graphed with the whole "
+                         "step only (allowed: 'step'; GraphedTrainStep(plan, update, base=...) or capture_step)")
     if "step" in scopes:
         reasons["a whole step"] = _expert_host_reads(plan)
         if plan.etp > 1:

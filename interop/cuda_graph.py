@@ -81,7 +81,10 @@ class GraphedStep:
         """
         if self.graph is None:
             raise ValueError("this GraphedStep was released (release()): capture the step again")
-        check_params(params, self.plan, self.setup)
+        if self.plan.lora is None:
+            check_params(params, self.plan, self.setup)
+        else:  # the adapters; the frozen base was read at the capture, where it stays
+            fmoe.lora.check_adapters(params, self.plan, stepped=True)
         checked = check_batch(batch, self.plan)
         static = self.static_batch
         if checked.tokens.shape != static.tokens.shape or (checked.segments is None) != (static.segments is None):
@@ -115,11 +118,14 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
                       and a.stride() == b.stride())
 
 
-def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate: bool = False) -> GraphedStep:
-    """Capture ``fmoe.step(params, batch, plan)`` as one CUDA graph.
+def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate: bool = False,
+                 base=None) -> GraphedStep:
+    """Capture ``fmoe.step(params, batch, plan, base=base)`` as one CUDA graph.
 
     Arguments:
-        params, batch, plan: as for ``fmoe.step``; every rank captures together
+        params, batch, plan, base: as for ``fmoe.step`` (under ``Plan.lora`` the params are
+            the adapters and ``base`` the frozen params, best a ``fmoe.lora.FrozenBase``; the
+            graph reads the base where it was at the capture); every rank captures together
             (the collectives are part of the graph). Their shapes are fixed from now on.
         warmup: eager steps run on a side stream before the capture.
         donate: the graph reads ``params``' own tensors instead of a copy of them.
@@ -137,7 +143,7 @@ def capture_step(params: dict, batch: dict, plan: Plan, warmup: int = 2, donate:
         CaptureError: a compiled kernel would compile inside the capture.
     """
     check_capturable(plan, ("step",))
-    prepared = prepare_step(params, batch, plan)
+    prepared = prepare_step(params, batch, plan, base=base)
     # the graph's own copy unless donated: replays read it as it is
     static_params = params if donate else optree.tree_map(lambda t: t.detach().clone(), params)
     prepared = _own_batch(prepared)
@@ -202,6 +208,8 @@ class GraphedTrainStep:
         warmup: how many calls run eagerly before the one that captures. They are real
             steps (they update params and state) that compile and load every kernel
             outside the capture.
+        base: under ``Plan.lora``, the frozen params (best a ``fmoe.lora.FrozenBase``);
+            the params are then the adapters. The graph reads the base where it is.
 
     ``out, params, opt_state = graphed(params, opt_state, batch)`` takes one step: the
     first ``warmup`` calls eagerly, the next captures on its batch and replays, every
@@ -215,11 +223,11 @@ class GraphedTrainStep:
     ``GraphedStep.release``).
     """
 
-    def __init__(self, plan: Plan, update, warmup: int = 2):
+    def __init__(self, plan: Plan, update, warmup: int = 2, base=None):
         check_capturable(plan, ("step",))
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"warmup={warmup!r} is invalid: an int >= 1 (eager steps before the capture)")
-        self.plan, self.update, self.warmup = plan, update, warmup
+        self.plan, self.update, self.warmup, self.base = plan, update, warmup, base
         self.eager_steps, self.graphed, self.static_state = 0, None, None
 
     def release(self) -> None:
@@ -245,12 +253,12 @@ class GraphedTrainStep:
 
     def _eager(self, params, opt_state, batch):
         def one_step():  # on a side stream, as the capture runs: lazy state is made where it is used
-            out = fmoe.step(params, batch, self.plan)
+            out = fmoe.step(params, batch, self.plan, base=self.base)
             return (out, *self.update(out, params, opt_state))
         return warm_up(one_step, 1)
 
     def _capture(self, params, opt_state, batch):
-        prepared = _own_batch(prepare_step(params, batch, self.plan))
+        prepared = _own_batch(prepare_step(params, batch, self.plan, base=self.base))
         graph = torch.cuda.CUDAGraph()
         with capturing(graph):
             out = run_step(params, prepared, self.plan)

@@ -63,6 +63,10 @@ class FMoEModule(nn.Module):
 
     def __init__(self, plan: fmoe.Plan, seed: int = 0, params: dict | None = None):
         super().__init__()
+        if plan.lora is not None:
+            raise ValueError("Plan.lora is invalid for FMoEModule: its Parameters are the whole model's; adapters "
+                             "train through fmoe.step(adapters, batch, plan, base=params) (or GraphedTrainStep with "
+                             "base=): allowed: Plan.lora=None")
         tree = fmoe.init(plan, seed) if params is None else params
         check_params(tree, plan)
         self.plan = plan

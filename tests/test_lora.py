@@ -16,6 +16,8 @@ from fmoe.params import named_leaves
 from fmoe.resolve import resolve
 from fmoe.schedule import execute
 from fmoe.step import check_batch, prepare_step
+from interop.capturable import check_capturable
+from interop.module import FMoEModule
 
 from . import reference as ref
 from .test_schedule import assert_same_step
@@ -272,8 +274,13 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
         fmoe.step(adapters, batch, plan.replace(lora=None), base=base)
     with pytest.raises(ValueError, match="Plan.lora="):
         fmoe.Plan(model=CFG, lora={"rank": 4})
-    with pytest.raises(ValueError, match="Plan.lora=.*not a CUDA-graphed step"):
-        prepare_step(adapters, batch, plan)  # what interop's graphed step and modules run
+    with pytest.raises(ValueError, match="pass them as base="):
+        prepare_step(adapters, batch, plan)  # what interop's graphed step runs
+    with pytest.raises(ValueError, match=r"scopes=\['attn'\] is invalid under Plan.lora: .*allowed: 'step'"):
+        check_capturable(plan, ("attn",))
+    check_capturable(plan.replace(dtype="bfloat16", device="cuda"), ("step",))  # the whole step is capturable
+    with pytest.raises(ValueError, match="Plan.lora is invalid for FMoEModule"):
+        FMoEModule(plan, params=base)
     missing = optree.tree_map(lambda t: t, adapters)
     del missing["layers"][1]["attn"]["k"]
     with pytest.raises(ValueError, match="no adapter at layers.1.attn.k"):

@@ -66,7 +66,7 @@ class _Stepper:
     def _build(self, params, batch):
         plan, scopes, adapters = self.run.plan, self.run.scopes, self.run.adapters
         if scopes == ("step",):  # the update inside the step's graph, after two eager steps
-            return adapters.graph_train_step(plan, self.update)
+            return adapters.graph_train_step(plan, self.update, base=self.base)
         kernels = adapters.capture_scopes(params, batch, plan, scopes) if scopes else None
 
         def eager(params, opt_state, batch):

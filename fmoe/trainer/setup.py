@@ -118,13 +118,13 @@ def adapters_of(s: RunSettings, cfg: ModelConfig) -> LoRA | None:
 
 
 def check_lora_run(s: RunSettings, plan: Plan) -> None:
-    """What a run of adapters cannot do in this version, refused naming the flag: the
-    base is frozen (no expert-bias updates), the step is not CUDA-graphed."""
+    """What a run of adapters cannot do, refused naming the flag: the base is frozen (no
+    expert-bias updates), and only the whole step is CUDA-graphed."""
     if plan.model.expert_bias_rate:
         invalid("expert_bias_rate", plan.model.expert_bias_rate, "the base model stays frozen under --lora-rank: "
                 "leave it 0")
-    if s.cuda_graph:
-        invalid("cuda_graph", s.cuda_graph, "adapters run eager in this version (--lora-rank): leave it out")
+    if s.cuda_graph and s.cuda_graph.strip() != "step":
+        invalid("cuda_graph", s.cuda_graph, "under --lora-rank the step is graphed whole: 'step', or leave it out")
 
 
 def parse_scopes(text: str, plan: Plan, adapters: Adapters | None) -> tuple:
