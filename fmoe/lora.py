@@ -46,8 +46,8 @@ from .resolve import resolve
 from .shard.boxes import local_boxes
 from .shard.shards import Shards, build_shards
 
-__all__ = ["FrozenBase", "LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "freeze", "from_named", "init",
-           "merge", "pairs", "sites"]
+__all__ = ["FrozenBase", "LoRA", "Site", "TARGETS", "adapter_grads", "adapter_shapes", "check_adapters", "freeze",
+           "from_named", "init", "merge", "pairs", "sites"]
 
 
 def plan_lora(plan) -> LoRA:
@@ -118,7 +118,8 @@ def check_adapters(adapters, plan, stepped: bool = False) -> tuple[Site, ...]:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{where} is {got}: expected {shape} (LoRA.rank={lora.rank})")
             if stepped and (t.dtype != torch.float32 or t.device.type != device):
-                raise ValueError(f"{where} is {t.dtype} on {t.device}: adapters are float32 on Plan.device={plan.device!r}")
+                raise ValueError(f"{where} is {t.dtype} on {t.device}: adapters are float32 on "
+                                 f"Plan.device={plan.device!r}")
     extra = sorted(set(named_leaves(adapters)) - set(adapter_shapes(plan)))
     if extra:
         raise ValueError(f"adapters hold {extra[0]}, which the plan's LoRA does not adapt "

@@ -41,4 +41,3 @@ class LoRA:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
-

@@ -8,6 +8,7 @@ import optree
 import torch
 
 from . import lora
+from .backends import BUILT_IN
 from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
 from .comm.collectives import Group
@@ -122,13 +123,13 @@ def prepare_step(params: dict, batch: dict, plan: Plan, train: bool = True, base
     and the global target count (on several ranks one small all-reduce and host read).
     Under ``plan.lora`` ``params`` are the adapters and ``base`` the frozen params (or a
     ``fmoe.lora.FrozenBase``), as for ``step``."""
-    held = None
-    if base is not None or plan.lora is not None:
+    adapted = base is not None or plan.lora is not None
+    if adapted:
         _check_adapter_call(plan, base)
         lora.check_adapters(params, plan, stepped=True)
-        held, params = _base_of(base, plan), base
-    checked, setup = _checked(params, batch, plan)
-    total = global_targets(checked, setup.mesh)
+    checked, setup = _checked(base if adapted else params, batch, plan)
+    held = _base_of(base, plan) if adapted else None
+    total = global_targets(checked, setup.mesh)  # the first collective
     divisor = torch.tensor(float(total), device=checked.tokens.device)
     return Prepared(checked, setup, setup.program(train), total, divisor, held)
 
@@ -189,6 +190,9 @@ def _check_adapter_call(plan: Plan, base: dict | None) -> None:
     if base is None:
         raise ValueError("fmoe.step: Plan.lora trains adapters on frozen params: pass them as base= "
                          "(fmoe.step(adapters, batch, plan, base=params))")
+    if plan.expert_backend not in BUILT_IN:
+        raise ValueError(f"Plan.expert_backend={plan.expert_backend!r} is invalid under Plan.lora: the adapters' "
+                         f"products run in fmoe's grouped GEMMs (allowed: {', '.join(map(repr, BUILT_IN))})")
 
 
 def _base_of(base, plan: Plan) -> dict | lora.FrozenBase:

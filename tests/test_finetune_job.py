@@ -188,6 +188,7 @@ def test_a_lora_run_trains_only_adapters_resumes_bit_for_bit_and_exports_a_peft_
     (["--lora-targets", "q,shared"], r"--lora-targets='q,shared' is invalid: .*this model has no 'shared' to adapt"),
     (["--lora-alpha", "-1"], r"--lora-alpha=-1.0 is invalid: must be a finite number >= 0"),
     (["--expert-bias-rate", "0.01"], r"--expert-bias-rate=0.01 is invalid: the base model stays frozen"),
+    (["--cuda-graph", "attn"], r"--cuda-graph='attn' is invalid: under --lora-rank the step is graphed whole"),
 ])
 def test_lora_flags_are_refused_naming_the_flag_before_any_work(tmp_path, hf_chat, flags, error):
     _, hf, chats = hf_chat

@@ -279,6 +279,8 @@ def test_the_step_refuses_what_it_cannot_run_naming_the_field():
     with pytest.raises(ValueError, match=r"scopes=\['attn'\] is invalid under Plan.lora: .*allowed: 'step'"):
         check_capturable(plan, ("attn",))
     check_capturable(plan.replace(dtype="bfloat16", device="cuda"), ("step",))  # the whole step is capturable
+    with pytest.raises(ValueError, match="Plan.expert_backend='te' is invalid under Plan.lora"):
+        fmoe.step(adapters, batch, plan.replace(expert_backend="te"), base=base)
     with pytest.raises(ValueError, match="Plan.lora is invalid for FMoEModule"):
         FMoEModule(plan, params=base)
     missing = optree.tree_map(lambda t: t, adapters)

@@ -5,7 +5,7 @@ LoRA adapts: the base's gathered view (a tensor or an ``Fp8Weight``, holding no 
 and this rank's piece of the adapter. Every product a weight enters takes it:
 ``adapting(linear)`` wraps ``Gemms.linear`` (attention's projections, the shared expert,
 a dense MLP) and ``experts.grouped_matmul`` (the routed experts' fc1 and fc2) checks for
-it, so ``y = x @ w + (x @ a) @ b``. The base's product runs as it would (FP8 included);
+it, so ``y = x @ w + scale * (x @ a) @ b``. The base's product runs as it would (FP8 included);
 the adapter's two products run in ``x``'s dtype, ``a`` and ``scale * b`` cast on the way, so
 their gradients reach the fp32 pieces. Autograd then computes the input gradient through
 ``w`` and the adapter's gradients, and no gradient of ``w``.

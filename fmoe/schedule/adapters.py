@@ -50,7 +50,7 @@ class AdapterRun:
     grads: dict
 
 
-def start(named: dict, adapted: dict, spec: ShardSpec, rank: int, train: bool) -> AdapterRun:
+def start(named: dict, adapted: tuple, spec: ShardSpec, rank: int, train: bool) -> AdapterRun:
     """This rank's pieces of the adapters ``named`` (``{leaf name: tensor}``, whole) on the
     parameters its stage holds; ``adapted``: ``Execution.adapted``,
     ``((path, scale, ((name, first column, end column), ...)), ...)``."""

@@ -35,7 +35,7 @@ from ..shard import lifecycle as lc
 from ..shard.shards import Shards, build_shards
 from ..shard.spec import local_leaves
 from .adapters import AdapterRun, adapted
-from .adapters import finish as adapter_grads
+from .adapters import finish as finish_adapters
 from .adapters import start as start_adapters
 from .actions import Action, Backward, Forward, Gather, Land, Node, Recompute, Recv, Reduce, Release, Send, Wait, Wgrad
 from .flow import LayerFlow, MicrobatchFlow, weight_leaf
@@ -180,7 +180,7 @@ def execute(setup, params_named: dict | None, batch: Batch, divisor, program=Non
         run.pipeline.finish()
     state = lc.finish(state, program.trains)
     if lora is not None:
-        grads = adapter_grads(lora) if program.trains else {}
+        grads = finish_adapters(lora) if program.trains else {}
         return Executed(run.ce_sum, run.objective, grads, _layer_stats(run, how), state)
     grads = {}
     for u in setup.units if program.trains else ():

@@ -119,10 +119,14 @@ def adapters_of(s: RunSettings, cfg: ModelConfig) -> LoRA | None:
 
 def check_lora_run(s: RunSettings, plan: Plan) -> None:
     """What a run of adapters cannot do, refused naming the flag: the base is frozen (no
-    expert-bias updates), and only the whole step is CUDA-graphed."""
+    expert-bias updates), the experts run in fmoe's GEMMs, and only the whole step is
+    CUDA-graphed."""
     if plan.model.expert_bias_rate:
         invalid("expert_bias_rate", plan.model.expert_bias_rate, "the base model stays frozen under --lora-rank: "
                 "leave it 0")
+    if plan.expert_backend not in BUILT_IN:
+        invalid("expert_backend", plan.expert_backend, "the adapters' products run in fmoe's grouped GEMMs under "
+                f"--lora-rank: one of {', '.join(BUILT_IN)}")
     if s.cuda_graph and s.cuda_graph.strip() != "step":
         invalid("cuda_graph", s.cuda_graph, "under --lora-rank the step is graphed whole: 'step', or leave it out")
 
