@@ -37,9 +37,9 @@ import optree
 import torch
 
 from .checks import fail
-from .lora_sites import Site, dotted, sites
+from .lora_sites import Site, adapted_params, dotted, sites
 from .lora_spec import TARGETS, LoRA
-from .comm.collectives import Group
+from .comm.collectives import Group, summed
 from .params import named_leaves
 from .param_checks import check_params
 from .resolve import resolve
@@ -224,19 +224,17 @@ def adapter_grads(base: dict, adapters: dict, plan, step) -> tuple[object, dict]
                else named_grads[p].to(named_merged[p].dtype) for p in touched]
     got = torch.autograd.grad([named_merged[p] for p in touched], held, grad_outputs=outputs, allow_unused=True)
     grads = [torch.zeros_like(h) if g is None else g for h, g in zip(held, got)]
-    summed = [i for i, path in enumerate(adapted) if path in split]
-    if summed:  # every rank lists the same leaves, so one flat all-reduce
-        flat = torch.cat([grads[i].reshape(-1) for i in summed])
-        Group.world().all_reduce(flat).wait()
-        for i, part in zip(summed, flat.split([grads[i].numel() for i in summed])):
-            grads[i] = part.view_as(grads[i])
+    parts = [i for i, path in enumerate(adapted) if path in split]  # the same leaves on every rank
+    if parts:
+        for i, g in zip(parts, summed(Group.world(), [grads[i] for i in parts])):
+            grads[i] = g
     return out, optree.tree_unflatten(a_def, grads)
 
 
 def _adapted_params(adapters: dict, plan) -> list[str]:
     """The parameter each leaf of ``adapters`` adapts, in the order of its flattened leaves."""
-    param_of = {f"{dotted(site.adapter)}.{name}": site.param for site in sites(plan_lora(plan), plan.model)
-                for name in "ab"}
+    param_of = {f"{name}.{ab}": path for path, on in adapted_params(plan_lora(plan), plan.model).items()
+                for name, _, _ in on for ab in "ab"}
     return [param_of[name] for name in named_leaves(adapters)]
 
 

@@ -11,7 +11,7 @@ from . import lora
 from .backends import BUILT_IN
 from .batch import Batch, no_counted_target, read_batch
 from .config import Plan
-from .comm.collectives import Group
+from .comm.collectives import Group, summed
 from .comm.trace import Event, now
 from .layers.fp8 import GEMMS
 from .layers.model import cast_for_compute, lm_loss_sum, stack_stats
@@ -237,10 +237,9 @@ def _adapter_grads(run, adapters: dict, prepared: Prepared, metrics: dict) -> di
     world = prepared.setup.mesh.world
     if world.size > 1:
         issued = now()
-        flat = _sum_over_ranks(world, torch.cat([g.reshape(-1) for g in grads]))
-        grads = [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        summed = Event("all_reduce", None, None, -1, issued, now(), flat.numel() * flat.element_size(), "grads")
-        metrics["trace"] = metrics["trace"] + (summed,)
+        grads = summed(world, grads)
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        metrics["trace"] = metrics["trace"] + (Event("all_reduce", None, None, -1, issued, now(), nbytes, "grads"),)
     return optree.tree_unflatten(optree.tree_structure(adapters), grads)
 
 

@@ -83,6 +83,16 @@ class Group:
         return Pending(dist.all_reduce(t, op=op, group=self.group, async_op=True))
 
 
+def summed(group: Group, tensors: list) -> list:
+    """Each of ``tensors`` summed over ``group``'s ranks, as views of one flat buffer (one
+    all-reduce for all of them, blocking); the tensors themselves when the group is one rank."""
+    if group.size == 1 or not tensors:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    group.all_reduce(flat).wait()
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 def send(t: torch.Tensor, peer: int, group: Group | None = None) -> Pending:
     """Start sending ``t`` to world rank ``peer`` (point to point; on ``group``, else the world)."""
     return Pending(dist.isend(t.contiguous(), dst=peer, group=None if group is None else group.group))

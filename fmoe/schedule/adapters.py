@@ -71,12 +71,11 @@ def start(named: dict, adapted: tuple, spec: ShardSpec, rank: int, train: bool) 
 
 
 def _is_whole(path: str, on: tuple, spec: ShardSpec) -> bool:
-    """Whether one adapter covers all of ``path`` and the rank holds it whole (no expert
-    or tensor-parallel cut): the adapter's leaves are then the piece."""
-    leaf = spec.table[path]
+    """Whether one adapter covers all of ``path`` and the rank's view of it is the whole
+    matrix (no expert or tensor-parallel cut): the adapter's leaves are then the piece."""
+    shape = tuple(spec.table[path].shape)
     (_, lo, hi), *more = on
-    experts_cut = leaf.domain == Domain.EXPERT and spec.ep > 1
-    return not more and lo == 0 and hi == leaf.shape[-1] and not experts_cut and not spec.cuts(path)
+    return not more and lo == 0 and hi == shape[-1] and spec.local_full_shape(path, shape) == shape
 
 
 def _piece(path: str, on: tuple, leaves: dict, spec: ShardSpec, rank: int):
@@ -89,14 +88,12 @@ def _piece(path: str, on: tuple, leaves: dict, spec: ShardSpec, rank: int):
     if leaf.domain == Domain.EXPERT and spec.ep > 1:
         first = spec.ep_index(rank) * spec.experts_per_rank
         a, b = a[first:first + spec.experts_per_rank], b[first:first + spec.experts_per_rank]
-    if spec.cuts(path):
-        split, degree, index = leaf.split, spec.degree(leaf), spec.split_index(leaf, rank)
-        if split.axis == len(leaf.shape) - 1:
-            b = split.cut(b, degree, index)
-        elif split.axis == len(leaf.shape) - 2:
-            a = split.cut(a, degree, index)
-        else:
-            raise NotImplementedError(f"{path}: adapters on a matrix cut along axis {split.axis}")
+    if spec.cuts(path):  # a and b share the leading axes; the input axis is a's, the output axis b's
+        last = len(leaf.shape) - 1
+        if leaf.split.axis != last:
+            a = spec.split_cut(a, path, rank)
+        if leaf.split.axis != last - 1:
+            b = spec.split_cut(b, path, rank)
     return a, b
 
 
